@@ -1,0 +1,148 @@
+"""`with_sharding_constraint` with logical names, and `shard_map` in both signatures."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from .rules import _as_axes
+from .scope import Scope, current_scope
+
+__all__ = ["with_sharding_constraint", "shard_map", "logical_spec_to_mesh"]
+
+
+def _manual_axes() -> frozenset[str]:
+    """Mesh axes that are manual here (inside a `shard_map`)."""
+    try:
+        return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
+    except Exception:  # no abstract mesh in context
+        return frozenset()
+
+
+def _no_mesh_in_context() -> bool:
+    return jax.sharding.get_abstract_mesh().empty
+
+
+def _has_named_sharding(shardings: Any) -> bool:
+    leaves = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, (PartitionSpec, NamedSharding)))
+    return any(not isinstance(s, PartitionSpec) for s in leaves)
+
+
+def _drop_axes(spec: PartitionSpec, drop: frozenset[str]) -> PartitionSpec:
+    if not drop:
+        return spec
+    out = []
+    for entry in spec:
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            out.append(entry)
+            continue
+        kept = tuple(a for a in _as_axes(entry) if a not in drop)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*out)
+
+
+def logical_spec_to_mesh(spec: PartitionSpec, scope: Scope | None = None, shape=None) -> PartitionSpec:
+    """Resolve the logical names of ``spec`` with the rules in scope (identity if none)."""
+    scope = scope or current_scope()
+    if scope is None:
+        return spec
+    return scope.spec(tuple(spec), shape)
+
+
+def with_sharding_constraint(x: Any, shardings: Any) -> Any:
+    """`jax.lax.with_sharding_constraint` whose `PartitionSpec`s hold logical names.
+
+    Names are resolved by the rules of the enclosing task (or `parallelize`),
+    with the array's shape (a mesh axis that does not divide a dimension is
+    skipped). Inside a `shard_map` the axes that are manual there are dropped.
+    With no rules in scope this is exactly `jax.lax.with_sharding_constraint`,
+    except that `PartitionSpec`s with no mesh anywhere in context (a model
+    run on one device, e.g. as the reference) leave ``x`` as it is, as Flax's
+    logical constraints do, instead of raising.
+    """
+    scope = current_scope()
+    if scope is None:
+        if _no_mesh_in_context() and not _has_named_sharding(shardings):
+            return x
+        return jax.lax.with_sharding_constraint(x, shardings)
+    manual = _manual_axes()
+    if manual and manual >= set(scope.mesh.axis_names):
+        return x  # fully manual: nothing left for the compiler to place
+
+    def one(leaf, sharding):
+        if isinstance(sharding, NamedSharding) or not isinstance(sharding, PartitionSpec):
+            return jax.lax.with_sharding_constraint(leaf, sharding)
+        spec = _drop_axes(scope.spec(tuple(sharding), leaf.shape), manual)
+        if manual:  # inside a partially manual shard_map JAX wants a bare spec
+            return jax.lax.with_sharding_constraint(leaf, spec)
+        return jax.lax.with_sharding_constraint(leaf, NamedSharding(scope.mesh, spec))
+
+    is_spec = lambda s: isinstance(s, (PartitionSpec, NamedSharding))  # noqa: E731
+    if is_spec(shardings):
+        return jax.tree.map(lambda leaf: one(leaf, shardings), x)
+    return jax.tree.map(lambda s, sub: jax.tree.map(lambda leaf: one(leaf, s), sub), shardings, x, is_leaf=is_spec)
+
+
+_MISSING = object()
+
+
+def shard_map(
+    f: Callable | None = None,
+    mesh: Any = None,
+    in_specs: Any = _MISSING,
+    out_specs: Any = _MISSING,
+    check_rep: bool | None = None,
+    auto: frozenset | set | None = None,
+    *,
+    axis_names: frozenset | set | None = None,
+    check_vma: bool | None = None,
+) -> Callable:
+    """`jax.shard_map` that also accepts the former experimental signature.
+
+    * ``shard_map(f, *, out_specs, in_specs=<infer>, mesh=None, axis_names=set(), check_vma=True)``
+      (``mesh=None``: the task's submesh, else the mesh of ``jax.set_mesh``);
+    * ``shard_map(f, mesh, in_specs, out_specs, check_rep=True, auto=frozenset())``
+      (``auto``: axes left to the compiler, i.e. ``axis_names = mesh axes - auto``).
+
+    Inside a task or `parallelize`, names in the specs may be logical; they
+    are resolved by the rules in scope when the function is called.
+    """
+    if out_specs is _MISSING:
+        raise TypeError("shard_map() needs out_specs")
+    if check_rep is not None and check_vma is not None:
+        raise TypeError("give check_vma or its former name check_rep, not both")
+    if auto is not None and axis_names is not None:
+        raise TypeError("give axis_names, or the axes left to the compiler as auto, not both")
+    check = True if check_vma is None and check_rep is None else bool(check_vma if check_vma is not None else check_rep)
+
+    def decorate(fun: Callable) -> Callable:
+        def wrapped(*args):
+            scope = current_scope()
+            the_mesh = mesh if mesh is not None else (scope.mesh if scope is not None else None)
+            names = axis_names
+            if auto is not None:
+                if the_mesh is None:
+                    raise ValueError("shard_map(auto=...) needs a mesh")
+                names = set(the_mesh.axis_names) - set(auto)
+            resolve = lambda tree: jax.tree.map(  # noqa: E731
+                lambda s: logical_spec_to_mesh(s, scope) if isinstance(s, PartitionSpec) else s,
+                tree,
+                is_leaf=lambda s: isinstance(s, PartitionSpec) or s is None,
+            )
+            kwargs: dict[str, Any] = dict(out_specs=resolve(out_specs), check_vma=check)
+            if in_specs is not _MISSING:
+                kwargs["in_specs"] = resolve(in_specs)
+            if the_mesh is not None:
+                kwargs["mesh"] = the_mesh
+            if names:
+                kwargs["axis_names"] = frozenset(names)
+            return jax.shard_map(fun, **kwargs)(*args)
+
+        wrapped.__name__ = getattr(fun, "__name__", "shard_mapped")
+        wrapped.__doc__ = getattr(fun, "__doc__", None)
+        return wrapped
+
+    return decorate if f is None else decorate(f)

@@ -1,0 +1,171 @@
+"""Derive the sharding of every leaf of an abstract pytree.
+
+Per leaf, the first source that has something to say wins:
+1. Flax metadata on the leaf (Linen boxes, NNX variables);
+2. a per-path rule (`PathRules`);
+3. a `with_sharding_constraint` that the traced function applies to the leaf;
+4. the ``default`` logical spec (batches: leading dimension ``"batch"``);
+otherwise the leaf is replicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from .metadata import Annotation, map_with_annotations
+from .rules import PathRules, RuleError
+from .scope import Scope
+
+__all__ = ["LeafLayout", "Layout", "derive_layout", "constrained_inputs"]
+
+
+@dataclass(frozen=True)
+class LeafLayout:
+    """The placement of one array: what it is, what was asked, what it got."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: Any
+    logical: tuple | PartitionSpec | None
+    source: str
+    sharding: NamedSharding
+
+    @property
+    def spec(self) -> PartitionSpec:
+        return self.sharding.spec
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    @property
+    def bytes_per_device(self) -> int:
+        shard = self.sharding.shard_shape(self.shape) if self.shape else ()
+        return int(np.prod(shard, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Shardings of a pytree (same structure, boxes kept) and a record per leaf."""
+
+    shardings: Any
+    leaves: tuple[LeafLayout, ...]
+
+    def by_path(self) -> dict[str, LeafLayout]:
+        return {leaf.path: leaf for leaf in self.leaves}
+
+
+def derive_layout(
+    abstract: Any,
+    scope: Scope,
+    *,
+    path_rules: PathRules | None = None,
+    constraints: Mapping[int, PartitionSpec] | None = None,
+    default: tuple | None = None,
+    exact: bool = False,
+    what: str = "parameter",
+) -> Layout:
+    """Shardings for every leaf of ``abstract`` on ``scope.mesh``.
+
+    ``constraints`` maps flat leaf indices to the specs of constraints found by
+    `constrained_inputs`. ``exact=True`` makes a logical dimension that a mesh
+    axis does not divide an error (batches: silently replicating a batch
+    dimension would make data parallelism a lie).
+    """
+    path_rules = path_rules or PathRules()
+    constraints = constraints or {}
+    records: list[LeafLayout] = []
+    counter = iter(range(1 << 62))
+
+    def place(path: str, leaf: Any, ann: Annotation | None) -> NamedSharding:
+        index = next(counter)
+        shape = tuple(getattr(leaf, "shape", ()))
+        dtype = getattr(leaf, "dtype", np.float32)
+        label = f"{what} {path!r}" if path else what
+        if ann is None or ann.spec is None:
+            matched = path_rules.match(path)
+            if matched is not None:
+                ann = Annotation(matched, "path rule", physical=isinstance(matched, PartitionSpec))
+            elif index in constraints:
+                ann = Annotation(constraints[index], "constraint in fun", physical=True)
+            elif default is not None and shape:
+                ann = Annotation(tuple(default)[: len(shape)], "default")
+            else:
+                ann = Annotation(None, "none")
+        if ann.physical:
+            sharding = scope.physical(ann.spec, shape, path=label)
+        else:
+            spec = scope.spec(ann.spec, shape, path=label)
+            if exact and ann.spec is not None:
+                _check_exact(ann.spec, spec, shape, scope, label)
+            sharding = NamedSharding(scope.mesh, spec)
+        records.append(LeafLayout(path, shape, dtype, ann.spec, ann.source, sharding))
+        return sharding
+
+    shardings = map_with_annotations(place, abstract)
+    return Layout(shardings, tuple(records))
+
+
+def _check_exact(logical: tuple, spec: PartitionSpec, shape: tuple, scope: Scope, label: str) -> None:
+    """Raise if divisibility made the rules drop a mesh axis from a dimension."""
+    wanted = scope.spec(logical)  # without a shape: no divisibility skips
+    for d, (want, got) in enumerate(zip(wanted, spec)):
+        if want != got:
+            axes = (want,) if isinstance(want, str) else tuple(want)
+            size = int(np.prod([scope.axis_sizes[a] for a in axes]))
+            raise RuleError(
+                f"dimension {d} ({logical[d]!r}) of the {label} has size {shape[d]}, which does not "
+                f"divide over mesh axes {axes} (total size {size}); make it a multiple of {size} "
+                f"or use fewer devices on those axes"
+            )
+
+
+def constrained_inputs(closed_jaxpr: jax.extend.core.ClosedJaxpr) -> dict[int, PartitionSpec]:
+    """Input index -> spec of the first `with_sharding_constraint` applied directly to it.
+
+    Follows inputs into nested calls (jit, remat, custom derivatives) whose
+    operands line up with their inner jaxpr's inputs.
+    """
+    found: dict[int, PartitionSpec] = {}
+
+    def walk(jaxpr, owner: dict) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "sharding_constraint":
+                var = eqn.invars[0]
+                if var in owner and owner[var] not in found:
+                    sharding = eqn.params.get("sharding")
+                    spec = getattr(sharding, "spec", None)
+                    if spec is not None:
+                        found[owner[var]] = spec
+                continue
+            for sub in _subjaxprs(eqn):
+                if len(sub.invars) == len(eqn.invars):
+                    inner = {iv: owner[ov] for iv, ov in zip(sub.invars, eqn.invars) if _hashable(ov) and ov in owner}
+                    if inner:
+                        walk(sub, inner)
+
+    jaxpr = closed_jaxpr.jaxpr
+    walk(jaxpr, {v: i for i, v in enumerate(jaxpr.invars)})
+    return found
+
+
+def _hashable(v) -> bool:
+    return not isinstance(v, jax.extend.core.Literal)
+
+
+def _subjaxprs(eqn) -> list:
+    subs = []
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, jax.extend.core.ClosedJaxpr):
+                subs.append(item.jaxpr)
+            elif isinstance(item, jax.extend.core.Jaxpr):
+                subs.append(item)
+    return subs
+

@@ -1,0 +1,94 @@
+"""Building meshes and submeshes from devices, with errors that say what is wrong."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+__all__ = ["build_mesh", "slice_mesh", "place_mesh", "mesh_devices"]
+
+MeshLike = Mesh | Mapping[str, int] | None
+
+
+def _device_array(devices: Any | None) -> np.ndarray:
+    if devices is None:
+        return np.asarray(jax.devices(), dtype=object)
+    arr = np.asarray(devices, dtype=object)
+    if arr.size == 0:
+        raise ValueError("devices is empty; give at least one device")
+    flat = list(arr.flat)
+    if len(set(flat)) != len(flat):
+        raise ValueError(f"devices lists a device more than once: {flat}")
+    return arr
+
+
+def build_mesh(mesh: MeshLike = None, devices: Any | None = None, *, default_axis: str = "data") -> Mesh:
+    """A `Mesh` from a mesh, an ``{axis: size}`` shape, or nothing (1-D over the devices).
+
+    Meshes are built with Auto axes (what Flax Linen's logical rules need).
+    A ``-1`` size takes the remaining devices.
+    """
+    if isinstance(mesh, Mesh):
+        if devices is not None:
+            given = list(_device_array(devices).flat)
+            if set(given) != set(mesh.devices.flat):
+                raise ValueError(
+                    f"mesh {dict(mesh.shape)} is over devices {sorted(d.id for d in mesh.devices.flat)}, but "
+                    f"devices= names {sorted(d.id for d in given)}; give one of the two"
+                )
+        return mesh
+    devs = _device_array(devices)
+    if mesh is None:
+        return Mesh(devs.reshape(-1), (default_axis,))
+    if not isinstance(mesh, Mapping) or not mesh:
+        raise TypeError(f"mesh must be a jax.sharding.Mesh or a mapping {{axis_name: size}}, got {mesh!r}")
+    names = tuple(mesh)
+    sizes = [int(s) for s in mesh.values()]
+    if sizes.count(-1) > 1:
+        raise ValueError(f"mesh shape {dict(mesh)} has more than one -1")
+    if -1 in sizes:
+        known = math.prod(s for s in sizes if s != -1)
+        if devs.size % known:
+            raise ValueError(f"{devs.size} devices do not fit mesh shape {dict(mesh)}: {devs.size} % {known} != 0")
+        sizes[sizes.index(-1)] = devs.size // known
+    if any(s < 1 for s in sizes):
+        raise ValueError(f"mesh shape {dict(mesh)} has a size below 1")
+    if math.prod(sizes) != devs.size:
+        raise ValueError(
+            f"{devs.size} devices do not fit mesh shape {dict(zip(names, sizes))}, which needs "
+            f"{math.prod(sizes)}; change the shape or pass devices=jax.devices()[:{math.prod(sizes)}]"
+        )
+    return Mesh(devs.reshape(-1).reshape(sizes), names)
+
+
+def mesh_devices(mesh: Mesh) -> frozenset:
+    return frozenset(mesh.devices.flat)
+
+
+def slice_mesh(mesh: Mesh, axis: str) -> list[Mesh]:
+    """One submesh per index along ``axis`` (e.g. one per pipeline stage), without that axis."""
+    if axis not in mesh.axis_names:
+        raise ValueError(f"mesh {dict(mesh.shape)} has no axis {axis!r}")
+    i = mesh.axis_names.index(axis)
+    rest = tuple(n for n in mesh.axis_names if n != axis)
+    subs = []
+    for k in range(mesh.devices.shape[i]):
+        devs = np.take(mesh.devices, k, axis=i)
+        subs.append(Mesh(devs, rest) if rest else Mesh(np.asarray(devs).reshape(1), ("devices",)))
+    return subs
+
+
+def place_mesh(shape: Mapping[str, int] | Sequence[int], devices: Sequence, axis_names: Sequence[str] | None = None) -> Mesh:
+    """A mesh of ``shape`` over other ``devices`` (e.g. the same stage shape on the next device group)."""
+    if isinstance(shape, Mapping):
+        axis_names, sizes = tuple(shape), tuple(shape.values())
+    else:
+        sizes = tuple(shape)
+        if axis_names is None or len(axis_names) != len(sizes):
+            raise ValueError(f"give one axis name per dimension of {sizes}, got {axis_names}")
+    return build_mesh(dict(zip(axis_names, sizes)), devices)

@@ -1,0 +1,367 @@
+"""Logical axis rules: logical names on array dimensions -> a `PartitionSpec`.
+
+Pure Python; no devices are touched. One algorithm serves parameters,
+activations, batches, Flax Linen and Flax NNX metadata alike.
+
+Vocabulary
+----------
+* A **logical spec** names each dimension of an array: a logical name
+  (``"batch"``), ``None`` (replicated), or a tuple of names (one dimension that
+  merges several logical axes). ``PartitionSpec.UNCONSTRAINED`` passes through.
+* **Rules** are an ordered sequence of ``(logical_name, mesh_axes)`` pairs;
+  ``mesh_axes`` is a mesh axis name, a tuple of them, or ``None`` (explicitly
+  replicated).
+
+The algorithm
+-------------
+Rules are tried in order; the order is the priority, across all dimensions
+(exactly as in ``flax.linen.logical_to_mesh_axes``). For a rule
+``(name, axes)`` and the dimension ``d`` named ``name``:
+
+1. if ``d`` has been *closed* (a ``None`` rule matched it), skip;
+2. if any of ``axes`` is already used by this array (on any dimension), skip:
+   a mesh axis shards at most one dimension once;
+3. if the product of the sizes of ``axes`` and of the axes already on ``d``
+   does not divide ``d``'s size, skip (strict mode: error);
+4. otherwise append ``axes`` to ``d``'s mesh axes.
+
+A rule ``(name, None)`` closes ``d``: later rules for ``name`` do not apply.
+So a later rule for the same name is a *fallback* when the earlier one was
+skipped, and *stacks* when both apply. A dimension that no rule assigns stays
+replicated; in strict mode a name that has no rule at all (not even a ``None``
+one) is an error. A mesh axis that the mesh does not have is always an error.
+
+Worked examples (mesh ``{"data": 4, "fsdp": 2, "model": 2}``)::
+
+    rules = [("batch", "data"), ("batch", "fsdp"), ("embed", "fsdp"), ("mlp", "model")]
+
+    ("batch", "embed")  shape (16, 8)  -> P(("data", "fsdp"), None)
+        batch stacks data and fsdp; fsdp is then taken, so embed is replicated.
+    ("embed", "mlp")    shape (8, 6)   -> P("fsdp", "model")
+    ("batch", None)     shape (6, 3)   -> P("fsdp", None)
+        4 does not divide 6, so "data" is skipped and "fsdp" is the fallback.
+    (("heads", "kv"),)  with rules [("heads", "model"), ("kv", "fsdp")]
+                                       -> P(("model", "fsdp"),)
+
+Per-path rules (`PathRules`) give a logical spec (a tuple of names, resolved
+by the rules) or a physical one (a `PartitionSpec`, used as is) to every
+parameter whose ``/``-joined path matches a regular expression (``re.search``,
+first match wins). They serve models that carry no logical metadata.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+from jax.sharding import PartitionSpec
+
+__all__ = [
+    "LogicalSpec",
+    "MeshAxes",
+    "Rules",
+    "PathRules",
+    "RuleError",
+    "resolve",
+    "standard_rules",
+]
+
+MeshAxes = Union[str, tuple[str, ...], None]
+LogicalDim = Union[str, tuple[str, ...], None, Any]
+LogicalSpec = Sequence[LogicalDim]
+
+
+class RuleError(ValueError):
+    """A logical spec cannot be resolved with the given rules and mesh."""
+
+
+def _as_axes(axes: MeshAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    if isinstance(axes, str):
+        return (axes,)
+    return tuple(axes)
+
+
+def _where(path: str | None) -> str:
+    return f" of {path!r}" if path else ""
+
+
+@dataclass(frozen=True)
+class Rules:
+    """An ordered, validated set of ``(logical_name, mesh_axes)`` rules.
+
+    ``strict=True`` turns silent decisions into errors: a dimension that a
+    rule's mesh axes do not divide, and a logical name that no rule mentions.
+    """
+
+    rules: tuple[tuple[str, MeshAxes], ...] = ()
+    strict: bool = False
+
+    def __init__(self, rules: Iterable[tuple[str, MeshAxes]] | Rules = (), *, strict: bool = False):
+        if isinstance(rules, Rules):
+            strict = strict or rules.strict
+            rules = rules.rules
+        normalised = []
+        for i, rule in enumerate(rules):
+            if not (isinstance(rule, (tuple, list)) and len(rule) == 2):
+                raise RuleError(
+                    f"rule #{i} is {rule!r}; each rule must be a pair (logical_name, mesh_axes)"
+                )
+            name, axes = rule
+            if not isinstance(name, str):
+                raise RuleError(f"rule #{i} {rule!r}: the logical name must be a str, got {type(name).__name__}")
+            if axes is not None and not isinstance(axes, str):
+                axes = tuple(axes)
+                if not all(isinstance(a, str) for a in axes):
+                    raise RuleError(f"rule #{i} {rule!r}: mesh axes must be str, a tuple of str, or None")
+            normalised.append((name, axes))
+        object.__setattr__(self, "rules", tuple(normalised))
+        object.__setattr__(self, "strict", strict)
+
+    def __iter__(self):
+        return iter(self.rules)
+
+    def __len__(self) -> int:
+        return len(self.rules)
+
+    def __add__(self, other: Iterable[tuple[str, MeshAxes]]) -> Rules:
+        return Rules(self.rules + Rules(other).rules, strict=self.strict)
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{n!r}->{a!r}" for n, a in self.rules)
+        return f"Rules([{body}]{', strict=True' if self.strict else ''})"
+
+    @property
+    def logical_names(self) -> frozenset[str]:
+        return frozenset(name for name, _ in self.rules)
+
+    @property
+    def mesh_axes(self) -> frozenset[str]:
+        return frozenset(a for _, axes in self.rules for a in _as_axes(axes))
+
+    def check_mesh(self, axis_sizes: Mapping[str, int]) -> None:
+        """Raise if a rule names a mesh axis that the mesh does not have."""
+        for name, axes in self.rules:
+            unknown = [a for a in _as_axes(axes) if a not in axis_sizes]
+            if unknown:
+                raise RuleError(
+                    f"rule ({name!r}, {axes!r}) names mesh axis {unknown[0]!r}, but the mesh has "
+                    f"axes {dict(axis_sizes)}; fix the rule or build the mesh with that axis"
+                )
+
+    def resolve(
+        self,
+        spec: LogicalSpec | None,
+        axis_sizes: Mapping[str, int],
+        shape: Sequence[int] | None = None,
+        *,
+        path: str | None = None,
+    ) -> PartitionSpec:
+        """Resolve a logical spec to a `PartitionSpec` (see the module docstring)."""
+        return resolve(spec, self, axis_sizes, shape, path=path)
+
+
+def resolve(
+    spec: LogicalSpec | None,
+    rules: Rules | Iterable[tuple[str, MeshAxes]],
+    axis_sizes: Mapping[str, int],
+    shape: Sequence[int] | None = None,
+    *,
+    path: str | None = None,
+    strict: bool | None = None,
+) -> PartitionSpec:
+    """Resolve the logical ``spec`` of an array of ``shape`` on a mesh.
+
+    Args:
+      spec: one entry per leading dimension (may be shorter than the rank).
+      rules: ordered ``(logical_name, mesh_axes)`` pairs.
+      axis_sizes: the mesh's axis sizes, e.g. ``dict(mesh.shape)``.
+      shape: the array's shape; without it, divisibility is not checked.
+      path: the array's path, named in error messages.
+      strict: override ``rules.strict``.
+    """
+    rules = Rules(rules) if not isinstance(rules, Rules) else rules
+    strict = rules.strict if strict is None else strict
+    rules.check_mesh(axis_sizes)
+    if spec is None:
+        return PartitionSpec()
+    if isinstance(spec, PartitionSpec):
+        spec = tuple(spec)
+    spec = tuple(spec)
+    if shape is not None and len(spec) > len(shape):
+        raise RuleError(
+            f"logical spec {spec} of rank {len(spec)} is longer than the rank {len(shape)} "
+            f"of the array{_where(path)} with shape {tuple(shape)}"
+        )
+
+    # Each dimension holds a list of logical names (a tuple dim merges several).
+    dim_names: list[tuple[str, ...] | None] = []
+    seen: dict[str, int] = {}
+    for d, entry in enumerate(spec):
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            dim_names.append(None)
+            continue
+        names = (entry,) if isinstance(entry, str) else tuple(entry)
+        for n in names:
+            if not isinstance(n, str):
+                raise RuleError(f"logical spec {spec}{_where(path)}: dimension {d} has non-str name {n!r}")
+            if n in seen:
+                raise RuleError(
+                    f"logical spec {spec}{_where(path)} names {n!r} on dimensions {seen[n]} and {d}; "
+                    f"a logical name may appear once per array"
+                )
+            seen[n] = d
+        dim_names.append(names)
+
+    if strict:
+        unknown = sorted(set(seen) - rules.logical_names)
+        if unknown:
+            raise RuleError(
+                f"strict rules: logical name {unknown[0]!r} of the array{_where(path)} (spec {spec}) has "
+                f"no rule; add ({unknown[0]!r}, <mesh axes>) or ({unknown[0]!r}, None) to replicate"
+            )
+
+    assigned: list[list[str]] = [[] for _ in spec]
+    closed: set[tuple[int, str]] = set()
+    used: set[str] = set()
+    for name, axes in rules:
+        d = seen.get(name)
+        if d is None or (d, name) in closed:
+            continue
+        if axes is None:
+            closed.add((d, name))
+            continue
+        axes_t = _as_axes(axes)
+        if used.intersection(axes_t):
+            continue
+        if shape is not None:
+            size = shape[d]
+            factor = math.prod(axis_sizes[a] for a in assigned[d] + list(axes_t))
+            if size % factor:
+                if strict:
+                    raise RuleError(
+                        f"strict rules: dimension {d} ({name!r}, size {size}) of the array{_where(path)} "
+                        f"with shape {tuple(shape)} is not divisible by mesh axes {axes_t} "
+                        f"(total size {factor}); pad the dimension, change the mesh, or drop the rule"
+                    )
+                continue
+        assigned[d].extend(axes_t)
+        used.update(axes_t)
+
+    out: list[Any] = []
+    for entry, axes in zip(spec, assigned):
+        if entry is PartitionSpec.UNCONSTRAINED:
+            out.append(entry)
+        elif not axes:
+            out.append(None)
+        elif len(axes) == 1:
+            out.append(axes[0])
+        else:
+            out.append(tuple(axes))
+    return PartitionSpec(*out)
+
+
+def check_physical(
+    spec: PartitionSpec, axis_sizes: Mapping[str, int], shape: Sequence[int] | None, *, path: str | None = None
+) -> PartitionSpec:
+    """Validate a `PartitionSpec` of mesh axes against a mesh and an array shape."""
+    if shape is not None and len(spec) > len(shape):
+        raise RuleError(
+            f"PartitionSpec {spec} is longer than the rank {len(shape)} of the array{_where(path)} "
+            f"with shape {tuple(shape)}"
+        )
+    used: set[str] = set()
+    for d, entry in enumerate(spec):
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            continue
+        axes = _as_axes(entry)
+        for a in axes:
+            if a not in axis_sizes:
+                raise RuleError(
+                    f"PartitionSpec {spec} of the array{_where(path)} names mesh axis {a!r}, "
+                    f"but the mesh has axes {dict(axis_sizes)}"
+                )
+            if a in used:
+                raise RuleError(
+                    f"PartitionSpec {spec} of the array{_where(path)} uses mesh axis {a!r} twice; "
+                    f"a mesh axis may shard one dimension once"
+                )
+            used.add(a)
+        if shape is not None:
+            factor = math.prod(axis_sizes[a] for a in axes)
+            if shape[d] % factor:
+                raise RuleError(
+                    f"dimension {d} (size {shape[d]}) of the array{_where(path)} with shape {tuple(shape)} "
+                    f"is not divisible by mesh axes {axes} (total size {factor}) in {spec}"
+                )
+    return spec
+
+
+@dataclass(frozen=True)
+class PathRules:
+    """Specs by parameter path: ``[(regex, spec), ...]``, first ``re.search`` match wins.
+
+    ``spec`` is a logical spec (tuple of logical names, resolved by the rules)
+    or a `PartitionSpec` of mesh axes (used as is, after validation).
+    """
+
+    patterns: tuple[tuple[re.Pattern, Any], ...] = ()
+
+    def __init__(self, patterns: Iterable[tuple[str | re.Pattern, Any]] | Mapping[str, Any] | PathRules = ()):
+        if isinstance(patterns, PathRules):
+            patterns = patterns.patterns
+        elif isinstance(patterns, Mapping):
+            patterns = patterns.items()
+        compiled = []
+        for regex, spec in patterns:
+            try:
+                compiled.append((re.compile(regex), spec))
+            except re.error as e:
+                raise RuleError(f"path rule {regex!r} is not a valid regular expression: {e}") from None
+        object.__setattr__(self, "patterns", tuple(compiled))
+
+    def match(self, path: str) -> Any | None:
+        for regex, spec in self.patterns:
+            if regex.search(path):
+                return spec
+        return None
+
+    def __len__(self) -> int:
+        return len(self.patterns)
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{r.pattern!r}: {s!r}" for r, s in self.patterns)
+        return f"PathRules({{{body}}})"
+
+
+def identity_rules(axis_names: Iterable[str]) -> Rules:
+    """Each mesh axis maps to itself (a task's default rules)."""
+    return Rules([(a, a) for a in axis_names])
+
+
+def standard_rules(axis_names: Iterable[str], *, strict: bool = False) -> Rules:
+    """Sensible rules for a transformer on a mesh with some of the axes
+    ``data``, ``fsdp``, ``tensor``/``model``, ``stage``.
+
+    Batch goes over data and fsdp; parameters' ``embed`` over fsdp; the
+    Megatron dimensions (``mlp``, ``heads``, ``kv_heads``, ``vocab``) over the
+    tensor axis. Only axes the mesh has are named.
+    """
+    names = set(axis_names)
+    tensor = "tensor" if "tensor" in names else ("model" if "model" in names else None)
+    wanted: list[tuple[str, MeshAxes]] = [
+        ("batch", "data"),
+        ("batch", "fsdp"),
+        ("embed", "fsdp"),
+        ("mlp", tensor),
+        ("heads", tensor),
+        ("kv_heads", tensor),
+        ("vocab", tensor),
+        ("layers", "stage"),
+    ]
+    rules = [(n, a) for n, a in wanted if a is not None and a in names]
+    return Rules(rules, strict=strict)
