@@ -1,0 +1,12 @@
+"""Flax adapters: logical-name initializers, metadata readers, and `parallelize_step`.
+
+Flax Linen (`nn.with_partitioning`, `nn.with_logical_partitioning`,
+`LogicallyPartitioned`) and Flax NNX (`nnx.with_partitioning`, variable
+metadata ``out_sharding`` / ``sharding_names`` / ``sharding``) annotations
+are read by the same rule engine as everything else.
+"""
+
+from ...metadata import Annotation, is_box, read_box
+from .step import parallelize_step, shard_axes
+
+__all__ = ["shard_axes", "parallelize_step", "Annotation", "is_box", "read_box"]

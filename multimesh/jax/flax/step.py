@@ -1,0 +1,150 @@
+"""`shard_axes` and `parallelize_step` for Flax Linen and NNX models."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from flax.training.train_state import TrainState
+from jax.sharding import Mesh, NamedSharding
+
+from ...parallelize import parallelize
+from ...rules import MeshAxes, Rules, standard_rules
+
+__all__ = ["shard_axes", "parallelize_step"]
+
+
+def shard_axes(*names: str | None, init: Callable = nn.initializers.xavier_normal()) -> Callable:
+    """An initializer that attaches logical axis names to the parameter it creates.
+
+    ``nn.Dense(4, kernel_init=shard_axes("embed", "mlp"))`` or
+    ``self.param("w", shard_axes("embed", "mlp"), (d, f))``.
+    """
+    return nn.with_logical_partitioning(init, names)
+
+
+def _nnx_parts(model: Any, seed: int) -> tuple[Callable[[], Any], Callable]:
+    """For an NNX module (or ``rngs -> module`` factory): params builder and apply."""
+    if isinstance(model, nnx.Module):
+        graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
+        make = lambda: params  # noqa: E731  (already materialised by the user; resharded)
+    else:
+        factory = model
+        with nnx.use_eager_sharding(False):
+            graphdef, _, *rest = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(seed))), nnx.Param, ...)
+
+        def make():
+            return nnx.split(factory(nnx.Rngs(seed)), nnx.Param, ...)[1]
+
+    if any(len(jax.tree.leaves(r)) for r in rest):
+        kinds = sorted({type(v).__name__ for r in rest for v in jax.tree.leaves(r, is_leaf=lambda x: isinstance(x, nnx.Variable))})
+        raise ValueError(
+            f"parallelize_step trains nnx.Param variables only; the model also holds {kinds}. "
+            f"Keep such state outside the module, or split it yourself and use parallelize()"
+        )
+
+    def apply(params: Any, batch: Any) -> Any:
+        return nnx.merge(graphdef, params, *rest)(batch)
+
+    return make, apply
+
+
+def _is_nnx(model: Any) -> bool:
+    if isinstance(model, nnx.Module) or (isinstance(model, type) and issubclass(model, nnx.Module)):
+        return True
+    if isinstance(model, nn.Module):
+        return False
+    return callable(model) and len(inspect.signature(model).parameters) == 1
+
+
+def parallelize_step(
+    model: Any,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    global_batch: Any = None,
+    local_batch: Any = None,
+    replicate_inputs: bool = True,
+    *,
+    rules: Iterable[tuple[str, MeshAxes]] | Rules | None = None,
+    seed: int = 42,
+    rng: jax.Array | None = None,
+    donate: bool = True,
+) -> tuple:
+    """A sharded training step for a model whose ``apply(params, batch)`` is the loss.
+
+    ``model`` is a Flax Linen module (``model.apply(params, batch) -> loss``,
+    initialised with ``model.init(jax.random.key(seed), batch)``), or a Flax
+    NNX module whose ``__call__(batch)`` is the loss: an instance, or a
+    function ``rngs -> module`` so that parameters are created sharded.
+
+    The state is a `flax.training.train_state.TrainState`; the step is
+    ``step(state, batch) -> (loss, new_state)``, the loss computed before the
+    update. ``replicate_inputs=True`` places the batch whole on every device;
+    ``False`` shards its leading dimension over the data axes (rule
+    ``"batch"``). ``rules`` default to `standard_rules` for the mesh's axes.
+
+    Returns ``(step, state, mesh)`` with ``global_batch``, or
+    ``(step, state, mesh, prepare_batch)`` with ``local_batch`` (this
+    process's part), where ``prepare_batch(host_arrays)`` assembles the global
+    batch from every process's local part.
+    """
+    if (global_batch is None) == (local_batch is None):
+        raise TypeError("parallelize_step needs exactly one of global_batch= or local_batch=")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    rules = standard_rules(mesh.axis_names) if rules is None else rules
+    key = jax.random.key(seed) if rng is None else rng
+
+    if local_batch is not None:
+        n = jax.process_count()
+        example = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] * n, *np.shape(x)[1:]), np.asarray(x).dtype), local_batch
+        )
+    else:
+        example = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)), global_batch)
+
+    if _is_nnx(model):
+        make_params, apply_fn = _nnx_parts(model, seed)
+    else:
+        apply_fn = model.apply
+        make_params = lambda: model.init(key, jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), example))  # noqa: E731
+
+    def init_state() -> TrainState:
+        return TrainState.create(apply_fn=apply_fn, params=make_params(), tx=optimizer)
+
+    def train_step(state: TrainState, batch: Any) -> tuple[jax.Array, TrainState]:
+        loss, grads = jax.value_and_grad(lambda p: state.apply_fn(p, batch))(state.params)
+        return loss, state.apply_gradients(grads=grads)
+
+    batch_spec = (None,) if replicate_inputs else ("batch",)
+    step, sharded_init, _ = parallelize(
+        train_step,
+        init_params=init_state,
+        get_input_batch=lambda: jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), example),
+        mesh=mesh,
+        rules=rules,
+        batch_spec=batch_spec,
+        donate=donate,
+    )
+    state = sharded_init()
+    if global_batch is not None:
+        return step, state, mesh
+
+    def prepare_batch(host_arrays: Any) -> Any:
+        """This process's part of the batch -> the global batch, sharded."""
+        return jax.tree.map(
+            lambda x, s, ex: jax.make_array_from_process_local_data(s, np.asarray(x), ex.shape),
+            host_arrays,
+            step.batch_shardings,
+            example,
+            is_leaf=lambda x: isinstance(x, NamedSharding),
+        )
+
+    return step, state, mesh, prepare_batch
+
