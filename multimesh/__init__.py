@@ -5,6 +5,6 @@ names are re-exported here.
 """
 
 from .jax import *  # noqa: F401,F403
-from .jax import __all__
+from .jax import __all__  # noqa: F401
 
 __version__ = "0.1.0"

@@ -10,7 +10,7 @@ otherwise the leaf is replicated.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +63,7 @@ class Layout:
 
 def derive_layout(
     abstract: Any,
-    scope: Scope,
+    scope: Scope | Callable[[int], Scope],
     *,
     path_rules: PathRules | None = None,
     constraints: Mapping[int, PartitionSpec] | None = None,
@@ -74,7 +74,8 @@ def derive_layout(
     """Shardings for every leaf of ``abstract`` on ``scope.mesh``.
 
     ``constraints`` maps flat leaf indices to the specs of constraints found by
-    `constrained_inputs`. ``exact=True`` makes a logical dimension that a mesh
+    `constrained_inputs`. ``scope`` may be a function of the flat leaf index
+    (MPMD: each input lives on the submesh of its first consumer). ``exact=True`` makes a logical dimension that a mesh
     axis does not divide an error (batches: silently replicating a batch
     dimension would make data parallelism a lie).
     """
@@ -83,8 +84,11 @@ def derive_layout(
     records: list[LeafLayout] = []
     counter = iter(range(1 << 62))
 
+    scope_for = scope if callable(scope) else (lambda _: scope)
+
     def place(path: str, leaf: Any, ann: Annotation | None) -> NamedSharding:
         index = next(counter)
+        where = scope_for(index)
         shape = tuple(getattr(leaf, "shape", ()))
         dtype = getattr(leaf, "dtype", np.float32)
         label = f"{what} {path!r}" if path else what
@@ -99,12 +103,12 @@ def derive_layout(
             else:
                 ann = Annotation(None, "none")
         if ann.physical:
-            sharding = scope.physical(ann.spec, shape, path=label)
+            sharding = where.physical(ann.spec, shape, path=label)
         else:
-            spec = scope.spec(ann.spec, shape, path=label)
+            spec = where.spec(ann.spec, shape, path=label)
             if exact and ann.spec is not None:
-                _check_exact(ann.spec, spec, shape, scope, label)
-            sharding = NamedSharding(scope.mesh, spec)
+                _check_exact(ann.spec, spec, shape, where, label)
+            sharding = NamedSharding(where.mesh, spec)
         records.append(LeafLayout(path, shape, dtype, ann.spec, ann.source, sharding))
         return sharding
 

@@ -8,7 +8,6 @@ mesh) or, when the function calls tasks, the MPMD plan.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -16,16 +15,14 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
-from jax.sharding import NamedSharding
 
-from .layout import Layout, constrained_inputs, derive_layout
+from .layout import constrained_inputs, derive_layout
 from .meshes import MeshLike, build_mesh
-from .mirror import MirrorIndex
-from .report import ShardingReport
 from .rules import MeshAxes, PathRules, Rules
-from .scope import Scope, use_scope
-from .treecheck import check_same_structure
+from .scope import Scope
+from .mpmd.function import build_mpmd
+from .mpmd.plan import has_tasks
+from .spmd import ShardedFunction, tracing
 
 __all__ = ["parallelize", "ShardedFunction"]
 
@@ -47,88 +44,6 @@ def _check_zero_arg(fn: Any, name: str) -> None:
             f"{name} must be a zero-argument function, but {getattr(fn, '__name__', fn)!r} requires "
             f"{required}; wrap it, e.g. {name}=lambda: f(key, example_input)"
         )
-
-
-@contextlib.contextmanager
-def tracing(scope: Scope):
-    """Our scope, with NNX's eager sharding off: shardings are ours to apply."""
-    with use_scope(scope), nnx.use_eager_sharding(False):
-        yield
-
-
-class ShardedFunction:
-    """The sharded step built by `parallelize` (SPMD: one `jax.jit` on one mesh).
-
-    Call it as ``fun(params, batch, *args)``. Attributes: ``mesh``, ``rules``,
-    ``param_shardings``, ``batch_shardings`` (pytrees like the inputs),
-    ``param_layout``/``batch_layout`` (a record per array), and `report`.
-    """
-
-    def __init__(self, fun: Callable, scope: Scope, params: Layout, batch: Layout, abstract_params: Any,
-                 abstract_batch: Any, donate: bool):
-        self.fun = fun
-        self.scope = scope
-        self.param_layout = params
-        self.batch_layout = batch
-        self._abstract_params = abstract_params
-        self._abstract_batch = abstract_batch
-        self._param_treedef = jax.tree.structure(abstract_params)
-        self._batch_treedef = jax.tree.structure(abstract_batch)
-        self._mirror = MirrorIndex(abstract_params, params.shardings)
-
-        def step(p, b, *args):
-            with tracing(scope):
-                out = fun(p, b, *args)
-            return self._mirror.constrain(out)
-
-        step.__name__ = getattr(fun, "__name__", "step")
-        self._donate = donate
-        self._jitted: dict[int, Any] = {}
-        self._step = step
-
-    @property
-    def mesh(self):
-        return self.scope.mesh
-
-    @property
-    def rules(self) -> Rules:
-        return self.scope.rules
-
-    @property
-    def param_shardings(self) -> Any:
-        return self.param_layout.shardings
-
-    @property
-    def batch_shardings(self) -> Any:
-        return self.batch_layout.shardings
-
-    def _jit(self, n_extra: int):
-        if n_extra not in self._jitted:
-            self._jitted[n_extra] = jax.jit(
-                self._step,
-                in_shardings=(self.param_shardings, self.batch_shardings) + (None,) * n_extra,
-                donate_argnums=(0,) if self._donate else (),
-            )
-        return self._jitted[n_extra]
-
-    def __call__(self, params: Any, batch: Any, *args: Any) -> Any:
-        if jax.tree.structure(params) != self._param_treedef:
-            check_same_structure(self._abstract_params, params, "params")
-        if jax.tree.structure(batch) != self._batch_treedef:
-            check_same_structure(self._abstract_batch, batch, "batch")
-        return self._jit(len(args))(params, place_batch(batch, self.batch_shardings), *args)
-
-    def lower(self, params: Any, batch: Any, *args: Any):
-        return self._jit(len(args)).lower(params, batch, *args)
-
-    def report(self, *, batch: bool = False) -> ShardingReport:
-        """Where each parameter (or batch array) lives; print it for a table."""
-        layout = self.batch_layout if batch else self.param_layout
-        return ShardingReport(layout.leaves, title=f"{'batch' if batch else 'parameters'} of {self!r}")
-
-    def __repr__(self) -> str:
-        name = getattr(self.fun, "__name__", "fun")
-        return f"ShardedFunction({name}, mesh={dict(self.mesh.shape)}, {len(self.param_layout.leaves)} params)"
 
 
 def parallelize(
@@ -192,7 +107,17 @@ def parallelize(
             abstract_batch = jax.eval_shape(get_input_batch)
         else:
             abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)), initial_batch)
-        closed = _trace(fun, abstract_params, abstract_batch)
+    with tracing(None):  # glue outside tasks takes its placement from the plan, not from here
+        traced = _trace(fun, abstract_params, abstract_batch)
+    closed, out_shape = traced if traced is not None else (None, None)
+
+    if closed is not None and has_tasks(closed.jaxpr):
+        sharded = build_mpmd(fun, closed, out_shape, abstract_params, abstract_batch, path_rules=path_rules,
+                             batch_spec=batch_spec, constraints=constrained_inputs(closed))
+        return _with_initializers(sharded, init_params, get_input_batch, None)
+    if closed is not None:
+        with tracing(scope):  # again, so that constraints outside tasks resolve on this mesh
+            closed, _ = _trace(fun, abstract_params, abstract_batch)
 
     n_params = len(jax.tree.leaves(abstract_params))
     found = constrained_inputs(closed) if closed is not None else {}
@@ -209,22 +134,50 @@ def parallelize(
         )
 
     sharded = ShardedFunction(fun, scope, params, batch, abstract_params, abstract_batch, donate)
+    return _with_initializers(sharded, init_params, get_input_batch, scope)
 
-    def init_in_scope():
-        with tracing(scope):
-            return init_params()
 
-    sharded_init_params = jax.jit(init_in_scope, out_shardings=params.shardings)
+def _with_initializers(sharded, init_params: Callable, get_input_batch: Callable | None, scope: Scope | None) -> tuple:
+    """``(sharded, init, get_batch)``: each initializer creates its arrays directly in their shardings.
 
+    Under MPMD the shardings span several submeshes; one `jax.jit` cannot, so
+    the abstract output is computed per submesh group and placed there.
+    """
+    init = _sharded_maker(init_params, sharded.param_shardings, scope)
     if get_input_batch is None:
-        return sharded, sharded_init_params
+        return sharded, init
+    return sharded, init, _sharded_maker(get_input_batch, sharded.batch_shardings, scope)
 
-    def batch_in_scope():
+
+def _sharded_maker(make: Callable, shardings: Any, scope: Scope | None) -> Callable:
+    def in_scope():
         with tracing(scope):
-            return get_input_batch()
+            return make()
 
-    sharded_get_input_batch = jax.jit(batch_in_scope, out_shardings=batch.shardings)
-    return sharded, sharded_init_params, sharded_get_input_batch
+    flat, treedef = jax.tree.flatten(shardings)
+    groups: dict[frozenset, list[int]] = {}
+    for i, s in enumerate(flat):
+        groups.setdefault(frozenset(s.device_set), []).append(i)
+    if len(groups) == 1:
+        return jax.jit(in_scope, out_shardings=shardings)
+
+    # One program per device group, each computing (and keeping) only its leaves.
+    def part(idx: list[int]) -> Callable:
+        def leaves():
+            return [jax.tree.leaves(in_scope())[i] for i in idx]
+
+        return jax.jit(leaves, out_shardings=[flat[i] for i in idx])
+
+    parts = [(idx, part(idx)) for idx in groups.values()]
+
+    def init():
+        out = [None] * len(flat)
+        for idx, fn in parts:
+            for i, x in zip(idx, fn()):
+                out[i] = x
+        return jax.tree.unflatten(treedef, out)
+
+    return init
 
 
 def _trace(fun: Callable, params: Any, batch: Any):
@@ -236,14 +189,4 @@ def _trace(fun: Callable, params: Any, batch: Any):
             return None
     except (TypeError, ValueError):
         pass
-    return jax.make_jaxpr(fun)(params, batch)
-
-
-def place_batch(batch: Any, shardings: Any) -> Any:
-    """Move a batch onto its shardings (a no-op for arrays already there)."""
-    return jax.tree.map(
-        lambda x, s: x if isinstance(x, jax.Array) and x.sharding == s else jax.device_put(x, s),
-        batch,
-        shardings,
-        is_leaf=lambda x: isinstance(x, NamedSharding),
-    )
+    return jax.make_jaxpr(fun, return_shape=True)(params, batch)

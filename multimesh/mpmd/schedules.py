@@ -54,7 +54,6 @@ Conventions
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Literal
 

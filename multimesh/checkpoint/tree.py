@@ -1,0 +1,247 @@
+"""Pytree bookkeeping for checkpoints: leaf paths, the saved-tree manifest,
+restore targets, and the comparison of a target with what was saved."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
+
+from .errors import CheckpointMismatchError
+
+PyTree = Any
+
+
+# --------------------------------------------------------------------- paths
+def path_str(keypath: tuple) -> str:
+    """``/``-joined readable path of a JAX key path (``opt/0/mu/w``)."""
+    parts = []
+    for k in keypath:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            parts.append(k.name)
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            parts.append(str(k.key))
+        else:
+            parts.append(str(k))
+    return "/".join(parts) or "<root>"
+
+
+def leaves_with_paths(tree: PyTree) -> list[tuple[str, Any]]:
+    """``[(path, leaf)]`` in flattening order."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [(path_str(kp), leaf) for kp, leaf in flat]
+
+
+def is_prng_key(dtype: Any) -> bool:
+    """Whether ``dtype`` is a typed PRNG key dtype (``jax.random.key``)."""
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+# ------------------------------------------------------------------ manifest
+@dataclasses.dataclass(frozen=True)
+class LeafRecord:
+    """What the checkpoint records about one saved leaf.
+
+    ``sharding`` is a JSON dict: ``{"kind": "named", "mesh": i, "spec": [...]}``
+    (``i`` indexes the manifest's ``meshes``), ``{"kind": "single_device",
+    "device": id}``, or ``{"kind": <class name>, "devices": [ids]}``.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    sharding: dict
+    nbytes: int = 0
+    checksum: str | None = None
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "shape": list(self.shape), "dtype": self.dtype,
+                "sharding": self.sharding, "nbytes": self.nbytes, "checksum": self.checksum}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "LeafRecord":
+        return cls(d["path"], tuple(d["shape"]), d["dtype"], d.get("sharding") or {},
+                   int(d.get("nbytes", 0)), d.get("checksum"))
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshRecord:
+    """A mesh used by saved leaves: axis names, shape and device ids (row-major)."""
+
+    axis_names: tuple[str, ...]
+    shape: tuple[int, ...]
+    device_ids: tuple[int, ...]
+
+    def to_json(self) -> dict:
+        return {"axis_names": list(self.axis_names), "shape": list(self.shape),
+                "device_ids": list(self.device_ids)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "MeshRecord":
+        return cls(tuple(d["axis_names"]), tuple(d["shape"]), tuple(d["device_ids"]))
+
+    def describe(self) -> str:
+        axes = " x ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
+        return f"{axes or '()'} on devices {_ranges(self.device_ids)}"
+
+
+def spec_str(spec: list | None) -> str:
+    """``P('data', None)`` from the JSON form of a PartitionSpec."""
+    if spec is None:
+        return "?"
+
+    def one(e):
+        if e is None:
+            return "None"
+        if isinstance(e, list):
+            return "(" + ", ".join(repr(a) for a in e) + ("," if len(e) == 1 else "") + ")"
+        return repr(e)
+
+    return "P(" + ", ".join(one(e) for e in spec) + ")"
+
+
+def sharding_str(rec: dict) -> str:
+    """One-line description of a recorded sharding."""
+    kind = rec.get("kind")
+    if kind == "named":
+        return f"mesh{rec['mesh']} {spec_str(rec.get('spec'))}"
+    if kind == "single_device":
+        return f"device {rec.get('device')}"
+    return f"{kind} on devices {_ranges(rec.get('devices', []))}"
+
+
+def _ranges(ids) -> str:
+    ids = list(ids)
+    if not ids:
+        return "[]"
+    if ids == list(range(ids[0], ids[0] + len(ids))):
+        return f"{ids[0]}" if len(ids) == 1 else f"{ids[0]}-{ids[-1]}"
+    return ",".join(str(i) for i in ids)
+
+
+def _spec_json(spec) -> list:
+    out = []
+    for e in spec:
+        out.append(list(e) if isinstance(e, tuple) else e)
+    return out
+
+
+def build_manifest(
+    named_leaves: list[tuple[str, jax.Array]], checksums: list[str] | None
+) -> tuple[list[LeafRecord], list[MeshRecord]]:
+    """Records (path, shape, dtype, sharding, checksum) for every saved leaf."""
+    meshes: list[MeshRecord] = []
+    index: dict[MeshRecord, int] = {}
+    records = []
+    for i, (path, x) in enumerate(named_leaves):
+        s = x.sharding
+        if isinstance(s, NamedSharding):
+            m = MeshRecord(tuple(str(a) for a in s.mesh.axis_names),
+                           tuple(int(d) for d in s.mesh.devices.shape),
+                           tuple(int(d.id) for d in s.mesh.devices.flat))
+            if m not in index:
+                index[m] = len(meshes)
+                meshes.append(m)
+            desc = {"kind": "named", "mesh": index[m], "spec": _spec_json(s.spec)}
+        elif isinstance(s, SingleDeviceSharding):
+            desc = {"kind": "single_device", "device": int(next(iter(s.device_set)).id)}
+        else:
+            desc = {"kind": type(s).__name__, "devices": sorted(int(d.id) for d in s.device_set)}
+        size = jax.random.key_data(x).nbytes if is_prng_key(x.dtype) else x.nbytes
+        records.append(LeafRecord(path, tuple(int(d) for d in x.shape), str(x.dtype), desc,
+                                  int(size), checksums[i] if checksums else None))
+    return records, meshes
+
+
+# ------------------------------------------------------------------- targets
+def abstract_target(tree: PyTree, shardings: PyTree) -> PyTree:
+    """Builds a restore target: ``ShapeDtypeStruct(shape, dtype, sharding=...)``.
+
+    Args:
+        tree: a pytree whose leaves have ``.shape`` and ``.dtype`` (arrays,
+            ``jax.ShapeDtypeStruct`` such as the output of ``jax.eval_shape``).
+        shardings: a pytree of ``jax.sharding.Sharding`` with the same structure
+            as ``tree``, or a prefix of it (one sharding applies to a whole
+            subtree; a single sharding to everything).
+
+    Returns:
+        The pytree of ``jax.ShapeDtypeStruct`` to pass as ``restore(target=...)``.
+    """
+
+    def one(s, sub):
+        if not isinstance(s, Sharding):
+            raise TypeError(f"expected a jax.sharding.Sharding in `shardings`, got {type(s).__name__}")
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), sub)
+
+    return jax.tree.map(one, shardings, tree, is_leaf=lambda x: isinstance(x, Sharding))
+
+
+def normalize_target(target: PyTree) -> PyTree:
+    """Target leaves as ``ShapeDtypeStruct`` with a sharding; a clear error otherwise.
+
+    Accepts ``jax.ShapeDtypeStruct`` with ``sharding`` set, and ``jax.Array``
+    (its shape, dtype and sharding are used; its values are not).
+    """
+    bad = []
+
+    def one(kp, x):
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        if isinstance(x, jax.ShapeDtypeStruct):
+            if isinstance(getattr(x, "sharding", None), Sharding):
+                return x
+            bad.append(f"{path_str(kp)} (ShapeDtypeStruct without a sharding)")
+            return x
+        bad.append(f"{path_str(kp)} ({type(x).__name__})")
+        return x
+
+    out = jax.tree_util.tree_map_with_path(one, target)
+    if bad:
+        raise TypeError(
+            "restore target leaves must be jax.ShapeDtypeStruct(shape, dtype, sharding=...) "
+            "or jax.Array, describing the layout to restore onto (build one with "
+            "multimesh.checkpoint.abstract_target). Offending leaves: " + ", ".join(bad)
+        )
+    return out
+
+
+def check_saveable(state: PyTree) -> list[tuple[str, jax.Array]]:
+    """``[(path, array)]`` of ``state``; a TypeError listing non-``jax.Array`` leaves."""
+    named = leaves_with_paths(state)
+    bad = [f"{p} ({type(x).__name__})" for p, x in named if not isinstance(x, jax.Array)]
+    if bad:
+        raise TypeError(
+            "every leaf of a checkpointed state must be a jax.Array (use jnp.asarray or "
+            "jax.device_put for counters and host arrays; put plain Python values in "
+            "`metadata`/`data_position`). Offending leaves: " + ", ".join(bad)
+        )
+    if not named:
+        raise ValueError("the state to save has no leaves")
+    return named
+
+
+def compare(saved: list[LeafRecord], target: PyTree, *, step: int, directory: str) -> None:
+    """Raises ``CheckpointMismatchError`` listing every path where ``target``
+    (a normalised target) differs from the saved tree in presence, shape or dtype."""
+    want = {p: x for p, x in leaves_with_paths(target)}
+    have = {r.path: r for r in saved}
+    missing = [f"{p} {list(r.shape)} {r.dtype}" for p, r in have.items() if p not in want]
+    unexpected = [f"{p} {list(x.shape)} {x.dtype}" for p, x in want.items() if p not in have]
+    mismatched = []
+    for p, r in have.items():
+        if p not in want:
+            continue
+        x = want[p]
+        if tuple(x.shape) != r.shape:
+            mismatched.append((p, "shape", str(r.shape), str(tuple(x.shape))))
+        if str(x.dtype) != r.dtype:
+            mismatched.append((p, "dtype", r.dtype, str(x.dtype)))
+    if missing or unexpected or mismatched:
+        raise CheckpointMismatchError(step, directory, missing, unexpected, mismatched)
+

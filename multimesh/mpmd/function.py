@@ -1,0 +1,78 @@
+"""The MPMD step built by `parallelize` when the function calls tasks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+
+from ..layout import Layout, derive_layout
+from ..rules import PathRules
+from ..scope import Scope
+from ..spmd import Parallelized
+from .plan import Plan, partition
+from .runtime import Runtime
+
+__all__ = ["MPMDFunction", "build_mpmd"]
+
+
+class MPMDFunction(Parallelized):
+    """A step made of tasks: per-submesh executables run by a small runtime.
+
+    ``plan`` (print it) shows the segments, their submeshes and the values
+    resharded between them; ``stats`` what the last call did.
+    """
+
+    def __init__(self, fun: Callable, plan: Plan, params: Layout, batch: Layout, abstract_params: Any,
+                 abstract_batch: Any, out_tree: Any, out_abstract: Any):
+        super().__init__(fun, params, batch, abstract_params, abstract_batch)
+        self.plan = plan
+        flat_shardings = jax.tree.leaves(params.shardings) + jax.tree.leaves(batch.shardings)
+        self.runtime = Runtime(plan, dict(zip(plan.jaxpr.invars, flat_shardings)))
+        self._out_tree = out_tree
+        targets = self._mirror.shardings_for(out_abstract)
+        self._out_targets = jax.tree.leaves(
+            jax.tree.map(lambda _, t: t, out_abstract, targets, is_leaf=lambda x: x is None),
+            is_leaf=lambda x: x is None or isinstance(x, NamedSharding),
+        )
+
+    @property
+    def stats(self):
+        return self.runtime.stats
+
+    def __call__(self, params: Any, batch: Any) -> Any:
+        batch = self._check_inputs(params, batch)
+        outs = self.runtime(jax.tree.leaves(params) + jax.tree.leaves(batch))
+        outs = [
+            x if t is None or (isinstance(x, jax.Array) and x.sharding == t) else jax.device_put(x, t)
+            for x, t in zip(outs, self._out_targets)
+        ]
+        return jax.tree.unflatten(self._out_tree, outs)
+
+    def __repr__(self) -> str:
+        name = getattr(self.fun, "__name__", "fun")
+        stages = ", ".join(p.name for p in self.plan.placements)
+        return f"MPMDFunction({name}, {len(self.plan.segments)} segments on [{stages}], {len(self.param_layout.leaves)} params)"
+
+
+def build_mpmd(fun: Callable, closed, out_shape: Any, abstract_params: Any, abstract_batch: Any, *,
+               path_rules: PathRules, batch_spec: tuple, constraints: dict) -> MPMDFunction:
+    plan = partition(closed)
+    invars = plan.jaxpr.invars
+    first = plan.placements[0]
+    n_params = len(jax.tree.leaves(abstract_params))
+
+    def scope_of(offset: int) -> Callable[[int], Scope]:
+        def scope(i: int) -> Scope:
+            return plan.input_placement.get(invars[offset + i], first).scope
+
+        return scope
+
+    params = derive_layout(abstract_params, scope_of(0), path_rules=path_rules,
+                           constraints={i: s for i, s in constraints.items() if i < n_params}, what="parameter")
+    batch = derive_layout(abstract_batch, scope_of(n_params), default=batch_spec, exact=True,
+                          constraints={i - n_params: s for i, s in constraints.items() if i >= n_params}, what="batch")
+    return MPMDFunction(fun, plan, params, batch, abstract_params, abstract_batch,
+                        jax.tree.structure(out_shape), out_shape)

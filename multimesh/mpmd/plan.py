@@ -1,0 +1,196 @@
+"""Partition a traced step into per-submesh segments: the MPMD plan.
+
+Every equation gets a placement ("colour"): a task call its own; any other
+equation the placement of the first coloured equation that consumes its
+result (glue runs where its result is needed), else that of the producer of
+its largest coloured input (the optimizer update of a stage's parameters runs
+on that stage), repeated until nothing changes. Equations are then grouped, in program order, into segments: an
+equation joins the latest segment of its placement unless one of its inputs
+comes from a later segment (that would make a cycle), in which case it opens
+a new one. Segment order is therefore a valid execution order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
+
+from .task import Placement, task_call_p
+
+__all__ = ["Segment", "Plan", "partition", "has_tasks"]
+
+
+def has_tasks(jaxpr: Jaxpr) -> bool:
+    return any(e.primitive is task_call_p for e in jaxpr.eqns)
+
+
+@dataclass
+class Segment:
+    """A run of equations on one placement, compiled as one `jax.jit`."""
+
+    index: int
+    placement: Placement
+    eqns: list = field(default_factory=list)
+    invars: list[Var] = field(default_factory=list)
+    outvars: list[Var] = field(default_factory=list)
+
+    @property
+    def kinds(self) -> list[str]:
+        return [e.params["kind"] for e in self.eqns if e.primitive is task_call_p]
+
+    @property
+    def microbatches(self) -> list[int]:
+        return sorted({e.params["microbatch"] for e in self.eqns if e.primitive is task_call_p and e.params["microbatch"] is not None})
+
+    @property
+    def label(self) -> str:
+        kinds = self.kinds
+        what = "+".join(dict.fromkeys(kinds)) if kinds else "glue"
+        mbs = self.microbatches
+        return f"{self.placement.name}:{what}" + (f"[mb {','.join(map(str, mbs))}]" if mbs else "")
+
+    def closed_jaxpr(self) -> ClosedJaxpr:
+        jaxpr = Jaxpr(constvars=[], invars=list(self.invars), outvars=list(self.outvars), eqns=list(self.eqns))
+        return ClosedJaxpr(jaxpr, [])
+
+
+def _nbytes(v: Var) -> int:
+    aval = v.aval
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+@dataclass
+class Plan:
+    """Segments in execution order, where each step input goes, and the outputs."""
+
+    jaxpr: Jaxpr
+    segments: list[Segment]
+    input_placement: dict[Var, Placement]
+    producer: dict[Var, int]
+    consts: dict[Var, Any]
+
+    @property
+    def placements(self) -> list[Placement]:
+        return list(dict.fromkeys(s.placement for s in self.segments))
+
+    def transfers(self) -> list[tuple[str, int, int, Any, int]]:
+        """(what, from segment or -1 for an input, to segment, aval, bytes) for every value crossing submeshes."""
+        out = []
+        for seg in self.segments:
+            for v in seg.invars:
+                src = self.producer.get(v)
+                where = self.segments[src].placement if src is not None else self.input_placement.get(v)
+                if where is not None and where.devices != seg.placement.devices:
+                    out.append((str(v), -1 if src is None else src, seg.index, v.aval, _nbytes(v)))
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"MPMD plan: {len(self.segments)} segments on {len(self.placements)} submeshes"]
+        for p in self.placements:
+            lines.append(f"  submesh {p.describe()}")
+        moves = {}
+        for what, src, dst, aval, nbytes in self.transfers():
+            moves.setdefault(dst, []).append((what, src, aval, nbytes))
+        for seg in self.segments:
+            n_in = sum(_nbytes(v) for v in seg.invars)
+            lines.append(
+                f"  [{seg.index}] {seg.label:<28} {len(seg.eqns):4d} eqns  in {len(seg.invars)} ({_mib(n_in)})"
+                f"  out {len(seg.outvars)}"
+            )
+            for what, src, aval, nbytes in moves.get(seg.index, []):
+                origin = "input" if src < 0 else f"[{src}]"
+                lines.append(f"        <- reshard {aval.str_short()} from {origin} ({_mib(nbytes)})")
+        total = sum(t[4] for t in self.transfers())
+        lines.append(f"  total resharded per step: {_mib(total)}")
+        return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**16 else f"{n} B"
+
+
+def partition(closed: ClosedJaxpr) -> Plan:
+    jaxpr = closed.jaxpr
+    eqns = jaxpr.eqns
+    tasks = [e.params["placement"] for e in eqns if e.primitive is task_call_p]
+    if not tasks:
+        raise ValueError("partition() needs a function that calls at least one task")
+    _check_overlaps(tasks)
+
+    consumers: dict[Var, list[int]] = {}
+    for i, e in enumerate(eqns):
+        for v in e.invars:
+            if not isinstance(v, Literal):
+                consumers.setdefault(v, []).append(i)
+
+    colour: list[Placement | None] = [
+        e.params["placement"] if e.primitive is task_call_p else None for e in eqns
+    ]
+    made_by: dict[Var, int] = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    changed = True
+    while changed:  # glue: its first coloured consumer's, else its largest coloured input's producer's
+        changed = False
+        for i in reversed(range(len(eqns))):
+            if colour[i] is None:
+                found = [colour[j] for v in eqns[i].outvars for j in consumers.get(v, ()) if colour[j] is not None]
+                if found:
+                    colour[i], changed = found[0], True
+        for i, e in enumerate(eqns):
+            if colour[i] is None:
+                srcs = [(_nbytes(v), colour[made_by[v]]) for v in e.invars
+                        if not isinstance(v, Literal) and v in made_by and colour[made_by[v]] is not None]
+                if srcs:
+                    colour[i], changed = max(srcs, key=lambda s: s[0])[1], True
+    colour = [c if c is not None else tasks[0] for c in colour]
+
+    segments: list[Segment] = []
+    latest: dict[Placement, int] = {}
+    producer: dict[Var, int] = {}
+    for i, e in enumerate(eqns):
+        c = colour[i]
+        deps = [producer[v] for v in e.invars if not isinstance(v, Literal) and v in producer]
+        k = latest.get(c)
+        if k is None or any(d > k for d in deps):
+            k = len(segments)
+            segments.append(Segment(k, c))
+            latest[c] = k
+        segments[k].eqns.append(e)
+        for v in e.outvars:
+            producer[v] = k
+
+    outputs = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+    input_placement: dict[Var, Placement] = {}
+    for seg in segments:
+        defined, needed = set(), []
+        for e in seg.eqns:
+            for v in e.invars:
+                if not isinstance(v, Literal) and v not in defined and v not in needed:
+                    needed.append(v)
+            defined.update(e.outvars)
+        seg.invars = needed
+        for v in needed:
+            if v not in producer:
+                input_placement.setdefault(v, seg.placement)
+    for seg in segments:
+        used_later = {v for later in segments[seg.index + 1 :] for v in later.invars}
+        seg.outvars = [v for e in seg.eqns for v in e.outvars if v in used_later or v in outputs]
+    consts = dict(zip(jaxpr.constvars, closed.consts))
+    return Plan(jaxpr, segments, input_placement, producer, consts)
+
+
+def _check_overlaps(placements: Sequence[Placement]) -> None:
+    """Submeshes must be equal or disjoint: a device may not serve two differently shaped tasks."""
+    seen = list(dict.fromkeys(placements))
+    for i, a in enumerate(seen):
+        for b in seen[i + 1 :]:
+            common = a.devices & b.devices
+            if common and a.mesh != b.mesh:
+                raise ValueError(
+                    f"tasks {a.name!r} ({a.describe()}) and {b.name!r} ({b.describe()}) share devices "
+                    f"{sorted(d.id for d in common)} on different meshes. Tasks must run on disjoint "
+                    f"device sets, or on exactly the same mesh (same devices, shape and axis names)"
+                )

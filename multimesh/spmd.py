@@ -1,0 +1,125 @@
+"""The SPMD step: one `jax.jit` on one mesh, and what it shares with the MPMD one."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from .layout import Layout
+from .mirror import MirrorIndex
+from .report import ShardingReport
+from .rules import Rules
+from .scope import Scope, use_scope
+from .treecheck import check_same_structure
+
+__all__ = ["Parallelized", "ShardedFunction", "tracing", "place_batch"]
+
+
+@contextlib.contextmanager
+def tracing(scope: Scope):
+    """Our scope, with NNX's eager sharding off: shardings are ours to apply."""
+    with use_scope(scope), nnx.use_eager_sharding(False):
+        yield
+
+
+def place_batch(batch: Any, shardings: Any) -> Any:
+    """Move a batch onto its shardings (a no-op for arrays already there)."""
+    return jax.tree.map(
+        lambda x, s: x if isinstance(x, jax.Array) and x.sharding == s else jax.device_put(x, s),
+        batch,
+        shardings,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+
+
+class Parallelized:
+    """What every function built by `parallelize` offers: shardings, layouts, a report."""
+
+    def __init__(self, fun: Callable, params: Layout, batch: Layout, abstract_params: Any, abstract_batch: Any):
+        self.fun = fun
+        self.param_layout = params
+        self.batch_layout = batch
+        self._abstract_params = abstract_params
+        self._abstract_batch = abstract_batch
+        self._param_treedef = jax.tree.structure(abstract_params)
+        self._batch_treedef = jax.tree.structure(abstract_batch)
+        self._mirror = MirrorIndex(abstract_params, params.shardings)
+
+    @property
+    def param_shardings(self) -> Any:
+        return self.param_layout.shardings
+
+    @property
+    def batch_shardings(self) -> Any:
+        return self.batch_layout.shardings
+
+    def _check_inputs(self, params: Any, batch: Any) -> Any:
+        """Raise on a tree that differs from the one built for; return the placed batch."""
+        if jax.tree.structure(params) != self._param_treedef:
+            check_same_structure(self._abstract_params, params, "params")
+        if jax.tree.structure(batch) != self._batch_treedef:
+            check_same_structure(self._abstract_batch, batch, "batch")
+        return place_batch(batch, self.batch_shardings)
+
+    def report(self, *, batch: bool = False) -> ShardingReport:
+        """Where each parameter (or batch array) lives; print it for a table."""
+        layout = self.batch_layout if batch else self.param_layout
+        return ShardingReport(layout.leaves, title=f"{'batch' if batch else 'parameters'} of {self!r}")
+
+
+class ShardedFunction(Parallelized):
+    """The sharded step built by `parallelize` (SPMD: one `jax.jit` on one mesh).
+
+    Call it as ``fun(params, batch, *args)``. Attributes: ``mesh``, ``rules``,
+    ``param_shardings``, ``batch_shardings`` (pytrees like the inputs),
+    ``param_layout``/``batch_layout`` (a record per array), and `report`.
+    """
+
+    def __init__(self, fun: Callable, scope: Scope, params: Layout, batch: Layout, abstract_params: Any,
+                 abstract_batch: Any, donate: bool):
+        super().__init__(fun, params, batch, abstract_params, abstract_batch)
+        self.scope = scope
+
+        def step(p, b, *args):
+            with tracing(scope):
+                out = fun(p, b, *args)
+            return self._mirror.constrain(out)
+
+        step.__name__ = getattr(fun, "__name__", "step")
+        self._donate = donate
+        self._jitted: dict[int, Any] = {}
+        self._step = step
+
+    @property
+    def mesh(self):
+        return self.scope.mesh
+
+    @property
+    def rules(self) -> Rules:
+        return self.scope.rules
+
+    def _jit(self, n_extra: int):
+        if n_extra not in self._jitted:
+            self._jitted[n_extra] = jax.jit(
+                self._step,
+                in_shardings=(self.param_shardings, self.batch_shardings) + (None,) * n_extra,
+                donate_argnums=(0,) if self._donate else (),
+            )
+        return self._jitted[n_extra]
+
+    def __call__(self, params: Any, batch: Any, *args: Any) -> Any:
+        return self._jit(len(args))(params, self._check_inputs(params, batch), *args)
+
+    def lower(self, params: Any, batch: Any, *args: Any):
+        return self._jit(len(args)).lower(params, batch, *args)
+
+    def __repr__(self) -> str:
+        name = getattr(self.fun, "__name__", "fun")
+        return f"ShardedFunction({name}, mesh={dict(self.mesh.shape)}, {len(self.param_layout.leaves)} params)"
+
+
