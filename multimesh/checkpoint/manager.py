@@ -424,15 +424,14 @@ def _as_corrupt(e: BaseException, step: int, path: str) -> BaseException:
         seen.add(id(x))
         chain.append(x)
         x = x.__cause__ or x.__context__
-    storage = any(
-        isinstance(x, (json.JSONDecodeError, FileNotFoundError))
-        or any(m in str(x) for m in _STORAGE_MARKERS)
-        for x in chain
-    )
-    if not storage:
+    def is_storage(x: BaseException) -> bool:
+        return isinstance(x, (json.JSONDecodeError, FileNotFoundError)) or any(
+            m in str(x) for m in _STORAGE_MARKERS)
+
+    culprit = next((x for x in chain if is_storage(x)), None)
+    if culprit is None:
         return e
-    text = " | ".join(str(x) for x in chain)
-    files = _FILE_RE.findall(text)
-    first = str(chain[-1]).strip().splitlines()
-    detail = (first[0] if first else type(chain[-1]).__name__)[:500]
+    files = _FILE_RE.findall(" | ".join(str(x) for x in chain))
+    detail = str(culprit).split(" [tensorstore_spec")[0].strip().splitlines()
+    detail = (detail[0] if detail else type(culprit).__name__)[:400]
     return CheckpointCorruptError(step, files[-1] if files else path, detail)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
@@ -113,7 +114,39 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**16 else f"{n} B"
 
 
+_INLINED = ("jit", "pjit", "closed_call")
+
+
+def _eval_inlined(jaxpr: Jaxpr, consts: Sequence, *args: Any) -> list:
+    """Evaluate ``jaxpr``, expanding nested jit calls in place (under a trace: inline them)."""
+    env: dict = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        if eqn.primitive.name in _INLINED and "jaxpr" in eqn.params:
+            inner = eqn.params["jaxpr"]
+            outs = _eval_inlined(inner.jaxpr, inner.consts, *ins)
+        else:
+            with eqn.ctx.manager:
+                outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """The same program with nested `jax.jit` calls flattened into the top level.
+
+    A library's jitted helper (optax's tree-wide updates, say) may touch the
+    parameters of every stage at once; inlined, each piece is placed alone.
+    """
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+    return jax.make_jaxpr(lambda *a: _eval_inlined(closed.jaxpr, closed.consts, *a))(*avals)
+
+
 def partition(closed: ClosedJaxpr) -> Plan:
+    closed = inline_calls(closed)
     jaxpr = closed.jaxpr
     eqns = jaxpr.eqns
     tasks = [e.params["placement"] for e in eqns if e.primitive is task_call_p]
