@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create .venv (python3.12) and install multimesh with its test dependencies, once.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${MULTIMESH_PYTHON:-}
+if [ -z "$PY" ]; then
+  for cand in python3.12 "$HOME/.pyenv/versions/3.12"*/bin/python3.12; do
+    if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+      PY=$cand; break
+    fi
+  done
+fi
+[ -n "$PY" ] || { echo "multimesh needs python3.12 on the PATH (or MULTIMESH_PYTHON=/path/to/python3.12)" >&2; exit 1; }
+stamp=.venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)
+if [ ! -f "$stamp" ]; then
+  [ -x .venv/bin/python ] || "$PY" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e ".[test]"
+  touch "$stamp"
+fi
