@@ -18,7 +18,7 @@ Rules are tried in order; the order is the priority, across all dimensions
 (exactly as in ``flax.linen.logical_to_mesh_axes``). For a rule
 ``(name, axes)`` and the dimension ``d`` named ``name``:
 
-1. if ``d`` has been *closed* (a ``None`` rule matched it), skip;
+1. if ``name`` has been *closed* on ``d`` (a ``None`` rule for it matched), skip;
 2. if any of ``axes`` is already used by this array (on any dimension), skip:
    a mesh axis shards at most one dimension once;
 3. if the product of the sizes of ``axes`` and of the axes already on ``d``
@@ -115,9 +115,15 @@ class Rules:
             if not isinstance(name, str):
                 raise RuleError(f"rule #{i} {rule!r}: the logical name must be a str, got {type(name).__name__}")
             if axes is not None and not isinstance(axes, str):
+                if not isinstance(axes, (tuple, list)):
+                    raise RuleError(f"rule #{i} {rule!r}: mesh axes must be str, a tuple of str, or None")
                 axes = tuple(axes)
                 if not all(isinstance(a, str) for a in axes):
                     raise RuleError(f"rule #{i} {rule!r}: mesh axes must be str, a tuple of str, or None")
+                if len(set(axes)) != len(axes):
+                    raise RuleError(f"rule #{i} {rule!r} names a mesh axis twice; a mesh axis shards one dimension once")
+                if not axes:
+                    axes = None  # () means no mesh axes: replicated, as in Linen
             normalised.append((name, axes))
         object.__setattr__(self, "rules", tuple(normalised))
         object.__setattr__(self, "strict", strict)
@@ -205,7 +211,7 @@ def resolve(
         if entry is None or entry is PartitionSpec.UNCONSTRAINED:
             dim_names.append(None)
             continue
-        names = (entry,) if isinstance(entry, str) else tuple(entry)
+        names = tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
         for n in names:
             if not isinstance(n, str):
                 raise RuleError(f"logical spec {spec}{_where(path)}: dimension {d} has non-str name {n!r}")
