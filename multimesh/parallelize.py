@@ -21,7 +21,7 @@ from .meshes import MeshLike, build_mesh
 from .rules import MeshAxes, PathRules, Rules
 from .scope import Scope
 from .mpmd.function import build_mpmd
-from .mpmd.plan import has_tasks
+from .mpmd.plan import has_tasks, inline_calls
 from .spmd import ShardedFunction, tracing
 
 __all__ = ["parallelize", "ShardedFunction"]
@@ -112,6 +112,7 @@ def parallelize(
     closed, out_shape = traced if traced is not None else (None, None)
 
     if closed is not None and has_tasks(closed.jaxpr):
+        closed = inline_calls(closed)
         sharded = build_mpmd(fun, closed, out_shape, abstract_params, abstract_batch, path_rules=path_rules,
                              batch_spec=batch_spec, constraints=constrained_inputs(closed))
         return _with_initializers(sharded, init_params, get_input_batch, None)

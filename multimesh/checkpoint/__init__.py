@@ -15,20 +15,24 @@ multimesh.checkpoint.inspect DIR [STEP]`` (or ``multimesh-ckpt``) lists and
 describes checkpoints.
 """
 
-from .errors import CheckpointCorruptError, CheckpointExistsError, CheckpointMismatchError
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointExistsError,
+    CheckpointMismatchError,
+)
 from .jsonsafe import to_json_safe
 from .manager import CheckpointInfo, CheckpointManager, Restored
 from .tree import LeafRecord, MeshRecord, abstract_target
 
 __all__ = [
-    "CheckpointManager",
-    "Restored",
-    "CheckpointInfo",
-    "LeafRecord",
-    "MeshRecord",
-    "abstract_target",
-    "to_json_safe",
     "CheckpointCorruptError",
     "CheckpointExistsError",
+    "CheckpointInfo",
+    "CheckpointManager",
     "CheckpointMismatchError",
+    "LeafRecord",
+    "MeshRecord",
+    "Restored",
+    "abstract_target",
+    "to_json_safe",
 ]

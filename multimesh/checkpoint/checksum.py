@@ -19,7 +19,7 @@ the host with numpy at roughly 2 GB/s on one core; nothing is compiled.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np

@@ -14,7 +14,7 @@ import datetime
 import json
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from . import ondisk
 from .errors import CheckpointCorruptError
@@ -47,7 +47,7 @@ def human_size(n: int) -> str:
 def _when(t: float | None) -> str:
     if t is None:
         return "?"
-    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def list_steps(directory: str) -> str:

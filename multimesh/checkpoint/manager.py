@@ -19,10 +19,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import operator
 import os
 import re
 import warnings
-from typing import Any
+from typing import Any, Self
 
 import jax
 import orbax.checkpoint as ocp
@@ -60,15 +61,15 @@ class Restored:
 
     Attributes:
         state: the pytree, placed on the target's shardings.
-        step: the step restored.
-        metadata: the ``metadata`` dict given to ``save`` (after JSON round trip).
+        metadata: the ``metadata`` given to ``save`` (after a JSON round trip).
         data_position: the ``data_position`` given to ``save`` (JSON round trip).
+        step: the step restored.
     """
 
     state: PyTree
-    step: int
     metadata: Any
     data_position: Any
+    step: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +222,7 @@ class CheckpointManager:
         doc = {
             "format": FORMAT,
             "step": step,
-            "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "saved_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "versions": _versions(),
             "process_count": jax.process_count(),
             "metadata": to_json_safe(metadata),
@@ -273,7 +274,7 @@ class CheckpointManager:
             doc = self._mgr.restore(step, args=ocp.args.Composite(
                 **{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM]
         except Exception as e:
-            raise _as_corrupt(e, step, path) from e
+            raise _as_corrupt(e, step, os.path.join(path, META_ITEM)) from e
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise CheckpointCorruptError(step, path, f"unrecognised '{META_ITEM}' document")
         tree = doc.get("tree", {})
@@ -300,7 +301,7 @@ class CheckpointManager:
                 device count or mix of submeshes works.
 
         Returns:
-            ``Restored(state, step, metadata, data_position)``.
+            ``Restored(state, metadata, data_position, step)``.
 
         Raises:
             FileNotFoundError: no such complete step (names the directory and
@@ -317,11 +318,11 @@ class CheckpointManager:
             out = self._mgr.restore(step, args=ocp.args.Composite(
                 **{STATE_ITEM: ocp.args.StandardRestore(target)}))
         except Exception as e:
-            raise _as_corrupt(e, step, path) from e
+            raise _as_corrupt(e, step, os.path.join(path, STATE_ITEM)) from e
         state = out[STATE_ITEM]
         if self._checksums:
             self._verify(info, state)
-        return Restored(state, step, info.metadata, info.data_position)
+        return Restored(state, info.metadata, info.data_position, step)
 
     def _verify(self, info: CheckpointInfo, state: PyTree) -> None:
         recorded = {r.path: r.checksum for r in info.leaves if r.checksum}
@@ -364,7 +365,7 @@ class CheckpointManager:
             self._closed = True
             self._mgr.close()
 
-    def __enter__(self) -> "CheckpointManager":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -388,9 +389,9 @@ class CheckpointManager:
 
 # ------------------------------------------------------------------ helpers
 def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int) and not hasattr(step, "__index__"):
+    if isinstance(step, bool) or not hasattr(step, "__index__"):
         raise TypeError(f"step must be an int, got {type(step).__name__}")
-    step = int(step.__index__()) if not isinstance(step, int) else step
+    step = operator.index(step)
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     return step
@@ -414,6 +415,7 @@ def _versions() -> dict:
 _STORAGE_MARKERS = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "Error reading", "Error decoding",
                     "Encountered error while reading", "Error opening")
 _FILE_RE = re.compile(r'local file "([^"]+)"')
+_STATUS_RE = re.compile(r"^[A-Z_]+: ")
 
 
 def _as_corrupt(e: BaseException, step: int, path: str) -> BaseException:
@@ -428,7 +430,9 @@ def _as_corrupt(e: BaseException, step: int, path: str) -> BaseException:
         return isinstance(x, (json.JSONDecodeError, FileNotFoundError)) or any(
             m in str(x) for m in _STORAGE_MARKERS)
 
-    culprit = next((x for x in chain if is_storage(x)), None)
+    # TensorStore's own status ("OUT_OF_RANGE: ...") says most; Orbax wraps it.
+    status = [x for x in chain if _STATUS_RE.match(str(x))]
+    culprit = status[-1] if status else next((x for x in chain if is_storage(x)), None)
     if culprit is None:
         return e
     files = _FILE_RE.findall(" | ".join(str(x) for x in chain))

@@ -65,7 +65,7 @@ class LeafRecord:
                 "sharding": self.sharding, "nbytes": self.nbytes, "checksum": self.checksum}
 
     @classmethod
-    def from_json(cls, d: dict) -> "LeafRecord":
+    def from_json(cls, d: dict) -> LeafRecord:
         return cls(d["path"], tuple(d["shape"]), d["dtype"], d.get("sharding") or {},
                    int(d.get("nbytes", 0)), d.get("checksum"))
 
@@ -83,7 +83,7 @@ class MeshRecord:
                 "device_ids": list(self.device_ids)}
 
     @classmethod
-    def from_json(cls, d: dict) -> "MeshRecord":
+    def from_json(cls, d: dict) -> MeshRecord:
         return cls(tuple(d["axis_names"]), tuple(d["shape"]), tuple(d["device_ids"]))
 
     def describe(self) -> str:

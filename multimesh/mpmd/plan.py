@@ -26,7 +26,15 @@ __all__ = ["Segment", "Plan", "partition", "has_tasks"]
 
 
 def has_tasks(jaxpr: Jaxpr) -> bool:
-    return any(e.primitive is task_call_p for e in jaxpr.eqns)
+    """Whether any task is called, at the top level or inside nested calls."""
+    for e in jaxpr.eqns:
+        if e.primitive is task_call_p:
+            return True
+        for value in e.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if isinstance(inner, Jaxpr) and has_tasks(inner):
+                return True
+    return False
 
 
 @dataclass
@@ -115,6 +123,7 @@ def _mib(n: int) -> str:
 
 
 _INLINED = ("jit", "pjit", "closed_call")
+_CUSTOM = ("custom_vjp_call", "custom_jvp_call")
 
 
 def _eval_inlined(jaxpr: Jaxpr, consts: Sequence, *args: Any) -> list:
@@ -126,6 +135,10 @@ def _eval_inlined(jaxpr: Jaxpr, consts: Sequence, *args: Any) -> list:
         ins = [read(v) for v in eqn.invars]
         if eqn.primitive.name in _INLINED and "jaxpr" in eqn.params:
             inner = eqn.params["jaxpr"]
+            outs = _eval_inlined(inner.jaxpr, inner.consts, *ins)
+        elif eqn.primitive.name in _CUSTOM and has_tasks(eqn.params["call_jaxpr"].jaxpr):
+            # Not differentiated any further (the trace is final): its primal body is the program.
+            inner = eqn.params["call_jaxpr"]
             outs = _eval_inlined(inner.jaxpr, inner.consts, *ins)
         else:
             with eqn.ctx.manager:
@@ -146,7 +159,7 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
 
 
 def partition(closed: ClosedJaxpr) -> Plan:
-    closed = inline_calls(closed)
+    """The plan of a step whose nested calls are already inlined (`inline_calls`)."""
     jaxpr = closed.jaxpr
     eqns = jaxpr.eqns
     tasks = [e.params["placement"] for e in eqns if e.primitive is task_call_p]
