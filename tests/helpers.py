@@ -1,0 +1,334 @@
+"""Small models, train steps and a one-device reference runner for the SPMD tests.
+
+Everything parallel is compared with the same program run by plain `jax.jit`
+on one device (`run_reference`). The models carry logical axis names through
+Flax metadata (`nn.with_logical_partitioning`, `nnx.with_partitioning`), so
+the rules alone decide how they are sharded.
+
+Expected shardings are computed here from a plain ``{logical_name: mesh_axis}``
+table (`expected_spec`), independently of the library's rule engine; the test
+configurations are chosen so that no divisibility or stacking decision arises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from multimesh.jax import with_sharding_constraint
+
+RTOL = 1e-5
+ATOL = 1e-6
+
+# ----------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------
+
+
+def logical(init: Callable, names: tuple) -> Callable:
+    return nn.with_logical_partitioning(init, names)
+
+
+class MLP(nn.Module):
+    """Megatron-style MLP: embed -> mlp -> embed."""
+
+    hidden: int = 64
+    features: int = 16
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(
+            self.hidden,
+            kernel_init=logical(nn.initializers.lecun_normal(), ("embed", "mlp")),
+            bias_init=logical(nn.initializers.normal(0.1), ("mlp",)),
+        )(x)
+        h = nn.relu(h)
+        return nn.Dense(
+            self.features,
+            kernel_init=logical(nn.initializers.lecun_normal(), ("mlp", "embed")),
+            bias_init=logical(nn.initializers.normal(0.1), ("embed",)),
+        )(h)
+
+
+class Attention(nn.Module):
+    """A pre-norm self-attention block with a residual; x is (batch, seq, embed).
+
+    The queries carry an activation constraint with logical names, resolved
+    by the rules in scope (and a no-op on one device).
+    """
+
+    heads: int = 8
+    head_dim: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        embed = x.shape[-1]
+        h = nn.LayerNorm(
+            scale_init=logical(nn.initializers.ones, ("embed",)),
+            bias_init=logical(nn.initializers.zeros, ("embed",)),
+        )(x)
+
+        def proj(name, use_bias=True):
+            return nn.DenseGeneral(
+                (self.heads, self.head_dim),
+                kernel_init=logical(nn.initializers.lecun_normal(), ("embed", "heads", "kv")),
+                bias_init=logical(nn.initializers.zeros, ("heads", "kv")),
+                use_bias=use_bias,
+                name=name,
+            )(h)
+
+        # no key bias: its gradient is exactly zero (softmax is shift invariant), and adam
+        # would turn rounding noise in it into full-size updates
+        q, k, v = proj("query"), proj("key", use_bias=False), proj("value")
+        q = with_sharding_constraint(q, P("batch", None, "heads", None))
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(self.head_dim)
+        weights = jax.nn.softmax(logits, axis=-1)
+        out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+        out = nn.DenseGeneral(
+            embed,
+            axis=(-2, -1),
+            kernel_init=logical(nn.initializers.lecun_normal(), ("heads", "kv", "embed")),
+            bias_init=logical(nn.initializers.zeros, ("embed",)),
+            name="out",
+        )(out)
+        return x + out
+
+
+def mlp_batch(n: int = 32, features: int = 16, seed: int = 0) -> dict[str, np.ndarray]:
+    rs = np.random.RandomState(seed)
+    return {
+        "x": rs.randn(n, features).astype(np.float32),
+        "y": rs.randn(n, features).astype(np.float32),
+    }
+
+
+def attention_batch(n: int = 16, seq: int = 8, embed: int = 16, seed: int = 0) -> dict[str, np.ndarray]:
+    rs = np.random.RandomState(seed)
+    return {
+        "x": rs.randn(n, seq, embed).astype(np.float32),
+        "y": rs.randn(n, seq, embed).astype(np.float32),
+    }
+
+
+# Loss-returning models for `parallelize_step` (``model.apply(params, batch) -> loss``).
+
+
+class LinenLossModel(nn.Module):
+    @nn.compact
+    def __call__(self, batch):
+        h = nn.Dense(
+            32,
+            kernel_init=logical(nn.initializers.lecun_normal(), ("embed", "mlp")),
+            bias_init=logical(nn.initializers.normal(0.1), ("mlp",)),
+        )(batch["x"])
+        y = nn.Dense(4, kernel_init=logical(nn.initializers.lecun_normal(), ("mlp", "embed")))(nn.relu(h))
+        return jnp.mean((y - batch["y"]) ** 2)
+
+
+class NNXLossModel(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.a = nnx.Linear(
+            8,
+            32,
+            kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp")),
+            bias_init=nnx.with_partitioning(nnx.initializers.normal(0.1), ("mlp",)),
+            rngs=rngs,
+        )
+        self.b = nnx.Linear(
+            32,
+            4,
+            kernel_init=nnx.with_partitioning(nnx.initializers.lecun_normal(), ("mlp", "embed")),
+            rngs=rngs,
+        )
+
+    def __call__(self, batch):
+        return jnp.mean((self.b(nnx.relu(self.a(batch["x"]))) - batch["y"]) ** 2)
+
+
+def loss_batch(n: int = 16, seed: int = 1) -> dict[str, np.ndarray]:
+    rs = np.random.RandomState(seed)
+    return {"x": rs.randn(n, 8).astype(np.float32), "y": rs.randn(n, 4).astype(np.float32)}
+
+
+# ----------------------------------------------------------------------------
+# Train steps
+# ----------------------------------------------------------------------------
+
+
+def make_init(model: nn.Module, tx: optax.GradientTransformation, example_x: Any, seed: int = 0) -> Callable[[], dict]:
+    """A zero-argument ``init_params``: ``{"params": variables, "opt": tx.init(variables)}`` (Linen boxes kept)."""
+
+    def init():
+        variables = model.init(jax.random.key(seed), jnp.asarray(example_x))
+        return {"params": variables, "opt": tx.init(variables)}
+
+    return init
+
+
+def make_train_step(model: nn.Module, tx: optax.GradientTransformation, *, with_grads: bool = False) -> Callable:
+    """``step(state, batch) -> (loss, new_state)`` (``(loss, new_state, grads)`` with ``with_grads``)."""
+
+    def loss_fn(variables, batch):
+        return jnp.mean((model.apply(variables, batch["x"]) - batch["y"]) ** 2)
+
+    def step(state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        new = {"params": optax.apply_updates(state["params"], updates), "opt": opt}
+        return (loss, new, grads) if with_grads else (loss, new)
+
+    step.__name__ = "train_step_with_grads" if with_grads else "train_step"
+    return step
+
+
+def nnx_reference_parts(factory: Callable, seed: int = 42) -> tuple[Any, Callable]:
+    """One-device NNX reference: (params, loss(params, batch)) of ``factory(nnx.Rngs(seed))``."""
+    with nnx.use_eager_sharding(False):
+        model = factory(nnx.Rngs(seed))
+    graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(p, batch):
+        return nnx.merge(graphdef, p, *rest)(batch)
+
+    return params, loss
+
+
+def optax_loop(loss: Callable, params: Any, tx: optax.GradientTransformation, batch: Any, steps: int) -> tuple[list, Any]:
+    """Plain optax on one device: losses (before each update) and the final params."""
+    device = jax.devices()[0]
+
+    @jax.jit
+    def step(p, opt, b):
+        value, grads = jax.value_and_grad(loss)(p, b)
+        updates, opt = tx.update(grads, opt, p)
+        return value, optax.apply_updates(p, updates), opt
+
+    params = jax.device_put(params, device)
+    batch = jax.device_put(batch, device)
+    opt = jax.jit(tx.init)(params)
+    losses = []
+    for _ in range(steps):
+        value, params, opt = step(params, opt, batch)
+        losses.append(float(value))
+    return losses, params
+
+
+# ----------------------------------------------------------------------------
+# One-device reference runner
+# ----------------------------------------------------------------------------
+
+
+def on_one_device(tree: Any, device=None) -> bool:
+    device = device or jax.devices()[0]
+    return all(leaf.sharding.device_set == {device} for leaf in jax.tree.leaves(tree))
+
+
+def run_reference(step: Callable, init: Callable[[], Any], batch: Any, steps: int) -> dict[str, Any]:
+    """Run ``init`` then ``steps`` calls of ``step`` with plain `jax.jit` on device 0.
+
+    Returns ``{"init": state0, "outputs": [step outputs...]}``.
+    """
+    device = jax.devices()[0]
+    with jax.default_device(device):
+        state = jax.jit(init)()
+        b = jax.device_put(batch, device)
+        jitted = jax.jit(step)
+        outputs = []
+        state0 = state
+        for _ in range(steps):
+            out = jitted(state, b)
+            jax.block_until_ready(out)
+            outputs.append(out)
+            state = out[1]
+    assert on_one_device(state0, device) and on_one_device(outputs, device)
+    return {"init": state0, "outputs": outputs}
+
+
+# ----------------------------------------------------------------------------
+# Comparisons and expected shardings
+# ----------------------------------------------------------------------------
+
+
+def assert_trees_close(got: Any, want: Any, *, rtol: float = RTOL, atol: float = ATOL, what: str = "") -> None:
+    """Same structure (boxes included), every leaf close."""
+    assert jax.tree.structure(got) == jax.tree.structure(want), (
+        f"{what}: structures differ:\n{jax.tree.structure(got)}\n{jax.tree.structure(want)}"
+    )
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+        np.testing.assert_allclose(
+            np.asarray(g), np.asarray(w), rtol=rtol, atol=atol, err_msg=f"{what} {jax.tree_util.keystr(path)}"
+        )
+
+
+def _key(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def path_of(keypath: tuple) -> str:
+    return "/".join(_key(k) for k in keypath)
+
+
+def leaves_by_path(tree: Any) -> dict[str, Any]:
+    return {path_of(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def boxed_leaves(tree: Any) -> list[tuple[str, jax.Array, tuple | None]]:
+    """``(path, array, logical names or None)`` for every array of a tree with Linen boxes."""
+    is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
+    out = []
+    for keypath, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]:
+        if is_box(node):
+            out.append((path_of(keypath), node.value, tuple(node.names)))
+        else:
+            out.append((path_of(keypath), node, None))
+    return out
+
+
+def norm_spec(spec: Any) -> tuple:
+    """A PartitionSpec as a tuple without trailing Nones (JAX drops them on outputs)."""
+    t = list(spec)
+    while t and t[-1] is None:
+        t.pop()
+    return tuple(t)
+
+
+def expected_spec(names: tuple | None, axes: Mapping[str, Any]) -> tuple:
+    """The spec that the ``{logical: mesh_axis}`` table gives (no conflicts in the test configs)."""
+    if names is None:
+        return ()
+    return norm_spec(tuple(axes.get(n) if n is not None else None for n in names))
+
+
+def expected_shard_shape(shape: tuple, spec: tuple, mesh_shape: Mapping[str, int]) -> tuple:
+    out = list(shape)
+    for d, entry in enumerate(spec):
+        if entry is None:
+            continue
+        for a in (entry,) if isinstance(entry, str) else entry:
+            out[d] //= mesh_shape[a]
+    return tuple(out)
+
+
+def check_placement(
+    arr: jax.Array, want: tuple, devices: set, mesh_shape: Mapping[str, int], what: str = ""
+) -> None:
+    """``arr``'s spec (up to trailing Nones), mesh, device set and shard shape."""
+    sharding = arr.sharding
+    assert isinstance(sharding, jax.sharding.NamedSharding), f"{what}: {sharding!r} is not a NamedSharding"
+    assert norm_spec(sharding.spec) == want, f"{what}: spec {sharding.spec} != expected {want}"
+    assert dict(sharding.mesh.shape) == dict(mesh_shape), f"{what}: mesh {dict(sharding.mesh.shape)} != {dict(mesh_shape)}"
+    assert set(sharding.mesh.devices.flat) == devices, f"{what}: mesh devices {sharding.mesh.devices} != {devices}"
+    assert arr.sharding.device_set == devices
+    shard = arr.addressable_shards[0].data.shape
+    assert shard == expected_shard_shape(arr.shape, want, mesh_shape), f"{what}: shard shape {shard} for spec {want}"
