@@ -2,7 +2,7 @@
 
     python -m multimesh.checkpoint.inspect DIR          # list the steps
     python -m multimesh.checkpoint.inspect DIR STEP     # one step: tree + metadata
-    multimesh-ckpt DIR [STEP|latest] [--json]
+    multimesh-ckpt DIR [STEP|latest]
 
 Reads only; never creates, changes or deletes anything.
 """

@@ -1,0 +1,234 @@
+"""multimesh.checkpoint under faults: a process killed mid-save, partial step
+directories, truncated and corrupted files. None of them may hang or hand back
+wrong values silently."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from multimesh.checkpoint import CheckpointCorruptError, CheckpointManager
+from multimesh.checkpoint import inspect as ckpt_inspect
+
+pytestmark = [
+    pytest.mark.devices(8),
+    # Orbax leaves coroutines behind when a read fails ("Event loop is closed")
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _mesh(shape, devices=None) -> Mesh:
+    devices = jax.devices() if devices is None else devices
+    return Mesh(np.array(devices[: int(np.prod(shape))]).reshape(shape), ("data", "model"))
+
+
+def _small(seed: int) -> dict:
+    """Host values of a small state (the killed child builds the same ones)."""
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal((64, 32), dtype=np.float32),
+            "b": rng.standard_normal((32,), dtype=np.float32),
+            "count": np.asarray(seed, np.int32)}
+
+
+def _place(tree, m: Mesh):
+    specs = {"w": P("data", "model"), "b": P("model"), "count": P()}
+    return {k: jax.device_put(v, NamedSharding(m, specs[k])) for k, v in tree.items()}
+
+
+def _target(tree, m: Mesh):
+    specs = {"w": P(None, "data"), "b": P(), "count": P()}
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(m, specs[k]))
+            for k, v in tree.items()}
+
+
+def _assert_bitwise(restored, expected):
+    assert sorted(restored) == sorted(expected)
+    for k, v in expected.items():
+        r = np.asarray(restored[k])
+        assert r.dtype == v.dtype and r.tobytes() == v.tobytes(), k
+
+
+# ------------------------------------------------------------ killed save
+_CHILD = textwrap.dedent("""
+    import os, signal, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    sys.path.insert(0, {repo!r})
+    import jax, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from multimesh.checkpoint import CheckpointManager
+    m = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    rng = np.random.default_rng(1)
+    small = {{"w": rng.standard_normal((64, 32), dtype=np.float32),
+              "b": rng.standard_normal((32,), dtype=np.float32),
+              "count": np.asarray(1, np.int32)}}
+    specs = {{"w": P("data", "model"), "b": P("model"), "count": P()}}
+    mgr = CheckpointManager({directory!r})
+    mgr.save(1, {{k: jax.device_put(v, NamedSharding(m, specs[k])) for k, v in small.items()}})
+    mgr.wait_until_finished()
+    big = np.random.default_rng(2).standard_normal((8192, 4096), dtype=np.float32)  # 128 MiB
+    big = {{"w": jax.device_put(big, NamedSharding(m, P("data", "model")))}}
+    big["w"].block_until_ready()
+    mgr.save(2, big)  # asynchronous: returns while the files are being written
+    # Orbax creates the temporary step directory in its background thread too:
+    # wait until files of step 2 are on disk, then die with the save unfinished.
+    import glob, time
+    deadline = time.time() + 30
+    while not glob.glob(os.path.join({directory!r}, "2.*", "*", "*")) and time.time() < deadline:
+        time.sleep(0.001)
+    print("SAVE-2-IN-FLIGHT" if mgr.pending_step == 2 else "SAVE-2-DONE-TOO-EARLY", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+    print("not reached", flush=True)
+""")
+
+
+def test_sigkill_during_async_save_keeps_previous_checkpoint(tmp_path, capsys):
+    directory = str(tmp_path / "ckpt")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", _CHILD.format(repo=REPO, directory=directory)],
+                          capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert "SAVE-2-IN-FLIGHT" in proc.stdout and "not reached" not in proc.stdout, proc.stdout
+    names = sorted(os.listdir(directory))
+    # the kill really interrupted step 2: only its uncommitted temporary directory is there
+    assert "1" in names and "2" not in names
+    assert any(n.startswith("2.") for n in names), names
+
+    with CheckpointManager(directory) as mgr:
+        assert mgr.all_steps() == [1] and mgr.latest_step() == 1
+        with pytest.raises(FileNotFoundError, match=r"unfinished saves ignored: \[2\]"):
+            mgr.restore(2, target=_target({"w": np.zeros((8192, 4096), np.float32)}, _mesh((4, 2))))
+        expected = _small(1)
+        restored = mgr.restore(target=_target(expected, _mesh((2, 2))))
+        assert restored.step == 1
+        _assert_bitwise(restored.state, expected)
+
+    assert ckpt_inspect.main([directory]) == 0
+    out = capsys.readouterr().out
+    assert "partial (ignored)" in out and "latest complete step: 1" in out
+
+    # a restarted job can save step 2 again: Orbax replaces the leftover temporary dir
+    with CheckpointManager(directory) as mgr:
+        mgr.save(2, _place(_small(2), _mesh((4, 2))))
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 2]
+        _assert_bitwise(mgr.restore(target=_target(_small(2), _mesh((4, 2)))).state, _small(2))
+    assert sorted(os.listdir(directory)) == ["1", "2"]
+
+
+# ---------------------------------------------------- partial step folders
+def test_partial_and_foreign_step_directories_are_not_restored(tmp_path):
+    directory = tmp_path / "ckpt"
+    with CheckpointManager(directory) as mgr:
+        mgr.save(1, _place(_small(1), _mesh((4, 2))))
+    # an uncommitted save (what a crash leaves) and a bare numbered folder
+    os.makedirs(directory / "3.orbax-checkpoint-tmp" / "state")
+    os.makedirs(directory / "4")
+    with CheckpointManager(directory) as mgr:
+        assert 3 not in mgr.all_steps()
+        # Orbax 0.12 counts any numbered directory as a committed step on a local disk
+        assert mgr.all_steps() == [1, 4]
+        with pytest.raises(FileNotFoundError, match=r"step 3 .*unfinished saves ignored: \[3\]"):
+            mgr.restore(3, target=_target(_small(1), _mesh((4, 2))))
+        with pytest.raises(CheckpointCorruptError, match="step 4 .*not written"):
+            mgr.restore(target=_target(_small(1), _mesh((4, 2))))
+        _assert_bitwise(mgr.restore(1, target=_target(_small(1), _mesh((4, 2)))).state, _small(1))
+
+
+# --------------------------------------------------------- corrupted files
+def _saved(tmp_path, checksums: bool = True) -> tuple[str, dict]:
+    directory = str(tmp_path / "ckpt")
+    rng = np.random.default_rng(5)
+    values = {"w": rng.standard_normal((256, 256), dtype=np.float32),
+              "b": rng.standard_normal((32,), dtype=np.float32),
+              "count": np.asarray(5, np.int32)}
+    with CheckpointManager(directory, checksums=checksums) as mgr:
+        mgr.save(1, _place(values, _mesh((4, 2))))
+    return directory, values
+
+
+def _largest_data_file(step_dir: str) -> str:
+    files = glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True)
+    return max(files, key=os.path.getsize)
+
+
+def _flip_byte(path: str, offset: int | None = None) -> None:
+    with open(path, "r+b") as f:
+        f.seek(0, 2)
+        offset = f.tell() // 2 if offset is None else offset
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_flipped_byte_in_array_data_is_caught_by_checksum(tmp_path):
+    directory, values = _saved(tmp_path)
+    _flip_byte(_largest_data_file(os.path.join(directory, "1")))
+    with (CheckpointManager(directory) as mgr,
+          pytest.raises(CheckpointCorruptError, match=r"step 1 .*checksum mismatch\) at w") as err):
+        mgr.restore(1, target=_target(values, _mesh((2, 4))))
+    assert err.value.step == 1 and err.value.leaves == ("w",)
+    assert err.value.path == os.path.join(directory, "1")
+
+
+def test_orbax_alone_returns_flipped_bytes_silently(tmp_path):
+    """Why the checksums exist: with them off, the damaged value comes back
+    without an error (Orbax 0.12.8 / TensorStore do not checksum chunk data)."""
+    directory, values = _saved(tmp_path, checksums=False)
+    _flip_byte(_largest_data_file(os.path.join(directory, "1")))
+    with CheckpointManager(directory, checksums=False) as mgr:
+        restored = mgr.restore(1, target=_target(values, _mesh((2, 4)))).state
+    assert not np.array_equal(np.asarray(restored["w"]), values["w"])
+    assert np.array_equal(np.asarray(restored["b"]), values["b"])
+
+
+@pytest.mark.parametrize("damage", ["truncate", "empty"])
+def test_truncated_data_file_raises_corrupt_error(tmp_path, damage):
+    directory, values = _saved(tmp_path)
+    path = _largest_data_file(os.path.join(directory, "1"))
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2 if damage == "truncate" else 0)
+    with (CheckpointManager(directory) as mgr,
+          pytest.raises(CheckpointCorruptError, match="step 1 is corrupt") as err):
+        mgr.restore(1, target=_target(values, _mesh((4, 2))))
+    assert err.value.path.startswith(os.path.join(directory, "1"))
+
+
+@pytest.mark.parametrize("relpath, damage", [
+    ("state/manifest.ocdbt", "flip"),      # OCDBT manifest: CRC-32C checked by TensorStore
+    ("state/manifest.ocdbt", "truncate"),
+    ("state/_METADATA", "truncate"),       # Orbax's tree metadata (JSON)
+    ("multimesh/metadata", "truncate"),    # our manifest (JSON)
+])
+def test_damaged_metadata_files_raise_corrupt_error(tmp_path, relpath, damage):
+    directory, values = _saved(tmp_path)
+    path = os.path.join(directory, "1", relpath)
+    assert os.path.isfile(path), sorted(glob.glob(os.path.join(directory, "1", "**"), recursive=True))
+    if damage == "flip":
+        _flip_byte(path)
+    else:
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+    with CheckpointManager(directory) as mgr:
+        assert mgr.all_steps() == [1]
+        with pytest.raises(CheckpointCorruptError, match="step 1 is corrupt") as err:
+            mgr.restore(1, target=_target(values, _mesh((4, 2))))
+    assert err.value.step == 1
+
+
+def test_orbax_version_is_the_one_pinned():
+    assert ocp.__version__.startswith("0.12."), ocp.__version__
