@@ -107,19 +107,17 @@ def parallelize(
             abstract_batch = jax.eval_shape(get_input_batch)
         else:
             abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)), initial_batch)
-    with tracing(None):  # glue outside tasks takes its placement from the plan, not from here
+    with tracing(scope):
         traced = _trace(fun, abstract_params, abstract_batch)
     closed, out_shape = traced if traced is not None else (None, None)
 
     if closed is not None and has_tasks(closed.jaxpr):
+        with tracing(None):  # glue outside tasks takes its placement from the plan, not from here
+            closed, out_shape = _trace(fun, abstract_params, abstract_batch)
         closed = inline_calls(closed)
         sharded = build_mpmd(fun, closed, out_shape, abstract_params, abstract_batch, path_rules=path_rules,
                              batch_spec=batch_spec, constraints=constrained_inputs(closed))
         return _with_initializers(sharded, init_params, get_input_batch, None)
-    if closed is not None:
-        with tracing(scope):  # again, so that constraints outside tasks resolve on this mesh
-            closed, _ = _trace(fun, abstract_params, abstract_batch)
-
     n_params = len(jax.tree.leaves(abstract_params))
     found = constrained_inputs(closed) if closed is not None else {}
     param_found = {i: s for i, s in found.items() if i < n_params}
@@ -190,4 +188,7 @@ def _trace(fun: Callable, params: Any, batch: Any):
             return None
     except (TypeError, ValueError):
         pass
-    return jax.make_jaxpr(fun, return_shape=True)(params, batch)
+    def traced(p, b):  # a fresh function each time: JAX's trace cache cannot see our scope
+        return fun(p, b)
+
+    return jax.make_jaxpr(traced, return_shape=True)(params, batch)

@@ -285,7 +285,7 @@ def leaves_by_path(tree: Any) -> dict[str, Any]:
 
 def boxed_leaves(tree: Any) -> list[tuple[str, jax.Array, tuple | None]]:
     """``(path, array, logical names or None)`` for every array of a tree with Linen boxes."""
-    is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
+    is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)
     out = []
     for keypath, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]:
         if is_box(node):

@@ -11,7 +11,6 @@ import optax
 import pytest
 from flax import nnx
 from flax.training.train_state import TrainState
-
 from helpers import (
     LinenLossModel,
     NNXLossModel,
@@ -23,6 +22,7 @@ from helpers import (
     norm_spec,
     optax_loop,
 )
+
 from multimesh.jax import build_mesh, parallelize
 from multimesh.jax.flax import parallelize_step, shard_axes
 

@@ -13,15 +13,12 @@ import functools
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import flax.linen as nn
 import pytest
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
-
 from helpers import (
     MLP,
     Attention,
@@ -30,12 +27,16 @@ from helpers import (
     boxed_leaves,
     check_placement,
     expected_spec,
+    leaves_by_path,
     make_init,
     make_train_step,
     mlp_batch,
     norm_spec,
     run_reference,
 )
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from multimesh.jax import parallelize
 
 pytestmark = pytest.mark.devices(8)
@@ -240,7 +241,7 @@ def test_get_input_batch_form_returns_three():
         assert b[k].addressable_shards[0].data.shape == (batch[k].shape[0] // 8, *batch[k].shape[1:])
     state = init()
     for i in range(STEPS):
-        loss, state, grads = fun(state, b)
+        loss, state, _grads = fun(state, b)
         np.testing.assert_allclose(float(loss), float(ref.outputs[i][0]), rtol=1e-5, atol=1e-6)
     assert_trees_close(state, ref.outputs[-1][1], what="get_input_batch state")
 
@@ -291,7 +292,7 @@ def test_donation_deletes_old_state_and_matches_reference():
     state = init()
     for i in range(STEPS):
         old = state
-        loss, state, grads = fun(state, ref.batch)
+        loss, state, _grads = fun(state, ref.batch)
         jax.block_until_ready(state)
         assert all(a.is_deleted() for a in jax.tree.leaves(old)), f"step {i}: old state not donated"
         assert not any(a.is_deleted() for a in jax.tree.leaves(state))
@@ -322,7 +323,7 @@ def test_params_born_sharded(init_name):
     def init_params():
         return model.init(jax.random.key(3), jnp.ones((8, 2048)))
 
-    fun, init = parallelize(
+    _fun, init = parallelize(
         lambda p, b: jnp.sum(model.apply(p, b)),
         init_params=init_params,
         initial_batch=np.ones((8, 2048), np.float32),
@@ -353,3 +354,90 @@ def test_params_born_sharded(init_name):
     if init_name == "normal":  # same values as the one-device init
         ref = jax.jit(init_params)()["params"]["w"].value
         np.testing.assert_array_equal(np.asarray(w), np.asarray(ref))
+
+
+# ----------------------------------------------------------------------------
+# Path rules, the report, reprs
+# ----------------------------------------------------------------------------
+
+
+def test_param_rules_shard_plain_dict_and_report():
+    shapes = {"encoder": {"w": (16, 64), "b": (64,)}, "head": {"w": (64, 8)}, "big": (1024, 512), "scale": ()}
+
+    def init_params():
+        keys = iter(jax.random.split(jax.random.key(0), 8))
+        return jax.tree.map(lambda s: jax.random.normal(next(keys), s), shapes, is_leaf=lambda s: isinstance(s, tuple))
+
+    def loss(p, b):
+        h = jnp.tanh(b["x"] @ p["encoder"]["w"] + p["encoder"]["b"])
+        return jnp.mean((h @ p["head"]["w"]) ** 2) * p["scale"] + jnp.sum(p["big"][0])
+
+    fun, init = parallelize(
+        loss,
+        init_params=init_params,
+        initial_batch={"x": np.ones((32, 16), np.float32)},
+        mesh={"data": 4, "model": 2},
+        rules=[("batch", "data"), ("embed", "data"), ("mlp", "model")],
+        # first match wins: encoder/w takes the logical rule, head/w the last one
+        param_rules=[(r"encoder/w$", ("embed", "mlp")), (r"/b$", P("model")), (r"w$", P("model", None))],
+    )
+    want = {"encoder/w": ("data", "model"), "encoder/b": ("model",), "head/w": ("model",), "big": (), "scale": ()}
+    assert {k: norm_spec(s.spec) for k, s in leaves_by_path(fun.param_shardings).items()} == want
+    params = init()
+    devices = set(jax.devices())
+    for path, arr in leaves_by_path(params).items():
+        check_placement(arr, want[path], devices, {"data": 4, "model": 2}, path)
+    ref = jax.jit(init_params)()
+    assert_trees_close(params, ref, rtol=1e-6, atol=1e-7, what="path-rule params")
+
+    report = fun.report()
+    text = str(report)
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("path"))
+    for column in ("path", "shape", "dtype", "logical", "PartitionSpec", "mesh", "bytes/device"):
+        assert column in header
+    row = next(line for line in lines if line.startswith("encoder/w"))
+    for cell in ("(16, 64)", "float32", "('embed', 'mlp')", "P('data', 'model')", "data=4xmodel=2", "512 B"):
+        assert cell in row, (cell, row)
+    assert "P('model',)" in next(line for line in lines if line.startswith("encoder/b"))
+    big_row = next(line for line in lines if line.startswith("big"))
+    assert "(1024, 512)" in big_row and "2.0 MiB" in big_row and "P()" in big_row
+    # totals
+    total = (16 * 64 + 64 + 64 * 8 + 1024 * 512 + 1) * 4
+    per_device = (16 * 64 // 8 + 64 // 2 + 64 * 8 // 2 + 1024 * 512 + 1) * 4
+    assert report.total_bytes == total
+    assert report.bytes_per_device() == {d: per_device for d in devices}
+    assert any(line.startswith("total") and "5 arrays" in line and "8 devices" in line for line in lines), text
+    # one warning: the large replicated tensor that a mesh axis divides (not the small scalar)
+    warns = [line for line in lines if line.startswith("warning")]
+    assert len(warns) == 1 and "big" in warns[0] and "replicated" in warns[0], warns
+    assert report.warnings and "big" in report.warnings[0]
+
+    batch_text = str(fun.report(batch=True))
+    assert "('batch',)" in batch_text and "P('data',)" in batch_text and "(32, 16)" in batch_text
+
+    assert repr(fun) == "ShardedFunction(loss, mesh={'data': 4, 'model': 2}, 5 params)"
+    assert repr(report).startswith("ShardingReport(5 arrays, ")
+    assert "'batch'->'data'" in repr(fun.rules) and "'mlp'->'model'" in repr(fun.rules)
+    assert str(fun) == repr(fun) and "loss" in text.splitlines()[0]
+
+
+def test_outputs_that_mirror_params_keep_their_shardings_even_when_built_fresh():
+    """New params and a fresh optimizer state built with no data dependence on the old ones
+    (the compiler alone would replicate them) still come back in the params' shardings."""
+    ref = reference("mlp")
+    cfg = CONFIGS["dp_tp"]
+
+    def reset(state, batch):
+        loss = jnp.mean((ref.model.apply(state["params"], batch["x"]) - batch["y"]) ** 2)
+        fresh = jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype) + loss, state["params"])
+        return loss, {"params": fresh, "opt": TX.init(fresh)}
+
+    fun, init = parallelize(reset, init_params=ref.init, initial_batch=ref.batch, mesh=cfg.mesh, rules=cfg.rules)
+    loss, state = fun(init(), ref.batch)
+    np.testing.assert_allclose(float(loss), float(ref.outputs[0][0]), rtol=1e-5, atol=1e-6)
+    _check_tree_placement(state, cfg, "fresh state")
+    for arr in jax.tree.leaves(state["params"]):
+        np.testing.assert_allclose(np.asarray(arr), float(loss), rtol=1e-6)
+    loss2, _ = fun(state, ref.batch)  # fed straight back
+    assert np.isfinite(float(loss2))
