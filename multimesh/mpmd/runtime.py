@@ -11,38 +11,18 @@ too many executions with collectives are queued).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 from jax.extend.core import Literal, Var, jaxpr_as_fun
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from .plan import Plan, Segment
+from .transfer import reshard_to
 
-__all__ = ["Runtime", "reshard_to", "RunStats"]
-
-
-def reshard_to(x: jax.Array, mesh, spec: PartitionSpec | None = None) -> jax.Array:
-    """Move ``x`` onto ``mesh``, keeping its `PartitionSpec` where the mesh can hold it."""
-    if spec is None:
-        spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else PartitionSpec()
-        if not _fits(spec, mesh, x.shape):
-            spec = PartitionSpec()
-    return jax.device_put(x, NamedSharding(mesh, spec))
-
-
-def _fits(spec: PartitionSpec, mesh, shape: Sequence[int]) -> bool:
-    sizes = dict(mesh.shape)
-    for d, entry in enumerate(spec):
-        if entry is None:
-            continue
-        axes = (entry,) if isinstance(entry, str) else tuple(entry)
-        if any(a not in sizes for a in axes) or shape[d] % math.prod(sizes[a] for a in axes):
-            return False
-    return True
+__all__ = ["Runtime", "RunStats"]
 
 
 @dataclass
@@ -76,12 +56,10 @@ class Runtime:
             x = env[v]
             if not isinstance(x, jax.Array) or not x.sharding.device_set <= seg.placement.devices:
                 target = self.input_shardings.get(v) if v not in self.plan.producer else None
-                if target is not None and target.mesh.devices.size and set(target.device_set) <= seg.placement.devices:
+                if target is not None and target.device_set <= seg.placement.devices:
                     x = jax.device_put(x, target)
                 else:
-                    x = reshard_to(x, seg.placement.mesh) if isinstance(x, jax.Array) else jax.device_put(
-                        x, NamedSharding(seg.placement.mesh, PartitionSpec())
-                    )
+                    x = reshard_to(x, seg.placement.mesh)
                 self.stats.transfers += 1
                 self.stats.bytes_moved += x.nbytes
                 env[v] = x

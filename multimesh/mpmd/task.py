@@ -25,10 +25,11 @@ import numpy as np
 from jax._src import core as jcore
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from ..rules import MeshAxes, Rules, identity_rules
 from ..scope import Scope, use_scope
+from .transfer import reshard_to
 
 __all__ = ["Placement", "task", "task_call_p", "ignore_transforms", "transforms_ignored", "DEFAULT_AXIS"]
 
@@ -177,11 +178,7 @@ def _eager_call(placement: Placement, fun: Callable, args: tuple) -> Any:
     def put(x):
         if isinstance(x, jax.Array) and x.sharding.device_set <= placement.devices:
             return x
-        spec = x.sharding.spec if isinstance(getattr(x, "sharding", None), NamedSharding) else PartitionSpec()
-        try:
-            return jax.device_put(x, NamedSharding(placement.mesh, spec))
-        except ValueError:
-            return jax.device_put(x, NamedSharding(placement.mesh, PartitionSpec()))
+        return reshard_to(x, placement.mesh)
 
     def scoped(*a):
         with use_scope(placement.scope):
