@@ -2,7 +2,10 @@
 
 Every subtree of the input is indexed by its tree structure and leaf
 shapes/dtypes; an output subtree with the same signature gets the input's
-shardings. Single arrays match only where the signature is unambiguous.
+shardings, where the signature is unambiguous. Lone arrays inside the input
+are not indexed: an output array that merely has a parameter's shape (an
+activation, a user-constrained result) must keep the sharding the step gives
+it. Only a whole input that is itself one array is matched as a leaf.
 """
 
 from __future__ import annotations
@@ -34,10 +37,10 @@ class MirrorIndex:
 
     def __init__(self, abstract: Any, shardings: Any):
         self._index: dict[tuple, Any] = {}
-        self._add(abstract, shardings)
+        self._add(abstract, shardings, root=True)
 
-    def _add(self, tree: Any, shardings: Any) -> None:
-        if jax.tree.structure(tree).num_leaves == 0:
+    def _add(self, tree: Any, shardings: Any, root: bool = False) -> None:
+        if jax.tree.structure(tree).num_leaves == 0 or (_is_leaf(tree) and not root):
             return
         key = signature(tree)
         if key in self._index and self._index[key] is not _AMBIGUOUS and not _same(self._index[key], shardings):

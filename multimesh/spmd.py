@@ -58,6 +58,12 @@ class Parallelized:
     def batch_shardings(self) -> Any:
         return self.batch_layout.shardings
 
+    @property
+    def abstract_params(self) -> Any:
+        """The parameters as `jax.ShapeDtypeStruct`s carrying their shardings: a restore target."""
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            self._abstract_params, self.param_shardings)
+
     def _check_inputs(self, params: Any, batch: Any) -> Any:
         """Raise on a tree that differs from the one built for; return the placed batch."""
         if jax.tree.structure(params) != self._param_treedef:

@@ -105,11 +105,6 @@ def test_constraint_on_batch_input_determines_batch_sharding():
     assert norm_spec(fun_.batch_shardings["x"].spec) == (None, "model")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the step's outputs are matched to parameters by (shape, dtype) alone, so an activation that "
-    "happens to have a parameter's shape gets that parameter's sharding, overriding the user's constraint",
-)
 def test_output_constraint_not_overridden_by_param_of_same_shape():
     def fun(p, b):
         h = with_sharding_constraint(b["x"] @ p["w"], P("batch", None))  # (16, 16), like w
@@ -119,8 +114,23 @@ def test_output_constraint_not_overridden_by_param_of_same_shape():
         fun, init_params=lambda: {"w": jnp.ones((16, 16))}, initial_batch={"x": np.ones((16, 16), np.float32)},
         mesh=MESH, rules=RULES, param_rules={"w": P(None, "model")},
     )
-    _, h = fun_(init(), {"x": np.ones((16, 16), np.float32)})
+    params = init()
+    _, h = fun_(params, {"x": np.ones((16, 16), np.float32)})
+    assert norm_spec(params["w"].sharding.spec) == (None, "model")
     assert norm_spec(h.sharding.spec) == ("data",)
+
+
+def test_lone_param_tree_output_keeps_its_sharding():
+    """A step whose params are one array still gets the new array back in the param's sharding."""
+    fun_, init = parallelize(
+        lambda w, b: jnp.zeros((16, 16)) + jnp.mean(b["x"]), init_params=lambda: jnp.ones((16, 16)),
+        initial_batch={"x": np.ones((16, 16), np.float32)}, mesh=MESH, rules=RULES,
+        param_rules={"": P(None, "model")},
+    )
+    w = init()
+    new = fun_(w, {"x": np.ones((16, 16), np.float32)})
+    assert norm_spec(w.sharding.spec) == (None, "model")
+    assert new.sharding == w.sharding
 
 
 # ----------------------------------------------------------------------------
