@@ -21,6 +21,7 @@ from .meshes import MeshLike, build_mesh
 from .rules import MeshAxes, PathRules, Rules
 from .scope import Scope
 from .mpmd.function import build_mpmd
+from .mpmd.microbatch import collect_pipelines
 from .mpmd.plan import has_tasks, inline_calls
 from .spmd import ShardedFunction, tracing
 
@@ -112,11 +113,12 @@ def parallelize(
     closed, out_shape = traced if traced is not None else (None, None)
 
     if closed is not None and has_tasks(closed.jaxpr):
-        with tracing(None):  # glue outside tasks takes its placement from the plan, not from here
+        # Glue outside tasks takes its placement from the plan, not from here.
+        with tracing(None), collect_pipelines() as pipelines:
             closed, out_shape = _trace(fun, abstract_params, abstract_batch)
         closed = inline_calls(closed)
         sharded = build_mpmd(fun, closed, out_shape, abstract_params, abstract_batch, path_rules=path_rules,
-                             batch_spec=batch_spec, constraints=constrained_inputs(closed))
+                             batch_spec=batch_spec, constraints=constrained_inputs(closed), pipelines=pipelines)
         return _with_initializers(sharded, init_params, get_input_batch, None)
     n_params = len(jax.tree.leaves(abstract_params))
     found = constrained_inputs(closed) if closed is not None else {}

@@ -58,8 +58,8 @@ class MPMDFunction(Parallelized):
 
 
 def build_mpmd(fun: Callable, closed, out_shape: Any, abstract_params: Any, abstract_batch: Any, *,
-               path_rules: PathRules, batch_spec: tuple, constraints: dict) -> MPMDFunction:
-    plan = partition(closed)
+               path_rules: PathRules, batch_spec: tuple, constraints: dict, pipelines=()) -> MPMDFunction:
+    plan = partition(closed, pipelines)
     invars = plan.jaxpr.invars
     first = plan.placements[0]
     n_params = len(jax.tree.leaves(abstract_params))

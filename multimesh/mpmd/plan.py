@@ -1,13 +1,20 @@
 """Partition a traced step into per-submesh segments: the MPMD plan.
 
-Every equation gets a placement ("colour"): a task call its own; any other
+Every equation gets a placement ("colour"): a task call its own, an equation
+inside a registered implicit task (by its scope stack) that task's; any other
 equation the placement of the first coloured equation that consumes its
 result (glue runs where its result is needed), else that of the producer of
 its largest coloured input (the optimizer update of a stage's parameters runs
-on that stage), repeated until nothing changes. Equations are then grouped, in program order, into segments: an
-equation joins the latest segment of its placement unless one of its inputs
-comes from a later segment (that would make a cycle), in which case it opens
-a new one. Segment order is therefore a valid execution order.
+on that stage), repeated until nothing changes.
+
+Under `microbatch`, coloured equations also carry a *unit*: their microbatch,
+forward or backward, and which run of consecutive stages they belong to (the
+logical stage). Equations are grouped, in program order, into segments: an
+equation joins the latest segment of its placement and unit (glue: the latest
+glue segment of its placement) unless one of its inputs comes from a later
+segment, in which case it opens a new one. Segment order is then a valid
+execution order; with a pipeline, `order.schedule_segments` reorders the
+segments to follow the schedule.
 """
 
 from __future__ import annotations
@@ -18,23 +25,35 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
+from .implicit import implicit_placement, is_backprop, microbatch_of
+from .schedules import Action, Schedule
 from .task import Placement, task_call_p
 
-__all__ = ["Segment", "Plan", "partition", "has_tasks"]
+__all__ = ["Segment", "Plan", "Unit", "partition", "has_tasks", "inline_calls"]
 
 
 def has_tasks(jaxpr: Jaxpr) -> bool:
-    """Whether any task is called, at the top level or inside nested calls."""
+    """Whether any task is called (or an implicit one matched), at the top level or inside nested calls."""
     for e in jaxpr.eqns:
-        if e.primitive is task_call_p:
+        if e.primitive is task_call_p or implicit_placement(e.source_info.name_stack) is not None:
             return True
         for value in e.params.values():
             inner = getattr(value, "jaxpr", value)
             if isinstance(inner, Jaxpr) and has_tasks(inner):
                 return True
     return False
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Pipeline work: microbatch ``microbatch``'s forward or backward pass through its ``run``-th stage."""
+
+    microbatch: int
+    backward: bool
+    run: int
 
 
 @dataclass
@@ -46,21 +65,19 @@ class Segment:
     eqns: list = field(default_factory=list)
     invars: list[Var] = field(default_factory=list)
     outvars: list[Var] = field(default_factory=list)
-
-    @property
-    def kinds(self) -> list[str]:
-        return [e.params["kind"] for e in self.eqns if e.primitive is task_call_p]
-
-    @property
-    def microbatches(self) -> list[int]:
-        return sorted({e.params["microbatch"] for e in self.eqns if e.primitive is task_call_p and e.params["microbatch"] is not None})
+    unit: Unit | None = None
+    action: Action | None = None
+    stage: int | None = None
 
     @property
     def label(self) -> str:
-        kinds = self.kinds
+        if self.action is not None:
+            return f"{self.placement.name}:{self.action}"
+        kinds = [e.params["kind"] for e in self.eqns if e.primitive is task_call_p]
         what = "+".join(dict.fromkeys(kinds)) if kinds else "glue"
-        mbs = self.microbatches
-        return f"{self.placement.name}:{what}" + (f"[mb {','.join(map(str, mbs))}]" if mbs else "")
+        if self.unit is not None:
+            what += f"[mb {self.unit.microbatch}{' bwd' if self.unit.backward else ''}]"
+        return f"{self.placement.name}:{what}"
 
     def closed_jaxpr(self) -> ClosedJaxpr:
         jaxpr = Jaxpr(constvars=[], invars=list(self.invars), outvars=list(self.outvars), eqns=list(self.eqns))
@@ -81,6 +98,7 @@ class Plan:
     input_placement: dict[Var, Placement]
     producer: dict[Var, int]
     consts: dict[Var, Any]
+    schedule: Schedule | None = None
 
     @property
     def placements(self) -> list[Placement]:
@@ -115,6 +133,9 @@ class Plan:
                 lines.append(f"        <- reshard {aval.str_short()} from {origin} ({_mib(nbytes)})")
         total = sum(t[4] for t in self.transfers())
         lines.append(f"  total resharded per step: {_mib(total)}")
+        if self.schedule is not None:
+            lines.append(f"  schedule: {self.schedule!r}")
+            lines.extend("    " + row for row in self.schedule.render().splitlines())
         return "\n".join(lines)
 
 
@@ -127,23 +148,29 @@ _CUSTOM = ("custom_vjp_call", "custom_jvp_call")
 
 
 def _eval_inlined(jaxpr: Jaxpr, consts: Sequence, *args: Any) -> list:
-    """Evaluate ``jaxpr``, expanding nested jit calls in place (under a trace: inline them)."""
+    """Evaluate ``jaxpr``, expanding nested jit calls in place (under a trace: inline them).
+
+    Each equation is re-bound under its own scope stack (appended to the
+    caller's), so implicit tasks and microbatch indices survive inlining.
+    """
     env: dict = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
     read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
-        if eqn.primitive.name in _INLINED and "jaxpr" in eqn.params:
-            inner = eqn.params["jaxpr"]
-            outs = _eval_inlined(inner.jaxpr, inner.consts, *ins)
-        elif eqn.primitive.name in _CUSTOM and has_tasks(eqn.params["call_jaxpr"].jaxpr):
-            # Not differentiated any further (the trace is final): its primal body is the program.
-            inner = eqn.params["call_jaxpr"]
-            outs = _eval_inlined(inner.jaxpr, inner.consts, *ins)
-        else:
-            with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
-            outs = outs if eqn.primitive.multiple_results else [outs]
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+            if eqn.primitive.name in _INLINED and "jaxpr" in eqn.params:
+                inner = eqn.params["jaxpr"]
+                outs = _eval_inlined(inner.jaxpr, inner.consts, *ins)
+            elif eqn.primitive.name in _CUSTOM and has_tasks(eqn.params["call_jaxpr"].jaxpr):
+                # Not differentiated any further (the trace is final): its primal body is the program.
+                inner = eqn.params["call_jaxpr"]
+                outs = _eval_inlined(inner.jaxpr, inner.consts, *ins)
+            else:
+                with eqn.ctx.manager:
+                    outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+                outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
 
@@ -158,27 +185,40 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
     return jax.make_jaxpr(lambda *a: _eval_inlined(closed.jaxpr, closed.consts, *a))(*avals)
 
 
-def partition(closed: ClosedJaxpr) -> Plan:
-    """The plan of a step whose nested calls are already inlined (`inline_calls`)."""
-    jaxpr = closed.jaxpr
-    eqns = jaxpr.eqns
-    tasks = [e.params["placement"] for e in eqns if e.primitive is task_call_p]
-    if not tasks:
-        raise ValueError("partition() needs a function that calls at least one task")
-    _check_overlaps(tasks)
+def _initial_colours(eqns: Sequence) -> list[Placement | None]:
+    return [e.params["placement"] if e.primitive is task_call_p else implicit_placement(e.source_info.name_stack)
+            for e in eqns]
 
+
+def _units(eqns: Sequence, colour: Sequence[Placement | None]) -> list[Unit | None]:
+    """The pipeline unit of each coloured equation inside a microbatch (None elsewhere)."""
+    units: list[Unit | None] = [None] * len(eqns)
+    last: dict[tuple[int, bool], tuple[Placement, int]] = {}
+    for i, e in enumerate(eqns):
+        if colour[i] is None:
+            continue
+        m = microbatch_of(e.source_info.name_stack)
+        if m is None:
+            continue
+        backward = e.params["kind"] == "bwd" if e.primitive is task_call_p else is_backprop(e.source_info.name_stack)
+        where, run = last.get((m, backward), (None, -1))
+        if where != colour[i]:
+            run += 1
+            last[(m, backward)] = (colour[i], run)
+        units[i] = Unit(m, backward, run)
+    return units
+
+
+def _propagate(eqns: Sequence, colour: list[Placement | None]) -> list[Placement]:
+    """Glue's colour: its first coloured consumer's, else its largest coloured input's producer's."""
     consumers: dict[Var, list[int]] = {}
     for i, e in enumerate(eqns):
         for v in e.invars:
             if not isinstance(v, Literal):
                 consumers.setdefault(v, []).append(i)
-
-    colour: list[Placement | None] = [
-        e.params["placement"] if e.primitive is task_call_p else None for e in eqns
-    ]
     made_by: dict[Var, int] = {v: i for i, e in enumerate(eqns) for v in e.outvars}
     changed = True
-    while changed:  # glue: its first coloured consumer's, else its largest coloured input's producer's
+    while changed:
         changed = False
         for i in reversed(range(len(eqns))):
             if colour[i] is None:
@@ -191,26 +231,40 @@ def partition(closed: ClosedJaxpr) -> Plan:
                         if not isinstance(v, Literal) and v in made_by and colour[made_by[v]] is not None]
                 if srcs:
                     colour[i], changed = max(srcs, key=lambda s: s[0])[1], True
-    colour = [c if c is not None else tasks[0] for c in colour]
+    first = next(c for c in colour if c is not None)
+    return [c if c is not None else first for c in colour]
 
+
+def _glue_key(eqn) -> tuple | None:
+    """Glue inside a microbatch stays with that microbatch's pass, so it never links two microbatches."""
+    m = microbatch_of(eqn.source_info.name_stack)
+    return None if m is None else (m, is_backprop(eqn.source_info.name_stack))
+
+
+def _group(eqns: Sequence, colour: Sequence[Placement], units: Sequence[Unit | None]) -> list[Segment]:
     segments: list[Segment] = []
-    latest: dict[Placement, int] = {}
+    latest: dict[tuple, int] = {}
     producer: dict[Var, int] = {}
     for i, e in enumerate(eqns):
-        c = colour[i]
+        key = (colour[i], units[i] if units[i] is not None else _glue_key(e))
         deps = [producer[v] for v in e.invars if not isinstance(v, Literal) and v in producer]
-        k = latest.get(c)
+        k = latest.get(key)
         if k is None or any(d > k for d in deps):
             k = len(segments)
-            segments.append(Segment(k, c))
-            latest[c] = k
+            segments.append(Segment(k, colour[i], unit=units[i]))
+            latest[key] = k
         segments[k].eqns.append(e)
         for v in e.outvars:
             producer[v] = k
+    return segments
 
-    outputs = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+
+def finish(jaxpr: Jaxpr, consts: dict, segments: list[Segment], schedule: Schedule | None = None) -> Plan:
+    """Number ``segments`` (in execution order) and work out what flows between them."""
+    producer: dict[Var, int] = {}
     input_placement: dict[Var, Placement] = {}
-    for seg in segments:
+    for k, seg in enumerate(segments):
+        seg.index = k
         defined, needed = set(), []
         for e in seg.eqns:
             for v in e.invars:
@@ -221,11 +275,34 @@ def partition(closed: ClosedJaxpr) -> Plan:
         for v in needed:
             if v not in producer:
                 input_placement.setdefault(v, seg.placement)
-    for seg in segments:
-        used_later = {v for later in segments[seg.index + 1 :] for v in later.invars}
-        seg.outvars = [v for e in seg.eqns for v in e.outvars if v in used_later or v in outputs]
-    consts = dict(zip(jaxpr.constvars, closed.consts))
-    return Plan(jaxpr, segments, input_placement, producer, consts)
+        for v in defined:
+            producer[v] = k
+    outputs = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+    used_later: set[Var] = set(outputs)
+    for seg in reversed(segments):
+        seg.outvars = [v for e in seg.eqns for v in e.outvars if v in used_later]
+        used_later.update(seg.invars)
+    return Plan(jaxpr, segments, input_placement, producer, consts, schedule)
+
+
+def partition(closed: ClosedJaxpr, pipelines: Sequence = ()) -> Plan:
+    """The plan of a step whose nested calls are already inlined (`inline_calls`).
+
+    ``pipelines`` are the `microbatch` calls seen while tracing; their schedule
+    orders the segments.
+    """
+    from .order import schedule_segments
+
+    eqns = closed.jaxpr.eqns
+    colour = _initial_colours(eqns)
+    tasks = [c for c in colour if c is not None]
+    if not tasks:
+        raise ValueError("partition() needs a function that calls at least one task")
+    _check_overlaps(tasks)
+    units = _units(eqns, colour)
+    segments = _group(eqns, _propagate(eqns, colour), units)
+    segments, schedule = schedule_segments(segments, pipelines)
+    return finish(closed.jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts)), segments, schedule)
 
 
 def _check_overlaps(placements: Sequence[Placement]) -> None:

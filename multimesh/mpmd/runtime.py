@@ -1,24 +1,32 @@
 """Run an MPMD plan: one `jax.jit` per segment, values resharded between submeshes.
 
-The runtime walks the segments in plan order. Before a segment runs, each of
-its inputs that lives on another submesh is moved with `jax.device_put` (same
-`PartitionSpec` when the destination mesh can hold it, else replicated there).
-Values are dropped after their last use. JAX dispatches asynchronously, so
-different submeshes work at once; every `sync_every` executions the runtime
-waits for the latest result, bounding the work in flight (XLA:CPU aborts when
-too many executions with collectives are queued).
+The runtime walks the segments in plan order (the schedule's, under a
+pipeline). Before a segment runs, each of its inputs that lives on another
+submesh is moved with `jax.device_put` (same `PartitionSpec` when the
+destination mesh can hold it, else replicated there); the copy is kept beside
+the original until the value's last use. Values are dropped after their last
+use. JAX dispatches asynchronously, so different submeshes work at once;
+every `sync_every` executions the runtime waits for the latest result,
+bounding the work in flight (XLA:CPU aborts when too many executions with
+collectives are queued).
+
+It also measures what a pipeline schedule promises: the number of
+microbatches whose forward activations (the residuals a backward pass will
+read) are alive on each stage at once.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 from jax.extend.core import Literal, Var, jaxpr_as_fun
 from jax.sharding import NamedSharding
 
+from .implicit import is_backprop, microbatch_of
 from .plan import Plan, Segment
 from .transfer import reshard_to
 
@@ -27,11 +35,21 @@ __all__ = ["Runtime", "RunStats"]
 
 @dataclass
 class RunStats:
-    """What the last run did: executions, transfers, bytes moved."""
+    """What the last run did.
+
+    ``executed``: segment labels in execution order; ``peak_live_activations``:
+    per pipeline stage, the most microbatches whose stashed forward
+    activations were alive at once.
+    """
 
     executions: int = 0
     transfers: int = 0
     bytes_moved: int = 0
+    executed: list[str] = field(default_factory=list)
+    peak_live_activations: dict[int, int] = field(default_factory=dict)
+
+
+Key = tuple  # (var, devices of the copy; None for a step input as given)
 
 
 class Runtime:
@@ -43,43 +61,102 @@ class Runtime:
         self.sync_every = sync_every
         self.stats = RunStats()
         self._fns = [jax.jit(jaxpr_as_fun(seg.closed_jaxpr())) for seg in plan.segments]
-        last_use: dict[Var, int] = {}
-        for seg in plan.segments:
-            for v in seg.invars:
-                last_use[v] = seg.index
-        outputs = {v for v in plan.jaxpr.outvars if not isinstance(v, Literal)}
-        self._free_after = {i: [v for v, k in last_use.items() if k == i and v not in outputs] for i in range(len(plan.segments))}
+        self._free_after = _lifetimes(plan)
+        self._stash = _stashed_activations(plan.segments)
+        self._stage_at = {s.placement.devices: s.stage for s in plan.segments if s.stage is not None}
 
-    def _gather(self, seg: Segment, env: dict[Var, Any]) -> list:
-        args = []
-        for v in seg.invars:
-            x = env[v]
-            if not isinstance(x, jax.Array) or not x.sharding.device_set <= seg.placement.devices:
-                target = self.input_shardings.get(v) if v not in self.plan.producer else None
-                if target is not None and target.device_set <= seg.placement.devices:
-                    x = jax.device_put(x, target)
-                else:
-                    x = reshard_to(x, seg.placement.mesh)
-                self.stats.transfers += 1
-                self.stats.bytes_moved += x.nbytes
-                env[v] = x
-            args.append(x)
-        return args
+    def _home(self, v: Var) -> frozenset | None:
+        k = self.plan.producer.get(v)
+        return None if k is None else self.plan.segments[k].placement.devices
+
+    def _move(self, v: Var, x: Any, seg: Segment) -> Any:
+        if isinstance(x, jax.Array) and x.sharding.device_set <= seg.placement.devices:
+            return x
+        target = self.input_shardings.get(v) if v not in self.plan.producer else None
+        if target is not None and target.device_set <= seg.placement.devices:
+            moved = jax.device_put(x, target)
+        else:
+            moved = reshard_to(x, seg.placement.mesh)
+        self.stats.transfers += 1
+        self.stats.bytes_moved += moved.nbytes
+        return moved
 
     def __call__(self, flat_inputs: Sequence[Any]) -> list:
-        plan = self.plan
-        env: dict[Var, Any] = dict(zip(plan.jaxpr.invars, flat_inputs))
-        env.update(plan.consts)
-        self.stats = RunStats()
+        plan, stats = self.plan, RunStats()
+        self.stats = stats
+        held: dict[Key, Any] = {}
+        live: dict[int, Counter] = {}
+
+        def hold(key: Key, x: Any, delta: int = 1) -> None:
+            if delta > 0:
+                held[key] = x
+            elif held.pop(key, _GONE) is _GONE:
+                return
+            if key[0] in self._stash and key[1] in self._stage_at:
+                live.setdefault(self._stage_at[key[1]], Counter())[self._stash[key[0]]] += delta
+
+        for v, x in zip(plan.jaxpr.invars, flat_inputs):
+            hold((v, None), x)
+        for v, x in plan.consts.items():
+            hold((v, None), x)
         last = None
         for seg, fn in zip(plan.segments, self._fns):
-            outs = fn(*self._gather(seg, env))
-            env.update(zip(seg.outvars, outs))
-            self.stats.executions += 1
-            for v in self._free_after[seg.index]:
-                env.pop(v, None)
+            here = seg.placement.devices
+            for v in seg.invars:
+                if (v, here) not in held:
+                    hold((v, here), self._move(v, held[(v, self._home(v))], seg))
+            outs = fn(*[held[(v, here)] for v in seg.invars])
+            for v, x in zip(seg.outvars, outs):
+                hold((v, here), x)
+            stats.executions += 1
+            stats.executed.append(seg.label)
+            for stage, c in live.items():
+                stats.peak_live_activations[stage] = max(stats.peak_live_activations.get(stage, 0), len(+c))
+            for key in self._free_after[seg.index]:
+                hold(key, None, -1)
             if outs:
                 last = outs[0]
-            if self.sync_every and self.stats.executions % self.sync_every == 0 and last is not None:
+            if self.sync_every and stats.executions % self.sync_every == 0 and last is not None:
                 jax.block_until_ready(last)
-        return [v.val if isinstance(v, Literal) else env[v] for v in plan.jaxpr.outvars]
+        return [v.val if isinstance(v, Literal) else held[(v, self._home(v))] for v in plan.jaxpr.outvars]
+
+
+_GONE = object()
+
+
+def _lifetimes(plan: Plan) -> dict[int, list[Key]]:
+    """After which segment each copy of each value dies.
+
+    A copy on a submesh dies after its last use there; the original (on its
+    producer's submesh, or the step input as given) also serves every copy,
+    so it lives until each other submesh has taken its copy. Step outputs
+    never die.
+    """
+    uses: dict[Var, dict[frozenset, list[int]]] = {}
+    for seg in plan.segments:
+        for v in seg.invars:
+            uses.setdefault(v, {}).setdefault(seg.placement.devices, []).append(seg.index)
+    outputs = {v for v in plan.jaxpr.outvars if not isinstance(v, Literal)}
+    free: dict[int, list[Key]] = {i: [] for i in range(len(plan.segments))}
+    for v, where in uses.items():
+        k = plan.producer.get(v)
+        home = None if k is None else plan.segments[k].placement.devices
+        for loc, idx in where.items():
+            if loc != home:
+                free[max(idx)].append((v, loc))
+        if v not in outputs:
+            serves = [min(idx) for loc, idx in where.items() if loc != home] + where.get(home, [])
+            free[max(serves)].append((v, home))
+    return free
+
+
+def _stashed_activations(segments: Sequence[Segment]) -> dict[Var, int]:
+    """Values computed in a microbatch's forward pass and read by a backward unit: var -> microbatch."""
+    read_by_backward = {v for s in segments if s.action is not None and not s.action.is_forward for v in s.invars}
+    stash = {}
+    for seg in segments:
+        for e in seg.eqns:
+            m = microbatch_of(e.source_info.name_stack)
+            if m is not None and not is_backprop(e.source_info.name_stack):
+                stash.update((v, m) for v in e.outvars if v in read_by_backward)
+    return stash

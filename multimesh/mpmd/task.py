@@ -31,7 +31,8 @@ from ..rules import MeshAxes, Rules, identity_rules
 from ..scope import Scope, use_scope
 from .transfer import reshard_to
 
-__all__ = ["Placement", "task", "task_call_p", "ignore_transforms", "transforms_ignored", "DEFAULT_AXIS"]
+__all__ = ["Placement", "task", "task_call_p", "make_placement", "ignore_transforms", "transforms_ignored",
+           "DEFAULT_AXIS"]
 
 DEFAULT_AXIS = "devices"
 
@@ -67,7 +68,7 @@ task_call_p = Primitive("task_call")
 task_call_p.multiple_results = True
 
 
-def _eval(*args, jaxpr, placement, kind, microbatch):
+def _eval(*args, jaxpr, placement, kind):
     return jcore.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
 
 
@@ -75,17 +76,7 @@ task_call_p.def_impl(_eval)
 task_call_p.def_abstract_eval(lambda *args, jaxpr, **_: [v.aval for v in jaxpr.jaxpr.outvars])
 mlir.register_lowering(task_call_p, mlir.lower_fun(_eval, multiple_results=True))
 
-_MICROBATCH: contextvars.ContextVar[int | None] = contextvars.ContextVar("multimesh_microbatch", default=None)
 _IGNORED: contextvars.ContextVar[bool] = contextvars.ContextVar("multimesh_ignore_transforms", default=False)
-
-
-@contextlib.contextmanager
-def microbatch_index(i: int | None):
-    token = _MICROBATCH.set(i)
-    try:
-        yield
-    finally:
-        _MICROBATCH.reset(token)
 
 
 @contextlib.contextmanager
@@ -109,7 +100,7 @@ def _is_float(x: Any) -> bool:
 def _bind(placement: Placement, kind: str, fn: Callable[..., list], *flat: Any) -> list:
     with use_scope(placement.scope):
         closed = jax.make_jaxpr(fn)(*flat)
-    return task_call_p.bind(*flat, jaxpr=closed, placement=placement, kind=kind, microbatch=_MICROBATCH.get())
+    return task_call_p.bind(*flat, jaxpr=closed, placement=placement, kind=kind)
 
 
 def _traced_call(placement: Placement, fun: Callable, args: tuple) -> Any:
@@ -187,7 +178,7 @@ def _eager_call(placement: Placement, fun: Callable, args: tuple) -> Any:
     return jax.jit(scoped)(*jax.tree.map(put, args))
 
 
-def _placement(
+def make_placement(
     name: str, mesh: Mesh | None, devices: Any, device_axes: Sequence[str] | None, logical_axes: Any
 ) -> Placement:
     if mesh is not None and (devices is not None or device_axes is not None):
@@ -241,7 +232,7 @@ def task(
     if fun is None:
         return lambda f: task(f, name, mesh=mesh, devices=devices, device_axes=device_axes, logical_axes=logical_axes)
     label = name or getattr(fun, "__name__", "task")
-    placement = _placement(label, mesh, devices, device_axes, logical_axes)
+    placement = make_placement(label, mesh, devices, device_axes, logical_axes)
 
     @functools.wraps(fun)
     def wrapped(*args: Any) -> Any:

@@ -8,5 +8,6 @@ are read by the same rule engine as everything else.
 
 from ...metadata import Annotation, is_box, read_box
 from .step import parallelize_step, shard_axes
+from .task import task
 
-__all__ = ["shard_axes", "parallelize_step", "Annotation", "is_box", "read_box"]
+__all__ = ["shard_axes", "parallelize_step", "task", "Annotation", "is_box", "read_box"]

@@ -1,0 +1,67 @@
+"""`task(Module, ...)`: a Flax Linen module class whose instances run as a task.
+
+The returned class is a subclass that runs each public method under a
+`jax.named_scope` registered with the task's placement; the partitioner
+places everything in that scope (forward and backward) on the submesh, as
+for `register_task`. Parameters, their paths and the module's behaviour are
+unchanged, so the reference program (`ignore_transforms`) is the same model.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+from jax.sharding import Mesh
+
+from ...mpmd.implicit import register_scope
+from ...mpmd.task import make_placement
+from ...rules import MeshAxes
+
+__all__ = ["task"]
+
+_ids = itertools.count()
+
+
+def task(
+    module: type[nn.Module],
+    name: str | None = None,
+    *,
+    mesh: Mesh | None = None,
+    devices: Any = None,
+    device_axes: Sequence[str] | None = None,
+    logical_axes: Iterable[tuple[str, MeshAxes]] | None = None,
+) -> type[nn.Module]:
+    """A subclass of the Linen ``module`` whose calls run as a task on the given submesh.
+
+    Placement keywords are those of `multimesh.jax.task`. Example::
+
+        Stage0 = flax.task(Block, "stage0", devices=jax.devices()[:4])
+        y = Stage0(features=64)(x)        # inside a model's compact method
+    """
+    if not (isinstance(module, type) and issubclass(module, nn.Module)):
+        raise TypeError(f"flax.task needs a Flax Linen Module class, got {module!r}")
+    label = name or module.__name__
+    placement = make_placement(label, mesh, devices, device_axes, logical_axes)
+    scope = f"task_{label}_{next(_ids)}"
+    register_scope(scope, placement)
+
+    def in_scope(method):
+        @functools.wraps(method)
+        def wrapped(self, *args, **kwargs):
+            with jax.named_scope(scope):
+                return method(self, *args, **kwargs)
+
+        return wrapped
+
+    own = [c for c in module.__mro__ if issubclass(c, nn.Module) and c is not nn.Module]
+    names = {k for c in own for k, v in vars(c).items()
+             if callable(v) and not isinstance(v, type) and (k == "__call__" or not k.startswith("_")) and k != "setup"}
+    methods = {k: in_scope(getattr(module, k)) for k in names}
+    cls = type(f"{module.__name__}Task", (module,), {"__module__": module.__module__, **methods})
+    cls.placement = placement  # type: ignore[attr-defined]
+    return cls

@@ -1,0 +1,156 @@
+"""`microbatch`: split a batch, run a function per microbatch, sum the results.
+
+The loop is unrolled at trace time. Each microbatch runs under
+``jax.named_scope(f"microbatch_{i}")``, so every equation it produces, forward
+and backward, carries its index: the partitioner reads it back to form the
+(stage, microbatch, forward|backward) units that a pipeline schedule orders.
+
+The microbatches are traced last to first and summed first to last. Reverse
+mode visits the trace backwards, so the gradient of a parameter used by every
+microbatch is accumulated in the order 0, 1, 2, ...: the order in which
+GPipe and 1F1B run the backward passes, which lets each microbatch's gradient
+be added (and freed) as soon as it exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from .schedules import KNOWN_SCHEDULES, Schedule, get_schedule
+from .task import transforms_ignored
+
+__all__ = ["microbatch", "Pipeline", "collect_pipelines"]
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """What one `microbatch` call asked for: turned into a `Schedule` once the stages are known."""
+
+    name: str
+    num_microbatches: int
+    schedule: str | Schedule | type[Schedule]
+    num_stages: int | None
+    interleave: int | None
+
+    def build(self, num_stages: int, *, forward_only: bool) -> Schedule:
+        if self.num_stages is not None and self.num_stages != num_stages:
+            raise ValueError(
+                f"microbatch({self.name}): num_stages={self.num_stages}, but the function's tasks form "
+                f"{num_stages} stages; pass num_stages={num_stages} or change the tasks"
+            )
+        kwargs: dict[str, Any] = {"forward_only": forward_only}
+        if self.interleave not in (None, 1):
+            kwargs["num_chunks"] = self.interleave
+        if isinstance(self.schedule, Schedule):
+            if self.schedule.forward_only != forward_only:
+                kind = "forward-only" if self.schedule.forward_only else "forward+backward"
+                raise ValueError(f"microbatch({self.name}): the given {kind} schedule does not match a step "
+                                 f"{'without' if forward_only else 'with'} a backward pass")
+            kwargs.pop("forward_only")
+        return get_schedule(self.schedule, num_stages, self.num_microbatches, **kwargs)
+
+
+_COLLECTOR: contextvars.ContextVar[list | None] = contextvars.ContextVar("multimesh_pipelines", default=None)
+
+
+@contextlib.contextmanager
+def collect_pipelines() -> Iterator[list[Pipeline]]:
+    """Record the `microbatch` calls made while tracing inside the block."""
+    found: list[Pipeline] = []
+    token = _COLLECTOR.set(found)
+    try:
+        yield found
+    finally:
+        _COLLECTOR.reset(token)
+
+
+def _count(leaves: list, dim: int, size: int, where: str) -> int:
+    """The number of microbatches, after checking that every leaf splits into it."""
+    counts = set()
+    for x in leaves:
+        shape = np.shape(x)
+        if not -len(shape) <= dim < len(shape):
+            raise ValueError(f"{where}: cannot split along dim {dim}: a leaf has shape {shape}")
+        if shape[dim] % size:
+            raise ValueError(
+                f"{where}: dimension {dim} has size {shape[dim]}, which microbatches of size {size} do not "
+                f"divide; use a size that divides {shape[dim]}"
+            )
+        counts.add(shape[dim] // size)
+    if len(counts) > 1:
+        raise ValueError(f"{where}: its leaves give different numbers of microbatches {sorted(counts)}; every "
+                         f"leaf needs the same size along dim {dim}")
+    return counts.pop()
+
+
+def microbatch(
+    fun: Callable,
+    dim: int,
+    size: int,
+    argnum: int = 0,
+    schedule: str | Schedule | type[Schedule] | None = None,
+    num_stages: int | None = None,
+    interleave: int | None = None,
+) -> Callable:
+    """``fun`` run on microbatches of argument ``argnum``, its results summed.
+
+    Args:
+      fun: any function; its results (a pytree) are summed over microbatches,
+        so a loss must be normalised by the *global* batch for the sum to be
+        the mean.
+      dim: the dimension of every leaf of argument ``argnum`` to split.
+      size: the microbatch size along ``dim``; it must divide the dimension.
+      argnum: which positional argument to split.
+      schedule: with tasks inside, the pipeline schedule: ``"gpipe"``,
+        ``"1f1b"`` (default), ``"interleaved"``, or a `Schedule`.
+      num_stages: the number of stages the tasks are expected to form (checked).
+      interleave: virtual stages per device group for the interleaved schedule.
+
+    Raises:
+      ValueError: a size that does not divide the batch, or an unknown schedule.
+    """
+    if not isinstance(size, (int, np.integer)) or size <= 0:
+        raise ValueError(f"microbatch: size must be a positive integer, got {size!r}")
+    if schedule is None:
+        schedule = "1f1b"
+    if isinstance(schedule, str):
+        get_schedule(schedule, 1, 1, **({"num_chunks": interleave} if interleave not in (None, 1) else {}))
+    elif not isinstance(schedule, Schedule) and not (isinstance(schedule, type) and issubclass(schedule, Schedule)):
+        raise ValueError(f"microbatch: schedule must be one of {', '.join(KNOWN_SCHEDULES)} or a Schedule, "
+                         f"got {schedule!r}")
+    name = getattr(fun, "__name__", "fun")
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any) -> Any:
+        if transforms_ignored():
+            return fun(*args)
+        if not -len(args) <= argnum < len(args):
+            raise ValueError(f"microbatch({name}): argnum={argnum}, but it was called with {len(args)} arguments")
+        leaves, treedef = jax.tree.flatten(args[argnum])
+        if not leaves:
+            raise ValueError(f"microbatch({name}): argument {argnum} has no arrays to split")
+        n = _count(leaves, dim, size, f"microbatch({name}) argument {argnum}")
+        collector = _COLLECTOR.get()
+        if collector is not None:
+            collector.append(Pipeline(name, n, schedule, num_stages, interleave))
+        results: list[Any] = [None] * n
+        for i in reversed(range(n)):
+            with jax.named_scope(f"microbatch_{i}"):  # the slicing too: it belongs to this microbatch
+                mb_args = list(args)
+                mb_args[argnum] = jax.tree.unflatten(
+                    treedef, [jax.lax.slice_in_dim(x, i * size, (i + 1) * size, axis=dim) for x in leaves])
+                results[i] = fun(*mb_args)
+        total = results[0]
+        for r in results[1:]:
+            total = jax.tree.map(jax.numpy.add, total, r)
+        return total
+
+    return wrapped

@@ -1,0 +1,169 @@
+"""Order a plan's segments by a pipeline schedule.
+
+Each segment holding pipeline work (a `Unit`: microbatch m, forward or
+backward, logical stage l) becomes the schedule's `Action` (l, m, F|B), and
+its rank in ``schedule.order`` is its priority. Glue segments take the
+priority of their earliest pipeline consumer (they run just before it) or,
+with none, of their latest pipeline producer (they run just after it: the
+addition of a microbatch's gradient right after its backward pass). A list
+scheduler then runs, at every step, the ready segment of lowest priority, so
+the executed order is the schedule's wherever the data dependencies allow it
+(tests check that it is exactly the schedule's).
+
+Finally, consecutive segments on the same submesh are fused into one `jax.jit`
+as long as that fuses at most one unit of pipeline work: fewer dispatches, and
+each unit still starts as soon as its predecessor on another stage is done.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+
+from jax.extend.core import Literal
+
+from .microbatch import Pipeline
+from .plan import Segment
+from .schedules import Schedule
+from .task import Placement
+
+__all__ = ["schedule_segments", "stage_layout"]
+
+
+def stage_layout(segments: Sequence[Segment]) -> tuple[list[Placement], int]:
+    """The placement of each logical stage (from microbatch 0's forward), and the microbatch count."""
+    runs: dict[int, dict[int, Placement]] = {}
+    for seg in segments:
+        u = seg.unit
+        if u is not None and not u.backward:
+            runs.setdefault(u.microbatch, {})[u.run] = seg.placement
+    if not runs:
+        return [], 0
+    first = runs[min(runs)]
+    logical = [first[r] for r in sorted(first)]
+    for m, seq in runs.items():
+        if [seq[r] for r in sorted(seq)] != logical:
+            raise ValueError(
+                f"microbatch {m} passes through stages {[p.name for p in seq.values()]}, but microbatch "
+                f"{min(runs)} through {[p.name for p in logical]}: every microbatch must take the same path"
+            )
+    return logical, len(runs)
+
+
+def _schedule_for(segments: Sequence[Segment], pipelines: Sequence[Pipeline]) -> Schedule | None:
+    specs = list(dict.fromkeys(pipelines))
+    logical, n_mb = stage_layout(segments)
+    if not specs or not logical:
+        return None
+    if len(specs) > 1:
+        raise ValueError(f"one step may hold one microbatch pipeline, found {len(specs)}: "
+                         f"{', '.join(s.name for s in specs)}")
+    spec = specs[0]
+    groups = list(dict.fromkeys(logical))
+    names = " -> ".join(p.name for p in logical)
+    if len(logical) % len(groups) or any(logical[l] is not groups[l % len(groups)] for l in range(len(logical))):
+        raise ValueError(
+            f"microbatch({spec.name}): the tasks form the stage sequence {names}; a pipeline needs each "
+            f"submesh once per microbatch, or (interleaved) the same cycle of submeshes repeated"
+        )
+    chunks = len(logical) // len(groups)
+    if chunks > 1 and spec.interleave != chunks:
+        raise ValueError(
+            f"microbatch({spec.name}): the stage sequence {names} visits each of {len(groups)} submeshes "
+            f"{chunks} times; use schedule='interleaved' with interleave={chunks}"
+        )
+    if chunks == 1 and spec.interleave not in (None, 1):
+        raise ValueError(
+            f"microbatch({spec.name}): interleave={spec.interleave}, but the stage sequence {names} visits "
+            f"each submesh once; call each stage's task {spec.interleave} times per microbatch, cycling"
+        )
+    if spec.num_microbatches != n_mb:
+        raise ValueError(f"microbatch({spec.name}): {spec.num_microbatches} microbatches were traced, "
+                         f"but tasks ran in {n_mb}")
+    backward = any(s.unit is not None and s.unit.backward for s in segments)
+    schedule = spec.build(len(groups), forward_only=not backward)
+    stage_of = {p: i for i, p in enumerate(groups)}
+    for seg in segments:
+        u = seg.unit
+        if u is None:
+            continue
+        logical_stage = len(logical) - 1 - u.run if u.backward else u.run
+        if not 0 <= logical_stage < len(logical) or logical[logical_stage] is not seg.placement:
+            raise ValueError(
+                f"the backward pass of microbatch {u.microbatch} runs on {seg.placement.name} where the "
+                f"forward pass has no matching stage (stages: {names})"
+            )
+        seg.action = schedule.action(logical_stage, u.microbatch, "B" if u.backward else "F")
+        seg.stage = stage_of[seg.placement]
+    return schedule
+
+
+def _priorities(segments: Sequence[Segment], schedule: Schedule) -> tuple[list[float], list[set[int]]]:
+    rank = {a: i for i, a in enumerate(schedule.order)}
+    producer = {v: s.index for s in segments for e in s.eqns for v in e.outvars}
+    deps = [{producer[v] for e in s.eqns for v in e.invars
+             if not isinstance(v, Literal) and v in producer and producer[v] != s.index} for s in segments]
+    own = [rank[s.action] if s.action is not None else None for s in segments]
+    down = [math.inf] * len(segments)  # earliest pipeline consumer
+    for s in reversed(segments):
+        for d in deps[s.index]:
+            down[d] = min(down[d], own[s.index] if own[s.index] is not None else down[s.index])
+    up = [-math.inf] * len(segments)  # latest pipeline producer
+    for s in segments:
+        for d in deps[s.index]:
+            up[s.index] = max(up[s.index], own[d] if own[d] is not None else up[d])
+    out = []
+    for i in range(len(segments)):
+        if own[i] is not None:
+            out.append(float(own[i]))
+        elif down[i] < math.inf:
+            out.append(down[i] - 0.5)
+        elif up[i] > -math.inf:
+            out.append(up[i] + 0.5)
+        else:
+            out.append(-1.0)
+    return out, deps
+
+
+def _list_schedule(segments: Sequence[Segment], priority: Sequence[float], deps: Sequence[set]) -> list[Segment]:
+    waiting = [len(d) for d in deps]
+    users: list[list[int]] = [[] for _ in segments]
+    for i, d in enumerate(deps):
+        for j in d:
+            users[j].append(i)
+    ready = [(priority[i], i) for i in range(len(segments)) if waiting[i] == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, i = heapq.heappop(ready)
+        order.append(segments[i])
+        for u in users[i]:
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, (priority[u], u))
+    return order
+
+
+def _fuse(order: Sequence[Segment]) -> list[Segment]:
+    fused: list[Segment] = []
+    for seg in order:
+        last = fused[-1] if fused else None
+        if last is not None and last.placement == seg.placement and (last.action is None or seg.action is None):
+            last.eqns.extend(seg.eqns)
+            if seg.action is not None:
+                last.unit, last.action, last.stage = seg.unit, seg.action, seg.stage
+        else:
+            fused.append(Segment(seg.index, seg.placement, list(seg.eqns), unit=seg.unit, action=seg.action,
+                                 stage=seg.stage))
+    return fused
+
+
+def schedule_segments(segments: list[Segment], pipelines: Sequence[Pipeline]) -> tuple[list[Segment], Schedule | None]:
+    """``segments`` in the order of the step's pipeline schedule (unchanged without one)."""
+    schedule = _schedule_for(segments, pipelines)
+    if schedule is None:
+        return segments, None
+    priority, deps = _priorities(segments, schedule)
+    return _fuse(_list_schedule(segments, priority, deps)), schedule
+
