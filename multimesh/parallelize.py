@@ -118,7 +118,8 @@ def parallelize(
             closed, out_shape = _trace(fun, abstract_params, abstract_batch)
         closed = inline_calls(closed)
         sharded = build_mpmd(fun, closed, out_shape, abstract_params, abstract_batch, path_rules=path_rules,
-                             batch_spec=batch_spec, constraints=constrained_inputs(closed), pipelines=pipelines)
+                             batch_spec=batch_spec, constraints=constrained_inputs(closed), pipelines=pipelines,
+                             donate=donate)
         return _with_initializers(sharded, init_params, get_input_batch, None)
     n_params = len(jax.tree.leaves(abstract_params))
     found = constrained_inputs(closed) if closed is not None else {}

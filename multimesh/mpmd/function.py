@@ -26,11 +26,13 @@ class MPMDFunction(Parallelized):
     """
 
     def __init__(self, fun: Callable, plan: Plan, params: Layout, batch: Layout, abstract_params: Any,
-                 abstract_batch: Any, out_tree: Any, out_abstract: Any):
+                 abstract_batch: Any, out_tree: Any, out_abstract: Any, donate: bool = False):
         super().__init__(fun, params, batch, abstract_params, abstract_batch)
         self.plan = plan
         flat_shardings = jax.tree.leaves(params.shardings) + jax.tree.leaves(batch.shardings)
-        self.runtime = Runtime(plan, dict(zip(plan.jaxpr.invars, flat_shardings)))
+        n_params = len(jax.tree.leaves(abstract_params))
+        donated = set(plan.jaxpr.invars[:n_params]) if donate else set()
+        self.runtime = Runtime(plan, dict(zip(plan.jaxpr.invars, flat_shardings)), donated=donated)
         self._out_tree = out_tree
         targets = self._mirror.shardings_for(out_abstract)
         self._out_targets = jax.tree.leaves(
@@ -58,7 +60,8 @@ class MPMDFunction(Parallelized):
 
 
 def build_mpmd(fun: Callable, closed, out_shape: Any, abstract_params: Any, abstract_batch: Any, *,
-               path_rules: PathRules, batch_spec: tuple, constraints: dict, pipelines=()) -> MPMDFunction:
+               path_rules: PathRules, batch_spec: tuple, constraints: dict, pipelines=(),
+               donate: bool = False) -> MPMDFunction:
     plan = partition(closed, pipelines)
     invars = plan.jaxpr.invars
     first = plan.placements[0]
@@ -75,4 +78,4 @@ def build_mpmd(fun: Callable, closed, out_shape: Any, abstract_params: Any, abst
     batch = derive_layout(abstract_batch, scope_of(n_params), default=batch_spec, exact=True,
                           constraints={i - n_params: s for i, s in constraints.items() if i >= n_params}, what="batch")
     return MPMDFunction(fun, plan, params, batch, abstract_params, abstract_batch,
-                        jax.tree.structure(out_shape), out_shape)
+                        jax.tree.structure(out_shape), out_shape, donate)

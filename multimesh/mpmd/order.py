@@ -10,9 +10,9 @@ scheduler then runs, at every step, the ready segment of lowest priority, so
 the executed order is the schedule's wherever the data dependencies allow it
 (tests check that it is exactly the schedule's).
 
-Finally, consecutive segments on the same submesh are fused into one `jax.jit`
-as long as that fuses at most one unit of pipeline work: fewer dispatches, and
-each unit still starts as soon as its predecessor on another stage is done.
+Finally, glue is fused with the next unit of work on the same submesh (or the
+previous one) into one `jax.jit`: fewer dispatches, and each unit still starts
+as soon as its predecessor on another stage is done.
 """
 
 from __future__ import annotations
@@ -146,16 +146,36 @@ def _list_schedule(segments: Sequence[Segment], priority: Sequence[float], deps:
 
 
 def _fuse(order: Sequence[Segment]) -> list[Segment]:
+    """Merge each run of glue into the pipeline unit it precedes on the same submesh, else the one before."""
     fused: list[Segment] = []
-    for seg in order:
-        last = fused[-1] if fused else None
-        if last is not None and last.placement == seg.placement and (last.action is None or seg.action is None):
-            last.eqns.extend(seg.eqns)
-            if seg.action is not None:
-                last.unit, last.action, last.stage = seg.unit, seg.action, seg.stage
+    pending: Segment | None = None
+
+    def copy(seg: Segment) -> Segment:
+        return Segment(seg.index, seg.placement, list(seg.eqns), unit=seg.unit, action=seg.action, stage=seg.stage)
+
+    def flush() -> None:
+        if pending is None:
+            return
+        if fused and fused[-1].placement == pending.placement:
+            fused[-1].eqns.extend(pending.eqns)
         else:
-            fused.append(Segment(seg.index, seg.placement, list(seg.eqns), unit=seg.unit, action=seg.action,
-                                 stage=seg.stage))
+            fused.append(pending)
+
+    for seg in order:
+        if pending is not None and pending.placement == seg.placement:
+            pending.eqns.extend(seg.eqns)
+            if seg.action is not None:
+                pending.unit, pending.action, pending.stage = seg.unit, seg.action, seg.stage
+                fused.append(pending)
+                pending = None
+            continue
+        flush()
+        pending = None
+        if seg.action is None:
+            pending = copy(seg)
+        else:
+            fused.append(copy(seg))
+    flush()
     return fused
 
 

@@ -242,18 +242,35 @@ def _glue_key(eqn) -> tuple | None:
 
 
 def _group(eqns: Sequence, colour: Sequence[Placement], units: Sequence[Unit | None]) -> list[Segment]:
+    """Cut the equations into segments (see the module docstring).
+
+    In a pipeline, glue joins a segment only to extend it (it reads the
+    segment's latest results) or, reading no other segment, a segment that
+    reads none either: joining anything else would make the glue, and all
+    that consumes it, wait for unrelated work (say, the loss of the last
+    microbatch before the first backward pass).
+    """
+    pipelined = any(u is not None for u in units)
     segments: list[Segment] = []
     latest: dict[tuple, int] = {}
+    sources: dict[tuple, int] = {}
+    reads: list[set[int]] = []
     producer: dict[Var, int] = {}
     for i, e in enumerate(eqns):
         key = (colour[i], units[i] if units[i] is not None else _glue_key(e))
-        deps = [producer[v] for v in e.invars if not isinstance(v, Literal) and v in producer]
+        deps = {producer[v] for v in e.invars if not isinstance(v, Literal) and v in producer}
         k = latest.get(key)
+        if pipelined and units[i] is None:
+            k = sources.get(key) if not deps else (k if k is not None and k == max(deps) else None)
         if k is None or any(d > k for d in deps):
             k = len(segments)
             segments.append(Segment(k, colour[i], unit=units[i]))
+            reads.append(set())
             latest[key] = k
+            if pipelined and units[i] is None and not deps:
+                sources[key] = k
         segments[k].eqns.append(e)
+        reads[k] |= deps - {k}
         for v in e.outvars:
             producer[v] = k
     return segments

@@ -38,8 +38,9 @@ class RunStats:
     """What the last run did.
 
     ``executed``: segment labels in execution order; ``peak_live_activations``:
-    per pipeline stage, the most microbatches whose stashed forward
-    activations were alive at once.
+    per pipeline stage (device group), the most microbatches (interleaved:
+    microbatch chunks) whose stashed forward activations were alive there at
+    once.
     """
 
     executions: int = 0
@@ -55,13 +56,16 @@ Key = tuple  # (var, devices of the copy; None for a step input as given)
 class Runtime:
     """Compiles each segment of a plan and executes the plan."""
 
-    def __init__(self, plan: Plan, input_shardings: dict[Var, NamedSharding], *, sync_every: int = 16):
+    def __init__(self, plan: Plan, input_shardings: dict[Var, NamedSharding], *, sync_every: int = 16,
+                 donated: set[Var] = frozenset()):
         self.plan = plan
         self.input_shardings = input_shardings
         self.sync_every = sync_every
         self.stats = RunStats()
-        self._fns = [jax.jit(jaxpr_as_fun(seg.closed_jaxpr())) for seg in plan.segments]
         self._free_after = _lifetimes(plan)
+        donate = _donations(plan, donated)
+        self._fns = [jax.jit(jaxpr_as_fun(seg.closed_jaxpr()), donate_argnums=donate[seg.index])
+                     for seg in plan.segments]
         self._stash = _stashed_activations(plan.segments)
         self._stage_at = {s.placement.devices: s.stage for s in plan.segments if s.stage is not None}
 
@@ -150,13 +154,38 @@ def _lifetimes(plan: Plan) -> dict[int, list[Key]]:
     return free
 
 
-def _stashed_activations(segments: Sequence[Segment]) -> dict[Var, int]:
-    """Values computed in a microbatch's forward pass and read by a backward unit: var -> microbatch."""
-    read_by_backward = {v for s in segments if s.action is not None and not s.action.is_forward for v in s.invars}
+def _donations(plan: Plan, donated: set[Var]) -> dict[int, tuple[int, ...]]:
+    """Per segment, the arguments to donate: donated step inputs at their last use, on their only submesh."""
+    where: dict[Var, set[frozenset]] = {}
+    last: dict[Var, int] = {}
+    for seg in plan.segments:
+        for v in seg.invars:
+            where.setdefault(v, set()).add(seg.placement.devices)
+            last[v] = seg.index
+    outputs = {v for v in plan.jaxpr.outvars if not isinstance(v, Literal)}
+    return {seg.index: tuple(i for i, v in enumerate(seg.invars)
+                             if v in donated and v not in outputs and len(where[v]) == 1 and last[v] == seg.index)
+            for seg in plan.segments}
+
+
+def _stashed_activations(segments: Sequence[Segment]) -> dict[Var, tuple[int, int]]:
+    """Values computed in a microbatch's forward pass and read by a backward unit.
+
+    var -> (microbatch, chunk of the backward unit reading it): counting
+    distinct pairs per stage counts microbatches (interleaved: microbatch
+    chunks) whose activations are held, as schedules do.
+    """
+    chunk_of: dict[Var, int] = {}
+    for s in segments:
+        for e in s.eqns:
+            if is_backprop(e.source_info.name_stack) and microbatch_of(e.source_info.name_stack) is not None:
+                for v in e.invars:
+                    if not isinstance(v, Literal):
+                        chunk_of.setdefault(v, s.action.chunk if s.action is not None else 0)
     stash = {}
     for seg in segments:
         for e in seg.eqns:
             m = microbatch_of(e.source_info.name_stack)
             if m is not None and not is_backprop(e.source_info.name_stack):
-                stash.update((v, m) for v in e.outvars if v in read_by_backward)
+                stash.update((v, (m, chunk_of[v])) for v in e.outvars if v in chunk_of)
     return stash

@@ -1,0 +1,390 @@
+"""Microbatch pipelines over tasks: schedules honoured, activations bounded, results equal one device."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from multimesh.jax import (
+    build_mesh,
+    clear_tasks,
+    ignore_transforms,
+    microbatch,
+    parallelize,
+    register_task,
+    registered_tasks,
+    task,
+    task_scope,
+    with_sharding_constraint,
+)
+from multimesh.jax import flax as mmflax
+
+pytestmark = pytest.mark.devices(8)
+
+B, D, H = 16, 16, 32
+TX = optax.adam(1e-2)
+
+
+def layer(w, x):
+    h = with_sharding_constraint(jnp.tanh(x @ w["a"]), P("data", "model"))
+    return x + h @ w["b"]
+
+
+def stage_meshes(sizes, shape_of):
+    devs, start, out = np.array(jax.devices()), 0, []
+    for n in sizes:
+        out.append(build_mesh(shape_of(n), devs[start:start + n]))
+        start += n
+    return out
+
+
+def two_by_two(n):
+    return {"data": 2, "model": n // 2}
+
+
+def init_layers(n):
+    def init():
+        keys = jax.random.split(jax.random.key(0), 2 * n)
+        p = {f"s{i}": {"a": jax.random.normal(keys[2 * i], (D, H)) * .2,
+                       "b": jax.random.normal(keys[2 * i + 1], (H, D)) * .2} for i in range(n)}
+        return {"p": p, "o": TX.init(p)}
+    return init
+
+
+def make_batch():
+    return {"x": jax.random.normal(jax.random.key(5), (B, D)), "y": jax.random.normal(jax.random.key(6), (B, D))}
+
+
+def train_step(loss, mb_size, schedule, *, grad_inside=False, **mb_kwargs):
+    def step(state, b):
+        if grad_inside:  # microbatch(value_and_grad(loss)): sums (loss, grads)
+            value, grads = microbatch(jax.value_and_grad(loss), 0, mb_size, argnum=1, schedule=schedule,
+                                      **mb_kwargs)(state["p"], b)
+        else:
+            value, grads = jax.value_and_grad(microbatch(loss, 0, mb_size, argnum=1, schedule=schedule,
+                                                         **mb_kwargs))(state["p"], b)
+        updates, opt = TX.update(grads, state["o"], state["p"])
+        return value, grads, {"p": optax.apply_updates(state["p"], updates), "o": opt}
+    return step
+
+
+def check_against_reference(step, init, batch=make_batch, steps=3, **options):
+    fn, init_p, get_b = parallelize(step, init_params=init, get_input_batch=batch, **options)
+    state, b = init_p(), get_b()
+
+    def reference(*a):
+        with ignore_transforms():
+            return step(*a)
+
+    ref = jax.jit(reference)
+    ref_state, ref_b = init(), batch()
+    for _ in range(steps):
+        loss, grads, state = fn(state, b)
+        ref_loss, ref_grads, ref_state = ref(ref_state, ref_b)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+        for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-5, atol=1e-6)
+    for a, r in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(r, np.float32), rtol=2e-5, atol=1e-6)
+    return fn, state
+
+
+def pipeline_actions(fn):
+    return [label.split(":", 1)[1] for label in fn.stats.executed if ":F[" in label or ":B[" in label]
+
+
+def chain_loss(stages):
+    def loss(p, b):
+        h = b["x"]
+        for i, s in enumerate(stages):
+            h = s(p[f"s{i}"], h)
+        return jnp.sum((h - b["y"]) ** 2) / (B * D)  # normalised by the global batch: the sum is the mean
+    return loss
+
+
+# -- schedules over explicit tasks --------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("n_mb", [2, 4, 8])
+def test_two_stage_pipeline_follows_schedule(schedule, n_mb):
+    meshes = stage_meshes([4, 4], two_by_two)
+    stages = [task(layer, f"stage{i}", mesh=m) for i, m in enumerate(meshes)]
+    fn, state = check_against_reference(train_step(chain_loss(stages), B // n_mb, schedule), init_layers(2))
+    sched = fn.plan.schedule
+    assert sched.name == schedule and sched.num_microbatches == n_mb and sched.num_stages == 2
+    assert pipeline_actions(fn) == [str(a) for a in sched.order]
+    assert fn.stats.peak_live_activations == sched.peak_live_activations
+    if schedule == "1f1b":  # stage s never holds more than min(S - s, M) microbatches
+        assert fn.stats.peak_live_activations == {0: min(2, n_mb), 1: 1}
+    else:
+        assert fn.stats.peak_live_activations == {0: n_mb, 1: n_mb}
+    for i, m in enumerate(meshes):
+        for leaf in jax.tree.leaves(state["p"][f"s{i}"]) + jax.tree.leaves(state["o"][0].mu[f"s{i}"]):
+            assert leaf.sharding.device_set == set(m.devices.flat)
+
+
+def test_four_stage_1f1b_bounds_live_activations():
+    meshes = stage_meshes([2, 2, 2, 2], lambda n: {"data": 1, "model": 2})
+    stages = [task(layer, f"stage{i}", mesh=m) for i, m in enumerate(meshes)]
+    fn, _ = check_against_reference(train_step(chain_loss(stages), 2, "1f1b"), init_layers(4))
+    assert pipeline_actions(fn) == [str(a) for a in fn.plan.schedule.order]
+    assert fn.stats.peak_live_activations == {0: 4, 1: 3, 2: 2, 3: 1}
+    gpipe = fn.plan.schedule.__class__.__mro__  # the plan prints its schedule
+    assert "OneFOneB" in str(fn.plan) and "stage 3 |" in str(fn.plan) and gpipe
+
+
+def test_microbatch_of_value_and_grad_sums_both():
+    meshes = stage_meshes([4, 4], two_by_two)
+    stages = [task(layer, f"stage{i}", mesh=m) for i, m in enumerate(meshes)]
+    fn, _ = check_against_reference(train_step(chain_loss(stages), 4, "1f1b", grad_inside=True), init_layers(2))
+    assert pipeline_actions(fn) == [str(a) for a in fn.plan.schedule.order]
+
+
+def test_interleaved_schedule_with_two_chunks_per_stage():
+    meshes = stage_meshes([4, 4], two_by_two)
+    groups = [task(layer, f"group{i}", mesh=m) for i, m in enumerate(meshes)]
+    stages = [groups[0], groups[1], groups[0], groups[1]]  # logical stage l runs on group l % 2
+    fn, _ = check_against_reference(
+        train_step(chain_loss(stages), 4, "interleaved", interleave=2), init_layers(4))
+    sched = fn.plan.schedule
+    assert sched.num_chunks == 2 and sched.num_stages == 2
+    assert pipeline_actions(fn) == [str(a) for a in sched.order]
+    assert fn.stats.peak_live_activations == sched.peak_live_activations
+
+
+# -- heterogeneous stages, glue, dtypes, donation ------------------------------------------
+
+
+def test_heterogeneous_stages_glue_mixed_dtypes_and_donation():
+    small, large = stage_meshes([2, 6], lambda n: {"data": n})
+
+    def first(w, x):  # returns a pytree of mixed dtypes to the next stage
+        h = jnp.tanh(x @ w["a"])
+        return {"h": h.astype(jnp.bfloat16), "res": x, "count": jnp.sum(h > 0, axis=1).astype(jnp.int32)}
+
+    def second(w, carry):
+        h = carry["h"].astype(jnp.float32) @ w["b"]
+        return carry["res"] + h * (1.0 + carry["count"][:, None].astype(jnp.float32) / H)
+
+    t1 = task(first, "small", mesh=small)
+    t2 = task(second, "large", mesh=large)
+
+    def loss(p, b):
+        out = t1(p["s0"], b["x"])
+        out = {**out, "res": out["res"] * 0.5 + 1.0}  # glue between tasks, outside any task
+        y = t2(p["s1"], out)
+        return jnp.sum((y - b["y"]) ** 2) / (B * D)
+
+    def init():
+        keys = jax.random.split(jax.random.key(1), 2)
+        p = {"s0": {"a": jax.random.normal(keys[0], (D, H)) * .2}, "s1": {"b": jax.random.normal(keys[1], (H, D)) * .2}}
+        return {"p": p, "o": TX.init(p)}
+
+    def batch():  # 12 rows: divisible by both stages' data axes after splitting in 2 microbatches of 6
+        return {"x": jax.random.normal(jax.random.key(5), (12, D)), "y": jax.random.normal(jax.random.key(6), (12, D))}
+
+    def step(state, b):
+        value, grads = jax.value_and_grad(microbatch(loss, 0, 6, argnum=1, schedule="1f1b"))(state["p"], b)
+        updates, opt = TX.update(grads, state["o"], state["p"])
+        return value, grads, {"p": optax.apply_updates(state["p"], updates), "o": opt}
+
+    # bfloat16 crossing the stages: compare with a looser tolerance via the reference itself
+    fn, init_p, get_b = parallelize(step, init_params=init, get_input_batch=batch, donate=True)
+    state, b = init_p(), get_b()
+    old = jax.tree.leaves(state)
+    ref = jax.jit(lambda *a: _ignoring(step, *a))
+    ref_state, ref_b = init(), batch()
+    for _ in range(3):
+        loss_v, _, state = fn(state, b)
+        ref_loss, _, ref_state = ref(ref_state, ref_b)
+        np.testing.assert_allclose(loss_v, ref_loss, rtol=1e-5)
+    for a, r in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-6)
+    assert all(x.is_deleted() for x in old), "donate=True: the old state's buffers are reused"
+    assert state["p"]["s0"]["a"].sharding.device_set == set(small.devices.flat)
+    assert state["p"]["s1"]["b"].sharding.device_set == set(large.devices.flat)
+    crossing = {str(aval.dtype) for _, _, _, aval, _ in fn.plan.transfers()}
+    assert {"bfloat16", "int32", "float32"} <= crossing
+
+
+def _ignoring(step, *a):
+    with ignore_transforms():
+        return step(*a)
+
+
+# -- Flax: explicit flax.task and implicit register_task -------------------------------------
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        h = nn.Dense(H, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(x)
+        h = with_sharding_constraint(jnp.tanh(h), P("batch", "mlp"))
+        return x + nn.Dense(D, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(h)
+
+
+class Net(nn.Module):
+    block: type = Block
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(D, name="embed")(x)
+        for i in range(4):
+            x = self.block(name=f"layers_{i}")(x)
+        return nn.Dense(4, name="head")(x)
+
+
+RULES = [("batch", "data"), ("mlp", "model")]
+
+
+def flax_problem(model):
+    def init():
+        p = model.init(jax.random.key(0), jnp.zeros((1, 8)))
+        return {"p": p, "o": TX.init(p)}
+
+    def batch():
+        return {"x": jax.random.normal(jax.random.key(5), (B, 8)), "y": jax.random.normal(jax.random.key(6), (B, 4))}
+
+    def loss(p, b):
+        return jnp.sum((model.apply(p, b["x"]) - b["y"]) ** 2) / (B * 4)
+
+    return init, batch, train_step(loss, 4, "1f1b")
+
+
+def test_flax_task_pipeline():
+    first, second = stage_meshes([4, 4], two_by_two)
+    stage0 = mmflax.task(Block, "stage0", mesh=first, logical_axes=RULES)
+    stage1 = mmflax.task(Block, "stage1", mesh=second, logical_axes=RULES)
+
+    class Staged(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Dense(D, name="embed")(x)
+            for i in range(4):
+                x = (stage0 if i < 2 else stage1)(name=f"layers_{i}")(x)
+            return nn.Dense(4, name="head")(x)
+
+    init, batch, step = flax_problem(Staged())
+    # the same parameters as the unstaged model
+    assert jax.tree.structure(jax.eval_shape(init)) == jax.tree.structure(jax.eval_shape(flax_problem(Net())[0]))
+    fn, state = check_against_reference(step, init, batch)
+    assert pipeline_actions(fn) == [str(a) for a in fn.plan.schedule.order]
+    params = nn.unbox(state["p"]["params"])
+    assert params["layers_1"]["Dense_0"]["kernel"].sharding.device_set == set(first.devices.flat)
+    assert params["layers_2"]["Dense_0"]["kernel"].sharding.device_set == set(second.devices.flat)
+    assert params["layers_3"]["Dense_0"]["kernel"].sharding.spec == P(None, "model")
+
+
+def test_register_task_pipelines_an_unmodified_linen_model():
+    calls = []
+
+    def where(match, backprop):
+        calls.append((match.group(0), backprop))
+        return ((0, 4), "first") if int(match[1]) < 2 else ((4, 8), "second")
+
+    init, batch, step = flax_problem(Net())
+    with register_task(r"layers_(\d+)", callback=where, dims=(2, 2), device_axes=("data", "model"),
+                       logical_axes=RULES):
+        fn, state = check_against_reference(step, init, batch)
+    assert registered_tasks() == []
+    assert {c for c in calls} >= {("layers_0", False), ("layers_3", False), ("layers_0", True), ("layers_3", True)}
+    assert [p.name for p in fn.plan.placements[:2]] == ["first", "second"]
+    assert pipeline_actions(fn) == [str(a) for a in fn.plan.schedule.order]
+    assert fn.stats.peak_live_activations == {0: 2, 1: 1}
+    params = nn.unbox(state["p"]["params"])
+    devs = jax.devices()
+    assert params["layers_0"]["Dense_0"]["kernel"].sharding.device_set == set(devs[:4])
+    assert params["layers_3"]["Dense_1"]["kernel"].sharding.device_set == set(devs[4:])
+    assert params["layers_3"]["Dense_1"]["kernel"].sharding.spec == P("model", None)
+    # glue with no task of its own runs where it is needed: embed on the first stage, head on the last
+    assert params["embed"]["kernel"].sharding.device_set == set(devs[:4])
+    assert params["head"]["kernel"].sharding.device_set == set(devs[4:])
+
+
+def test_register_task_by_named_scope_and_registry_scoping():
+    def loss(p, b):
+        with jax.named_scope("encoder"):
+            h = jnp.tanh(b["x"] @ p["s0"]["a"]) @ p["s0"]["b"]
+        with jax.named_scope("decoder"):
+            h = jnp.tanh(h @ p["s1"]["a"]) @ p["s1"]["b"]
+        return jnp.sum((h - b["y"]) ** 2) / (B * D)
+
+    def step(state, b):
+        value, grads = jax.value_and_grad(loss)(state["p"], b)
+        updates, opt = TX.update(grads, state["o"], state["p"])
+        return value, grads, {"p": optax.apply_updates(state["p"], updates), "o": opt}
+
+    devs = jax.devices()
+    with task_scope():
+        register_task("encoder", devices=devs[:4])
+        register_task("decoder", devices=devs[4:])
+        assert len(registered_tasks()) == 2
+        fn, state = check_against_reference(step, init_layers(2))
+    assert registered_tasks() == []
+    assert state["p"]["s0"]["a"].sharding.device_set == set(devs[:4])
+    assert state["p"]["s1"]["a"].sharding.device_set == set(devs[4:])
+    assert {p.name for p in fn.plan.placements} == {"encoder", "decoder"}
+    register_task("decoder", devices=devs[4:])
+    clear_tasks()
+    assert registered_tasks() == []
+
+
+# -- errors -----------------------------------------------------------------------------
+
+
+def _two_stages():
+    meshes = stage_meshes([4, 4], two_by_two)
+    return [task(layer, f"stage{i}", mesh=m) for i, m in enumerate(meshes)]
+
+
+def test_microbatch_size_must_divide_the_batch():
+    with pytest.raises(ValueError, match=r"dimension 0 has size 16, which microbatches of size 5 do not divide"):
+        parallelize(train_step(chain_loss(_two_stages()), 5, "1f1b"), init_params=init_layers(2),
+                    get_input_batch=make_batch)
+
+
+def test_unknown_schedule():
+    with pytest.raises(ValueError, match=r"unknown pipeline schedule 'zigzag'; known schedules"):
+        microbatch(lambda p, b: 0.0, 0, 4, schedule="zigzag")
+
+
+def test_schedule_stage_count_mismatch_names_the_tasks():
+    with pytest.raises(ValueError, match=r"num_stages=4, but the function's tasks form 2 stages"):
+        parallelize(train_step(chain_loss(_two_stages()), 4, "1f1b", num_stages=4), init_params=init_layers(2),
+                    get_input_batch=make_batch)
+
+
+def test_repeated_stages_need_the_interleaved_schedule():
+    s = _two_stages()
+    with pytest.raises(ValueError, match=r"stage0 -> stage1 -> stage0 -> stage1 visits each of 2 submeshes 2 times; "
+                                         r"use schedule='interleaved' with interleave=2"):
+        parallelize(train_step(chain_loss([s[0], s[1], s[0], s[1]]), 4, "1f1b"), init_params=init_layers(4),
+                    get_input_batch=make_batch)
+
+
+def test_register_task_bad_callback():
+    init, batch, step = flax_problem(Net())
+    with register_task(r"layers_(\d+)", callback=lambda m, bp: ((0, 3), "x"), dims=(2, 2)):
+        with pytest.raises(ValueError, match=r"dims=\(2, 2\) needs 4 devices, but the callback gave 'layers_0'"):
+            parallelize(step, init_params=init, get_input_batch=batch)
+    with pytest.raises(ValueError, match="give callback= or mesh=/devices=, not both"):
+        register_task("x", callback=lambda m, bp: None, devices=jax.devices()[:2])
+
+
+def test_ignore_transforms_makes_microbatch_a_plain_call():
+    seen = []
+
+    def f(p, b):
+        seen.append(b.shape)
+        return jnp.sum(b)
+
+    mb = microbatch(f, 0, 2, argnum=1)
+    with ignore_transforms():
+        assert float(mb(None, jnp.ones((8, 3)))) == 24.0
+    assert seen == [(8, 3)]
+    assert float(mb(None, jnp.ones((8, 3)))) == 24.0 and seen[1:] == [(2, 3)] * 4
