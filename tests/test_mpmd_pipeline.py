@@ -130,11 +130,10 @@ def test_two_stage_pipeline_follows_schedule(schedule, n_mb):
 def test_four_stage_1f1b_bounds_live_activations():
     meshes = stage_meshes([2, 2, 2, 2], lambda n: {"data": 1, "model": 2})
     stages = [task(layer, f"stage{i}", mesh=m) for i, m in enumerate(meshes)]
-    fn, _ = check_against_reference(train_step(chain_loss(stages), 2, "1f1b"), init_layers(4))
+    fn, _ = check_against_reference(train_step(chain_loss(stages), 4, "1f1b"), init_layers(4))
     assert pipeline_actions(fn) == [str(a) for a in fn.plan.schedule.order]
-    assert fn.stats.peak_live_activations == {0: 4, 1: 3, 2: 2, 3: 1}
-    gpipe = fn.plan.schedule.__class__.__mro__  # the plan prints its schedule
-    assert "OneFOneB" in str(fn.plan) and "stage 3 |" in str(fn.plan) and gpipe
+    assert fn.stats.peak_live_activations == {0: 4, 1: 3, 2: 2, 3: 1}  # min(S - s, M), S = M = 4
+    assert "OneFOneB" in str(fn.plan) and "stage 3 |" in str(fn.plan)  # the plan prints its schedule
 
 
 def test_microbatch_of_value_and_grad_sums_both():
@@ -388,3 +387,73 @@ def test_ignore_transforms_makes_microbatch_a_plain_call():
         assert float(mb(None, jnp.ones((8, 3)))) == 24.0
     assert seen == [(8, 3)]
     assert float(mb(None, jnp.ones((8, 3)))) == 24.0 and seen[1:] == [(2, 3)] * 4
+
+
+# -- parallelize_step with explicit and implicit tasks --------------------------------------
+
+
+class LossNet(nn.Module):
+    """``apply(params, batch) -> loss``, the form parallelize_step takes; stages by flax.task or by name."""
+
+    stages: tuple = (None, None)
+
+    @nn.compact
+    def __call__(self, batch):
+        x = nn.Dense(D, name="embed")(batch["x"])
+        for i in range(4):
+            x = (self.stages[i // 2] or Block)(name=f"layers_{i}")(x)
+        return jnp.mean((nn.Dense(4, name="head")(x) - batch["y"]) ** 2)
+
+
+def _step_pair(model):
+    batch = {"x": np.asarray(jax.random.normal(jax.random.key(5), (B, 8))),
+             "y": np.asarray(jax.random.normal(jax.random.key(6), (B, 4)))}
+    step, state, _ = mmflax.parallelize_step(model, optax.adam(1e-2), build_mesh({"data": 8}), global_batch=batch)
+    with ignore_transforms():
+        one_device = build_mesh({"data": 1}, jax.devices()[:1])
+        ref_step, ref_state, _ = mmflax.parallelize_step(model, optax.adam(1e-2), one_device, global_batch=batch)
+        for _ in range(3):
+            ref_loss, ref_state = ref_step(ref_state, batch)
+            loss, state = step(state, batch)
+            np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for a, r in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=2e-5, atol=1e-6)
+    return step, nn.unbox(state.params)["params"]
+
+
+def test_parallelize_step_with_flax_tasks():
+    first, second = stage_meshes([4, 4], two_by_two)
+    stages = (mmflax.task(Block, "first", mesh=first, logical_axes=RULES),
+              mmflax.task(Block, "second", mesh=second, logical_axes=RULES))
+    step, params = _step_pair(LossNet(stages))
+    assert [p.name for p in step.plan.placements] == ["first", "second"]
+    assert params["layers_0"]["Dense_0"]["kernel"].sharding.device_set == set(first.devices.flat)
+    assert params["layers_3"]["Dense_0"]["kernel"].sharding.device_set == set(second.devices.flat)
+
+
+def test_parallelize_step_with_registered_tasks():
+    devs = jax.devices()
+    with register_task(r"layers_[01]", name="first", devices=devs[:4]), \
+            register_task(r"layers_[23]", name="second", devices=devs[4:]):
+        step, params = _step_pair(LossNet())
+    assert [p.name for p in step.plan.placements] == ["first", "second"]
+    assert params["layers_1"]["Dense_1"]["kernel"].sharding.device_set == set(devs[:4])
+    assert params["layers_2"]["Dense_1"]["kernel"].sharding.device_set == set(devs[4:])
+
+
+def test_a_value_that_cannot_be_moved_names_the_task(monkeypatch):
+    from multimesh.mpmd import runtime
+
+    stages = _two_stages()
+    fn, init_p, get_b = parallelize(train_step(chain_loss(stages), 8, "gpipe"), init_params=init_layers(2),
+                                    get_input_batch=make_batch)
+    state, b = init_p(), get_b()
+
+    def refuse(x, *a, **k):
+        raise RuntimeError("device_put across processes is not supported")
+
+    monkeypatch.setattr(runtime, "reshard_to", refuse)
+    with pytest.raises(runtime.ReshardError,
+                       match=r"cannot move float32\[8,16\] from segment \[\d+\] stage0:F\[s0,m0\] .* to task "
+                             r"'stage1' .*device_put across processes is not supported"):
+        fn(state, b)

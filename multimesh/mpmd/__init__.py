@@ -3,10 +3,26 @@
 from .implicit import clear_tasks, register_task, registered_tasks, task_scope
 from .microbatch import microbatch
 from .plan import Plan, partition
-from .runtime import Runtime, RunStats
+from .runtime import RunStats, Runtime
 from .schedules import GPipe, Interleaved1F1B, OneFOneB, Schedule, get_schedule
 from .task import Placement, ignore_transforms, task
 
-__all__ = ["task", "microbatch", "register_task", "clear_tasks", "task_scope", "registered_tasks",
-           "ignore_transforms", "Placement", "Plan", "partition", "Runtime", "RunStats", "Schedule", "GPipe",
-           "OneFOneB", "Interleaved1F1B", "get_schedule"]
+__all__ = [
+           "GPipe",
+           "Interleaved1F1B",
+           "OneFOneB",
+           "Placement",
+           "Plan",
+           "RunStats",
+           "Runtime",
+           "Schedule",
+           "clear_tasks",
+           "get_schedule",
+           "ignore_transforms",
+           "microbatch",
+           "partition",
+           "register_task",
+           "registered_tasks",
+           "task",
+           "task_scope",
+]

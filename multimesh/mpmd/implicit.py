@@ -34,8 +34,18 @@ from jax.sharding import Mesh
 from ..rules import MeshAxes
 from .task import Placement, make_placement
 
-__all__ = ["register_task", "clear_tasks", "task_scope", "registered_tasks", "Registration", "scope_names",
-           "implicit_placement", "microbatch_of", "is_backprop", "register_scope"]
+__all__ = [
+    "Registration",
+    "clear_tasks",
+    "implicit_placement",
+    "is_backprop",
+    "microbatch_of",
+    "register_scope",
+    "register_task",
+    "registered_tasks",
+    "scope_names",
+    "task_scope",
+]
 
 Callback = Callable[[re.Match, bool], "tuple[tuple[int, int], str] | None"]
 
@@ -96,7 +106,7 @@ class Registration:
     def __enter__(self) -> Registration:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.remove()
 
     def __repr__(self) -> str:

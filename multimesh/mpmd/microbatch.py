@@ -27,7 +27,7 @@ import numpy as np
 from .schedules import KNOWN_SCHEDULES, Schedule, get_schedule
 from .task import transforms_ignored
 
-__all__ = ["microbatch", "Pipeline", "collect_pipelines"]
+__all__ = ["Pipeline", "collect_pipelines", "microbatch"]
 
 
 @dataclass(frozen=True)

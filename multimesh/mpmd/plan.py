@@ -32,7 +32,7 @@ from .implicit import implicit_placement, is_backprop, microbatch_of
 from .schedules import Action, Schedule
 from .task import Placement, task_call_p
 
-__all__ = ["Segment", "Plan", "Unit", "partition", "has_tasks", "inline_calls"]
+__all__ = ["Plan", "Segment", "Unit", "has_tasks", "inline_calls", "partition"]
 
 
 def has_tasks(jaxpr: Jaxpr) -> bool:
@@ -155,7 +155,7 @@ def _eval_inlined(jaxpr: Jaxpr, consts: Sequence, *args: Any) -> list:
     """
     env: dict = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
-    read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
+    read = lambda v: v.val if isinstance(v, Literal) else env[v]
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack

@@ -30,7 +30,11 @@ from .implicit import is_backprop, microbatch_of
 from .plan import Plan, Segment
 from .transfer import reshard_to
 
-__all__ = ["Runtime", "RunStats"]
+__all__ = ["ReshardError", "RunStats", "Runtime"]
+
+
+class ReshardError(ValueError):
+    """A value could not be moved onto the submesh of the task that needs it."""
 
 
 @dataclass
@@ -77,10 +81,21 @@ class Runtime:
         if isinstance(x, jax.Array) and x.sharding.device_set <= seg.placement.devices:
             return x
         target = self.input_shardings.get(v) if v not in self.plan.producer else None
-        if target is not None and target.device_set <= seg.placement.devices:
-            moved = jax.device_put(x, target)
-        else:
-            moved = reshard_to(x, seg.placement.mesh)
+        try:
+            if target is not None and target.device_set <= seg.placement.devices:
+                moved = jax.device_put(x, target)
+            else:
+                moved = reshard_to(x, seg.placement.mesh)
+        except Exception as e:
+            k = self.plan.producer.get(v)
+            origin = "the step's input" if k is None else f"segment [{k}] {self.plan.segments[k].label}"
+            where = getattr(x, "sharding", None)
+            raise ReshardError(
+                f"cannot move {v.aval.str_short()} from {origin} ({where}) to task {seg.placement.name!r} "
+                f"({seg.placement.describe()}), needed by segment [{seg.index}] {seg.label}: {e}. Values move "
+                f"between submeshes with jax.device_put, which needs both sides in this process; across "
+                f"processes, keep each pipeline stage's devices within one process"
+            ) from e
         self.stats.transfers += 1
         self.stats.bytes_moved += moved.nbytes
         return moved

@@ -58,14 +58,14 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Literal
 
 __all__ = [
-    "Action",
-    "Timeline",
-    "Schedule",
-    "GPipe",
-    "OneFOneB",
-    "Interleaved1F1B",
-    "get_schedule",
     "KNOWN_SCHEDULES",
+    "Action",
+    "GPipe",
+    "Interleaved1F1B",
+    "OneFOneB",
+    "Schedule",
+    "Timeline",
+    "get_schedule",
 ]
 
 Kind = Literal["F", "B"]
@@ -240,7 +240,7 @@ class Schedule:
         num_chunks: int = 1,
         forward_only: bool = False,
         name: str = "custom",
-    ) -> "Schedule":
+    ) -> Schedule:
         """A schedule with an explicit global order; each stage runs its actions
         in the order they appear.  Raises ``ValueError`` if the order is invalid."""
         self = cls.__new__(Schedule)
@@ -269,7 +269,7 @@ class Schedule:
         num_chunks: int = 1,
         forward_only: bool = False,
         name: str = "custom",
-    ) -> "Schedule":
+    ) -> Schedule:
         """A schedule from each stage's own order; the global order is derived.
         Raises ``ValueError`` if the per-stage orders are incomplete or deadlock."""
         self = cls.__new__(Schedule)
@@ -667,7 +667,7 @@ class Interleaved1F1B(Schedule):
         num_chunks: int = 2,
         *,
         forward_only: bool = False,
-    ) -> "Interleaved1F1B":
+    ) -> Interleaved1F1B:
         """Build from the number of logical stages (e.g. tasks) and chunks per group."""
         _check_count("num_logical_stages", num_logical_stages)
         _check_count("num_chunks", num_chunks)

@@ -31,8 +31,15 @@ from ..rules import MeshAxes, Rules, identity_rules
 from ..scope import Scope, use_scope
 from .transfer import reshard_to
 
-__all__ = ["Placement", "task", "task_call_p", "make_placement", "ignore_transforms", "transforms_ignored",
-           "DEFAULT_AXIS"]
+__all__ = [
+    "DEFAULT_AXIS",
+    "Placement",
+    "ignore_transforms",
+    "make_placement",
+    "task",
+    "task_call_p",
+    "transforms_ignored",
+]
 
 DEFAULT_AXIS = "devices"
 

@@ -10,4 +10,4 @@ from ...metadata import Annotation, is_box, read_box
 from .step import parallelize_step, shard_axes
 from .task import task
 
-__all__ = ["shard_axes", "parallelize_step", "task", "Annotation", "is_box", "read_box"]
+__all__ = ["Annotation", "is_box", "parallelize_step", "read_box", "shard_axes", "task"]

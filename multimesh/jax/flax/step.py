@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from ...parallelize import parallelize
 from ...rules import MeshAxes, Rules, standard_rules
 
-__all__ = ["shard_axes", "parallelize_step"]
+__all__ = ["parallelize_step", "shard_axes"]
 
 
 def shard_axes(*names: str | None, init: Callable = nn.initializers.xavier_normal()) -> Callable:
@@ -33,7 +33,7 @@ def _nnx_parts(model: Any, seed: int) -> tuple[Callable[[], Any], Callable]:
     """For an NNX module (or ``rngs -> module`` factory): params builder and apply."""
     if isinstance(model, nnx.Module):
         graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
-        make = lambda: params  # noqa: E731  (already materialised by the user; resharded)
+        make = lambda: params
     else:
         factory = model
         with nnx.use_eager_sharding(False):
@@ -113,7 +113,7 @@ def parallelize_step(
         make_params, apply_fn = _nnx_parts(model, seed)
     else:
         apply_fn = model.apply
-        make_params = lambda: model.init(key, jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), example))  # noqa: E731
+        make_params = lambda: model.init(key, jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), example))
 
     def init_state() -> TrainState:
         return TrainState.create(apply_fn=apply_fn, params=make_params(), tx=optimizer)

@@ -1,0 +1,157 @@
+"""MPMD runtime costs: dispatch overhead per stage execution, and a pipeline against one SPMD jit.
+
+1. Dispatch overhead: a 2-stage pipeline of tiny stages (so compute is
+   negligible) with M microbatches; the step time divided by the number of
+   executions it makes, against calling one tiny `jax.jit` the same number of
+   times (the floor any runtime built on `jax.jit` pays).
+2. Pipeline vs SPMD: the same MLP stack and train step (adam), as a 2-stage
+   1F1B pipeline (4 devices per stage, data parallel inside) and as one
+   `jax.jit` data-parallel over all 8 devices (what a user would write
+   without stages). Interleaved rounds, best of each.
+
+    python benchmarks/mpmd_pipeline.py [--rounds 5] [--steps 20] [--width 512] [--microbatches 4]
+
+On CPU the simulated devices share two cores, so the pipeline cannot overlap
+its stages: the ratio measures the runtime's cost, not a pipeline speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from multimesh.jax import build_mesh, ignore_transforms, microbatch, parallelize, task
+
+
+def mlp_block(w, x):
+    return x + jnp.tanh(x @ w["a"]) @ w["b"]
+
+
+def problem(width: int, layers: int, batch: int, n_mb: int, schedule: str = "1f1b"):
+    devs = np.array(jax.devices())
+    stages = [task(lambda p, x: _blocks(p, x), f"stage{i}", mesh=build_mesh({"data": 4}, devs[4 * i:4 * i + 4]))
+              for i in range(2)]
+    tx = optax.adam(1e-3)
+
+    def init():
+        keys = iter(jax.random.split(jax.random.key(0), 4 * layers))
+        p = [[{"a": jax.random.normal(next(keys), (width, width)) * width ** -0.5,
+               "b": jax.random.normal(next(keys), (width, width)) * width ** -0.5} for _ in range(layers)]
+             for _ in range(2)]
+        return {"p": p, "o": tx.init(p)}
+
+    def get_batch():
+        return {"x": jax.random.normal(jax.random.key(1), (batch, width)),
+                "y": jax.random.normal(jax.random.key(2), (batch, width))}
+
+    def loss(p, b):
+        h = b["x"]
+        for s, ps in zip(stages, p):
+            h = s(ps, h)
+        return jnp.sum((h - b["y"]) ** 2) / b["y"].size * n_mb
+
+    def step(state, b):
+        value, grads = jax.value_and_grad(microbatch(loss, 0, batch // n_mb, argnum=1, schedule=schedule))(
+            state["p"], b)
+        updates, opt = tx.update(grads, state["o"], state["p"])
+        return value / n_mb, {"p": optax.apply_updates(state["p"], updates), "o": opt}
+
+    return init, get_batch, step
+
+
+def _blocks(ps, x):
+    for w in ps:
+        x = mlp_block(w, x)
+    return x
+
+
+def timed(fn, state, batch, steps: int):
+    loss, state = fn(state, batch)  # warm
+    jax.block_until_ready(loss)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss, state = fn(state, batch)
+        jax.block_until_ready(loss)
+    return (time.perf_counter() - t0) / steps, state
+
+
+def spmd_reference(init, get_batch, step):
+    """The same step, tasks and microbatching ignored, as one jax.jit data-parallel over 8 devices."""
+    mesh = build_mesh({"data": 8})
+    rep, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+
+    def plain(state, b):
+        with ignore_transforms():
+            return step(state, b)
+
+    state = jax.jit(init, out_shardings=rep)()
+    batch = jax.device_put(get_batch(), data)
+    fn = jax.jit(plain, in_shardings=(rep, data), out_shardings=(rep, rep), donate_argnums=0)
+    return fn, state, batch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=2, help="blocks per stage")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--microbatches", type=int, default=4)
+    args = ap.parse_args()
+    print(f"{len(jax.devices())} {jax.devices()[0].platform} devices, jax {jax.__version__}")
+
+    # 1. dispatch overhead: tiny stages, compute negligible
+    init, get_batch, step = problem(8, 1, 16, args.microbatches)
+    fn, init_p, get_b = parallelize(step, init_params=init, get_input_batch=get_batch, donate=True)
+    state, b = init_p(), get_b()
+    tiny = jax.jit(lambda x: x + 1.0)
+    x = jnp.zeros((8,))
+    per_exec, per_raw = [], []
+    for _ in range(args.rounds):
+        t, state = timed(fn, state, b, args.steps)
+        n = fn.stats.executions
+        per_exec.append(t / n)
+        jax.block_until_ready(tiny(x))
+        t0 = time.perf_counter()
+        y = x
+        for _ in range(n * args.steps):
+            y = tiny(y)
+        jax.block_until_ready(y)
+        per_raw.append((time.perf_counter() - t0) / (n * args.steps))
+    print(f"\n1. dispatch: {n} executions and {fn.stats.transfers} transfers per step "
+          f"({args.microbatches} microbatches, 2 stages)")
+    print(f"   runtime: {min(per_exec) * 1e6:8.1f} us per stage execution (transfers and bookkeeping included)")
+    print(f"   raw jit: {min(per_raw) * 1e6:8.1f} us per call of a tiny jitted function")
+    print(f"   ratio  : {min(per_exec) / min(per_raw):8.2f}")
+
+    # 2. pipeline vs one SPMD jit
+    init, get_batch, step = problem(args.width, args.layers, args.batch, args.microbatches)
+    fn, init_p, get_b = parallelize(step, init_params=init, get_input_batch=get_batch, donate=True)
+    state, b = init_p(), get_b()
+    ref, ref_state, ref_b = spmd_reference(init, get_batch, step)
+    pipe, spmd = [], []
+    for _ in range(args.rounds):
+        t, state = timed(fn, state, b, args.steps)
+        pipe.append(t)
+        t, ref_state = timed(ref, ref_state, ref_b, args.steps)
+        spmd.append(t)
+    print(f"\n2. step time, width {args.width}, {2 * args.layers} blocks, batch {args.batch}, "
+          f"{args.microbatches} microbatches (1F1B)")
+    print(f"   2-stage pipeline (4+4 devices): {min(pipe) * 1e3:8.2f} ms")
+    print(f"   one SPMD jit (8 devices, DP)  : {min(spmd) * 1e3:8.2f} ms")
+    print(f"   ratio pipeline / SPMD         : {min(pipe) / min(spmd):8.2f}")
+
+
+if __name__ == "__main__":
+    main()
