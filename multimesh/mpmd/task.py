@@ -56,7 +56,7 @@ class Placement:
     def scope(self) -> Scope:
         return Scope(self.mesh, self.rules, name=self.name)
 
-    @property
+    @functools.cached_property
     def devices(self) -> frozenset:
         return frozenset(self.mesh.devices.flat)
 

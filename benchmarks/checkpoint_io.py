@@ -1,0 +1,251 @@
+"""Checkpoint throughput: `multimesh.checkpoint` against raw Orbax and the disk itself.
+
+A state of ``--size-gb`` GB (a dict of float32 arrays, ``P('data', 'model')``
+on a 4x2 mesh of 8 simulated CPU devices) is saved and restored, interleaved,
+best of ``--rounds``, by:
+
+* ours: ``multimesh.checkpoint.CheckpointManager`` (async save + wait; with
+  and without the per-leaf checksums it records and verifies by default);
+* raw Orbax: ``orbax.checkpoint.CheckpointManager`` with ``StandardSave`` /
+  ``StandardRestore``, the same tree and the same restore targets;
+* the disk: ``dd`` writing the same number of bytes (``conv=fdatasync``) and
+  reading them back.
+
+Rounds rotate the order of the libraries and of the restore targets, and
+``sync`` settles the disk before each operation. Every restore (and the dd
+read) starts cold: the files' pages are dropped from
+the page cache first (``posix_fadvise(DONTNEED)``, per file, no root needed).
+Restores onto an 8x1 mesh and onto 4 devices show what another layout costs.
+
+    python benchmarks/checkpoint_io.py [--size-gb 1.0] [--rounds 5] [--dir /tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging as absl_logging
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from multimesh.checkpoint import CheckpointManager
+
+GB = 1e9
+SPEC = P("data", "model")
+COLS = 4096
+
+
+# ------------------------------------------------------------------ the state
+def mesh(shape: tuple[int, int], n_devices: int = 8) -> Mesh:
+    return Mesh(np.array(jax.devices()[:n_devices]).reshape(shape), ("data", "model"))
+
+
+def make_state(size_gb: float, leaves: int, m: Mesh) -> dict[str, jax.Array]:
+    """``leaves`` random float32 (rows, 4096) arrays totalling ~``size_gb`` GB,
+    created directly in their shardings (random data: nothing compresses)."""
+    rows = max(8, int(size_gb * GB / leaves / 4 / COLS) // 8 * 8)
+    sharding = NamedSharding(m, SPEC)
+    make = jax.jit(lambda k: jax.random.normal(k, (rows, COLS), np.float32), out_shardings=sharding)
+    keys = jax.random.split(jax.random.key(0), leaves)
+    state = {f"w{i:02d}": make(keys[i]) for i in range(leaves)}
+    jax.block_until_ready(state)
+    return state
+
+
+def target_on(state: dict, m: Mesh) -> dict:
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(m, SPEC)) for k, v in state.items()}
+
+
+def nbytes(state: dict) -> int:
+    return sum(v.nbytes for v in state.values())
+
+
+# ------------------------------------------------------------------ the disk
+def evict(path: str) -> None:
+    """Drops ``path``'s files (a file or a tree) from the page cache, so the next
+    read comes from the disk; flushes them first (DONTNEED skips dirty pages)."""
+    files = [path] if os.path.isfile(path) else [
+        os.path.join(root, f) for root, _, names in os.walk(path) for f in names]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def dd(path: str, n: int) -> dict[str, float]:
+    """Seconds for dd to write ``n`` bytes (fdatasync), read them cold, and read them cached."""
+    block = 16 << 20
+    count = max(1, round(n / block))
+
+    def run(*args: str) -> float:
+        t = time.perf_counter()
+        subprocess.run(["dd", *args, f"bs={block}", "status=none"], check=True)
+        return time.perf_counter() - t
+
+    out = {"write": run("if=/dev/zero", f"of={path}", f"count={count}", "conv=fdatasync")}
+    evict(path)
+    os.sync()
+    out["read"] = run(f"if={path}", "of=/dev/null")
+    out["read, page cache"] = run(f"if={path}", "of=/dev/null")
+    os.remove(path)
+    scale = n / (count * block)  # dd moved whole blocks
+    return {k: v * scale for k, v in out.items()}
+
+
+# ------------------------------------------------------------- the libraries
+class Ours:
+    def __init__(self, checksums: bool):
+        self.checksums = checksums
+
+    def save(self, directory: str, state: dict) -> None:
+        with CheckpointManager(directory, max_to_keep=None, checksums=self.checksums) as mgr:
+            mgr.save(1, state)
+            mgr.wait_until_finished()
+
+    def restore(self, directory: str, target: dict) -> dict:
+        with CheckpointManager(directory, read_only=True, checksums=self.checksums) as mgr:
+            return mgr.restore(1, target=target).state
+
+
+class RawOrbax:
+    def save(self, directory: str, state: dict) -> None:
+        options = ocp.CheckpointManagerOptions(max_to_keep=None, enable_async_checkpointing=True)
+        with ocp.CheckpointManager(directory, options=options) as mgr:
+            mgr.save(1, args=ocp.args.StandardSave(state))
+            mgr.wait_until_finished()
+
+    def restore(self, directory: str, target: dict) -> dict:
+        options = ocp.CheckpointManagerOptions(read_only=True)
+        with ocp.CheckpointManager(directory, options=options) as mgr:
+            return mgr.restore(1, args=ocp.args.StandardRestore(target))
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, object]:
+    t = time.perf_counter()
+    out = fn()
+    jax.block_until_ready(out)
+    return time.perf_counter() - t, out
+
+
+def check_restored(restored: dict, state: dict, target: dict) -> None:
+    """One leaf's values and every leaf's sharding (outside the timed part)."""
+    k = next(iter(state))
+    assert np.array_equal(np.asarray(restored[k]), np.asarray(state[k])), f"restored {k} differs"
+    for name, t in target.items():
+        assert restored[name].sharding == t.sharding, f"{name}: {restored[name].sharding}"
+
+
+def rotated(items: list, r: int) -> list:
+    """``items`` starting at position ``r``: no operation always goes first."""
+    r %= len(items)
+    return items[r:] + items[:r]
+
+
+def one_round(lib, root: str, state: dict, targets: dict[str, dict], r: int) -> dict[str, float]:
+    """Save, then restore cold onto every target (in a rotated order); seconds
+    per operation. The first round also checks what comes back."""
+    directory = tempfile.mkdtemp(dir=root)
+    check = r == 0
+    try:
+        os.sync()  # no writeback left over from the previous operation
+        times = {"save": timed(lambda: lib.save(directory, state))[0]}
+        for name, target in rotated(list(targets.items()), r):
+            evict(directory)
+            os.sync()
+            seconds, restored = timed(lambda t=target: lib.restore(directory, t))
+            if check:
+                check_restored(restored, state, target)
+            del restored
+            times[f"restore {name}"] = seconds
+        return times
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ reporting
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])
+
+
+def report(best: dict[str, dict[str, float]], disk: dict[str, float], n: int) -> str:
+    gbs = lambda s: f"{n / GB / s:.2f}"
+    ours, plain, raw = best["ours"], best["ours, no checksums"], best["raw orbax"]
+    rows = []
+    for op in ours:
+        dd_s = disk["write"] if op == "save" else disk["read"]
+        rows.append([op, gbs(ours[op]), gbs(plain[op]), gbs(raw[op]), gbs(dd_s),
+                     f"{raw[op] / ours[op]:.2f}", f"{dd_s / ours[op]:.2f}"])
+    rows.append(["dd read, page cache", "", "", "", gbs(disk["read, page cache"]), "", ""])
+    speed = table(["GB/s", "ours", "ours, no checksums", "raw orbax", "dd", "ours / raw", "ours / dd"], rows)
+    same = "restore 4x2 (same)"
+    layout_rows = [[op.removeprefix("restore "), f"{ours[op]:.2f} s", f"{ours[op] / ours[same]:.2f}",
+                    f"{raw[op]:.2f} s", f"{raw[op] / raw[same]:.2f}"]
+                   for op in ours if op.startswith("restore")]
+    layouts = table(["restore onto", "ours", "ours vs same layout", "raw orbax", "raw vs same layout"], layout_rows)
+    return f"{speed}\n\n{layouts}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-gb", type=float, default=1.0, help="state size in GB (1e9 bytes)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds; the best is reported")
+    ap.add_argument("--leaves", type=int, default=8, help="number of arrays in the state")
+    ap.add_argument("--dir", default="/tmp", help="where the temporary checkpoint folder goes")
+    args = ap.parse_args()
+    if jax.device_count() < 8:
+        raise SystemExit(f"needs 8 devices, have {jax.device_count()} (XLA_FLAGS={os.environ.get('XLA_FLAGS')})")
+    absl_logging.set_verbosity(absl_logging.ERROR)
+
+    state = make_state(args.size_gb, args.leaves, mesh((4, 2)))
+    n = nbytes(state)
+    targets = {"4x2 (same)": target_on(state, mesh((4, 2))), "8x1": target_on(state, mesh((8, 1))),
+               "2x2 on 4 devices": target_on(state, mesh((2, 2), 4))}
+    libs = {"ours": Ours(checksums=True), "ours, no checksums": Ours(checksums=False), "raw orbax": RawOrbax()}
+    root = tempfile.mkdtemp(prefix="multimesh-ckpt-bench-", dir=args.dir)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in libs}
+    disks: list[dict[str, float]] = []
+    try:
+        for r in range(args.rounds):
+            for name, lib in rotated(list(libs.items()), r):
+                runs[name].append(one_round(lib, root, state, targets, r))
+            os.sync()
+            disks.append(dd(os.path.join(root, "dd.bin"), n))
+            print(f"round {r + 1}/{args.rounds}: " + ", ".join(
+                f"{name} save {t['save']:.2f} s" for name, t in ((k, v[-1]) for k, v in runs.items()))
+                + f", dd write {disks[-1]['write']:.2f} s", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    best = {name: {op: min(t[op] for t in ts) for op in ts[0]} for name, ts in runs.items()}
+    disk = {op: min(d[op] for d in disks) for op in disks[0]}
+    spread = max(statistics.median(t["save"] for t in ts) / best[name]["save"] for name, ts in runs.items())
+    shape = next(iter(state.values())).shape
+    print(f"\nstate: {n / GB:.2f} GB = {len(state)} float32 arrays {shape}, {SPEC} on a 4x2 mesh of 8 CPU "
+          f"devices; best of {args.rounds} rounds (median/best save time up to {spread:.2f}); restores "
+          f"start with the files evicted from the page cache. Ratios > 1: ours is faster.\n")
+    print(report(best, disk, n))
+
+
+if __name__ == "__main__":
+    main()
