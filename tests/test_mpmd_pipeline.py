@@ -457,3 +457,39 @@ def test_a_value_that_cannot_be_moved_names_the_task(monkeypatch):
                        match=r"cannot move float32\[8,16\] from segment \[\d+\] stage0:F\[s0,m0\] .* to task "
                              r"'stage1' .*device_put across processes is not supported"):
         fn(state, b)
+
+
+# -- submesh helpers, and a batch placed over all devices -------------------------------------
+
+
+def test_slice_mesh_and_place_mesh():
+    from multimesh.jax import place_mesh, slice_mesh
+
+    whole = build_mesh({"stage": 2, "data": 2, "model": 2})
+    first, second = slice_mesh(whole, "stage")
+    assert dict(first.shape) == dict(second.shape) == {"data": 2, "model": 2}
+    assert [d.id for d in first.devices.flat] == [0, 1, 2, 3]
+    assert [d.id for d in second.devices.flat] == [4, 5, 6, 7]
+    moved = place_mesh(dict(first.shape), jax.devices()[4:])
+    assert moved.axis_names == ("data", "model") and moved.devices.shape == (2, 2)
+    assert set(moved.devices.flat) == set(second.devices.flat)
+    with pytest.raises(ValueError, match="no axis 'pipe'"):
+        slice_mesh(whole, "pipe")
+    with pytest.raises(ValueError, match=r"3 devices do not fit mesh shape \{.data.: 2, .model.: 2\}, which needs 4"):
+        place_mesh((2, 2), jax.devices()[:3], ("data", "model"))
+
+
+def test_stages_from_slice_mesh_accept_a_batch_sharded_over_all_devices():
+    from multimesh.jax import slice_mesh
+
+    meshes = slice_mesh(build_mesh({"stage": 2, "data": 2, "model": 2}), "stage")
+    stages = [task(layer, f"stage{i}", mesh=m) for i, m in enumerate(meshes)]
+    step = train_step(chain_loss(stages), 4, "1f1b")
+    fn, init_p = parallelize(step, init_params=init_layers(2), initial_batch=make_batch())
+    everywhere = jax.sharding.NamedSharding(build_mesh({"data": 8}), P("data"))
+    b = jax.device_put(make_batch(), everywhere)
+    loss, _, state = fn(init_p(), b)
+    with ignore_transforms():
+        ref_loss, _, _ = jax.jit(step)(init_layers(2)(), make_batch())
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert fn.stats.transfers > 0 and b["x"].sharding == everywhere  # moved, the caller's batch untouched
