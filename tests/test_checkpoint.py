@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -309,13 +310,14 @@ def test_relative_directory_is_made_absolute(tmp_path, monkeypatch):
     with CheckpointManager("rel/ckpt") as mgr:
         assert mgr.directory == str(tmp_path / "rel" / "ckpt")
         mgr.save(1, place(ref, named(mesh((4, 2)))))
+    assert os.path.isdir(tmp_path / "rel" / "ckpt" / "1")
     monkeypatch.chdir("/")
     with CheckpointManager(tmp_path / "rel" / "ckpt") as mgr:
         target = target_like(ref, named(mesh((8, 1))))
         assert_bitwise(mgr.restore(target=target).state, ref, target)
 
 
-def test_saving_an_existing_step_raises(tmp_path):
+def test_saving_an_existing_step_raises(tmp_path, monkeypatch):
     state = place(_pipeline_state(9), named(mesh((4, 2))))
     with CheckpointManager(tmp_path / "c") as mgr:
         mgr.save(3, state)
@@ -329,6 +331,11 @@ def test_saving_an_existing_step_raises(tmp_path):
         mgr.save(3, state)
         mgr.wait_until_finished()
         assert mgr.all_steps() == [3]
+    # after a restart too, and the error names the absolute directory given relatively
+    monkeypatch.chdir(tmp_path)
+    with (CheckpointManager("c") as mgr,
+          pytest.raises(CheckpointExistsError, match="step 3 already exists in " + re.escape(f"{tmp_path}/c;"))):
+        mgr.save(3, state)
 
 
 def test_keeps_last_n_and_finds_latest(tmp_path):

@@ -10,9 +10,18 @@
         state, pos = restored.state, restored.data_position
 
 Restoring never reuses the saved layout: the target says where every leaf goes
-(any mesh, device count or set of submeshes). ``python -m
-multimesh.checkpoint.inspect DIR [STEP]`` (or ``multimesh-ckpt``) lists and
-describes checkpoints.
+(any mesh, device count or set of submeshes). With ``parallelize``, the new
+step function's ``abstract_params`` is that target, built from our rules on the
+new mesh or task layout; the function itself may be passed instead:
+
+    step_fn, init, get_batch = multimesh.parallelize(
+        train_step, init_params=init_state, get_input_batch=batch,
+        mesh={"data": 8, "model": 1}, rules=rules)      # any new layout, or tasks
+    restored = mgr.restore(step, target=step_fn.abstract_params)  # or target=step_fn
+    state = restored.state                              # feeds step_fn as is
+
+``python -m multimesh.checkpoint.inspect DIR [STEP]`` (or ``multimesh-ckpt``)
+lists and describes checkpoints.
 """
 
 from .errors import (

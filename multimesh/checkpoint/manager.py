@@ -298,12 +298,17 @@ class CheckpointManager:
             target: the new layout: a pytree with the saved structure whose
                 leaves are ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)``
                 or ``jax.Array`` (only shape/dtype/sharding are used). Any mesh,
-                device count or mix of submeshes works.
+                device count or mix of submeshes works. A function built by
+                ``parallelize`` stands for its ``abstract_params`` (the state
+                laid out by its rules on its mesh or task submeshes), as the
+                whole target or as a subtree of it. Required: restoring onto
+                the saved layout would break on another device count.
 
         Returns:
             ``Restored(state, metadata, data_position, step)``.
 
         Raises:
+            TypeError: no target, or a target leaf without a sharding.
             FileNotFoundError: no such complete step (names the directory and
                 the steps that exist).
             CheckpointMismatchError (a ValueError): the target's paths, shapes or

@@ -182,12 +182,35 @@ def abstract_target(tree: PyTree, shardings: PyTree) -> PyTree:
     return jax.tree.map(one, shardings, tree, is_leaf=lambda x: isinstance(x, Sharding))
 
 
+def _is_parallelized(x: Any) -> bool:
+    """A function built by ``parallelize`` (duck-typed: this module does not
+    import the compiler). Only pytree leaves qualify, so a state container that
+    happens to have an ``abstract_params`` field is never mistaken for one."""
+    return hasattr(x, "abstract_params") and jax.tree_util.treedef_is_leaf(jax.tree.structure(x))
+
+
+def expand_parallelized(target: PyTree) -> PyTree:
+    """Replaces every function built by ``parallelize`` in ``target`` (the whole
+    target, or a subtree of it) by its ``abstract_params``: the state's layout
+    under that function's rules and mesh(es)."""
+    return jax.tree.map(lambda x: x.abstract_params if _is_parallelized(x) else x, target)
+
+
 def normalize_target(target: PyTree) -> PyTree:
     """Target leaves as ``ShapeDtypeStruct`` with a sharding; a clear error otherwise.
 
-    Accepts ``jax.ShapeDtypeStruct`` with ``sharding`` set, and ``jax.Array``
-    (its shape, dtype and sharding are used; its values are not).
+    Accepts ``jax.ShapeDtypeStruct`` with ``sharding`` set, ``jax.Array`` (its
+    shape, dtype and sharding are used; its values are not), and a function
+    built by ``parallelize`` (its ``abstract_params``), in place of the whole
+    target or of a subtree.
     """
+    if target is None:
+        raise TypeError(
+            "restore needs target=: the layout to restore onto, e.g. "
+            "target=step_fn.abstract_params (or the step function built by parallelize, "
+            "or multimesh.checkpoint.abstract_target(...)); restoring onto the saved "
+            "layout is not supported, it breaks on another mesh or device count")
+    target = expand_parallelized(target)
     bad = []
 
     def one(kp, x):
