@@ -8,6 +8,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from .deferred import is_deferring, logical_constraint_p
 from .rules import _as_axes
 from .scope import Scope, current_scope
 
@@ -65,6 +66,8 @@ def with_sharding_constraint(x: Any, shardings: Any) -> Any:
     """
     scope = current_scope()
     if scope is None:
+        if is_deferring() and not _has_named_sharding(shardings):  # MPMD: resolved where it runs
+            return _per_leaf(x, shardings, lambda leaf, s: logical_constraint_p.bind(leaf, spec=tuple(s)))
         if _no_mesh_in_context() and not _has_named_sharding(shardings):
             return x
         return jax.lax.with_sharding_constraint(x, shardings)
@@ -80,6 +83,11 @@ def with_sharding_constraint(x: Any, shardings: Any) -> Any:
             return jax.lax.with_sharding_constraint(leaf, spec)
         return jax.lax.with_sharding_constraint(leaf, NamedSharding(scope.mesh, spec))
 
+    return _per_leaf(x, shardings, one)
+
+
+def _per_leaf(x: Any, shardings: Any, one: Callable) -> Any:
+    """``one(leaf, sharding)`` for every leaf: one sharding for all of ``x``, or a tree of them (a prefix of x)."""
     is_spec = lambda s: isinstance(s, (PartitionSpec, NamedSharding))  # noqa: E731
     if is_spec(shardings):
         return jax.tree.map(lambda leaf: one(leaf, shardings), x)

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .deferred import deferring
 from .layout import constrained_inputs, derive_layout
 from .meshes import MeshLike, build_mesh
 from .rules import MeshAxes, PathRules, Rules
@@ -114,7 +115,7 @@ def parallelize(
 
     if closed is not None and has_tasks(closed.jaxpr):
         # Glue outside tasks takes its placement from the plan, not from here.
-        with tracing(None), collect_pipelines() as pipelines:
+        with tracing(None), deferring(), collect_pipelines() as pipelines:
             closed, out_shape = _trace(fun, abstract_params, abstract_batch)
         closed = inline_calls(closed)
         sharded = build_mpmd(fun, closed, out_shape, abstract_params, abstract_batch, path_rules=path_rules,

@@ -493,3 +493,25 @@ def test_stages_from_slice_mesh_accept_a_batch_sharded_over_all_devices():
         ref_loss, _, _ = jax.jit(step)(init_layers(2)(), make_batch())
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert fn.stats.transfers > 0 and b["x"].sharding == everywhere  # moved, the caller's batch untouched
+
+
+def test_glue_constraints_resolve_with_the_consuming_tasks_rules():
+    first, second = stage_meshes([4, 4], lambda n: {"rows": 2, "cols": 2})
+    t1 = task(lambda w, x: jnp.tanh(x @ w), "first", mesh=first, logical_axes=[("batch", "rows")])
+    t2 = task(lambda w, x: x @ w, "second", mesh=second, logical_axes=[("batch", "rows"), ("feat", "cols")])
+
+    def fun(p, b):
+        g = with_sharding_constraint(t1(p["a"], b["x"]) * 2.0, P("batch", "feat"))  # glue, consumed by t2
+        return jnp.sum(t2(p["b"], g)), g
+
+    def init():
+        return {"a": jnp.ones((D, H)) * .1, "b": jnp.ones((H, D)) * .1}
+
+    fn, init_p = parallelize(fun, init_params=init, initial_batch=make_batch())
+    loss, g = fn(init_p(), make_batch())
+    with ignore_transforms():
+        ref_loss, ref_g = jax.jit(fun)(init(), make_batch())
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(g, ref_g, rtol=1e-5)
+    assert g.sharding.device_set == set(second.devices.flat)
+    assert g.sharding.spec == P("rows", "cols")  # the rules of "second", where the glue runs

@@ -17,15 +17,17 @@ read) are alive on each stage at once.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-from jax.extend.core import Literal, Var, jaxpr_as_fun
+from jax.extend.core import Literal, Var
 from jax.sharding import NamedSharding
 
+from ..deferred import eval_with_scope
 from .implicit import is_backprop, microbatch_of
 from .plan import Plan, Segment
 from .transfer import reshard_to
@@ -68,8 +70,8 @@ class Runtime:
         self.stats = RunStats()
         self._free_after = _lifetimes(plan)
         donate = _donations(plan, donated)
-        self._fns = [jax.jit(jaxpr_as_fun(seg.closed_jaxpr()), donate_argnums=donate[seg.index])
-                     for seg in plan.segments]
+        self._fns = [jax.jit(functools.partial(eval_with_scope, seg.closed_jaxpr(), seg.placement.scope),
+                             donate_argnums=donate[seg.index]) for seg in plan.segments]
         self._stash = _stashed_activations(plan.segments)
         self._stage_at = {s.placement.devices: s.stage for s in plan.segments if s.stage is not None}
 
