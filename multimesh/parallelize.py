@@ -167,7 +167,8 @@ def _sharded_maker(make: Callable, shardings: Any, scope: Scope | None) -> Calla
     # One program per device group, each computing (and keeping) only its leaves.
     def part(idx: list[int]) -> Callable:
         def leaves():
-            return [jax.tree.leaves(in_scope())[i] for i in idx]
+            flat_out = jax.tree.leaves(in_scope())  # trace once per submesh, not once per leaf
+            return [flat_out[i] for i in idx]
 
         return jax.jit(leaves, out_shardings=[flat[i] for i in idx])
 
