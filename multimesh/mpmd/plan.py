@@ -254,7 +254,6 @@ def _group(eqns: Sequence, colour: Sequence[Placement], units: Sequence[Unit | N
     segments: list[Segment] = []
     latest: dict[tuple, int] = {}
     sources: dict[tuple, int] = {}
-    reads: list[set[int]] = []
     producer: dict[Var, int] = {}
     for i, e in enumerate(eqns):
         key = (colour[i], units[i] if units[i] is not None else _glue_key(e))
@@ -265,12 +264,10 @@ def _group(eqns: Sequence, colour: Sequence[Placement], units: Sequence[Unit | N
         if k is None or any(d > k for d in deps):
             k = len(segments)
             segments.append(Segment(k, colour[i], unit=units[i]))
-            reads.append(set())
             latest[key] = k
             if pipelined and units[i] is None and not deps:
                 sources[key] = k
         segments[k].eqns.append(e)
-        reads[k] |= deps - {k}
         for v in e.outvars:
             producer[v] = k
     return segments

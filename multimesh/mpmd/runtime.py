@@ -145,6 +145,15 @@ class Runtime:
 _GONE = object()
 
 
+def _uses(plan: Plan) -> dict[Var, dict[frozenset, list[int]]]:
+    """For each value, the segments reading it, per submesh."""
+    uses: dict[Var, dict[frozenset, list[int]]] = {}
+    for seg in plan.segments:
+        for v in seg.invars:
+            uses.setdefault(v, {}).setdefault(seg.placement.devices, []).append(seg.index)
+    return uses
+
+
 def _lifetimes(plan: Plan) -> dict[int, list[Key]]:
     """After which segment each copy of each value dies.
 
@@ -153,10 +162,7 @@ def _lifetimes(plan: Plan) -> dict[int, list[Key]]:
     so it lives until each other submesh has taken its copy. Step outputs
     never die.
     """
-    uses: dict[Var, dict[frozenset, list[int]]] = {}
-    for seg in plan.segments:
-        for v in seg.invars:
-            uses.setdefault(v, {}).setdefault(seg.placement.devices, []).append(seg.index)
+    uses = _uses(plan)
     outputs = {v for v in plan.jaxpr.outvars if not isinstance(v, Literal)}
     free: dict[int, list[Key]] = {i: [] for i in range(len(plan.segments))}
     for v, where in uses.items():
@@ -173,15 +179,11 @@ def _lifetimes(plan: Plan) -> dict[int, list[Key]]:
 
 def _donations(plan: Plan, donated: set[Var]) -> dict[int, tuple[int, ...]]:
     """Per segment, the arguments to donate: donated step inputs at their last use, on their only submesh."""
-    where: dict[Var, set[frozenset]] = {}
-    last: dict[Var, int] = {}
-    for seg in plan.segments:
-        for v in seg.invars:
-            where.setdefault(v, set()).add(seg.placement.devices)
-            last[v] = seg.index
+    uses = _uses(plan)
     outputs = {v for v in plan.jaxpr.outvars if not isinstance(v, Literal)}
     return {seg.index: tuple(i for i, v in enumerate(seg.invars)
-                             if v in donated and v not in outputs and len(where[v]) == 1 and last[v] == seg.index)
+                             if v in donated and v not in outputs and len(uses[v]) == 1
+                             and max(uses[v][seg.placement.devices]) == seg.index)
             for seg in plan.segments}
 
 
