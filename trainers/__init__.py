@@ -1,0 +1,8 @@
+"""The example trainer: ``python -m trainers`` / ``multimesh-train`` (see README, "Training").
+
+Modules: ``config`` (YAML configs, inheritance, overrides, validation),
+``layout`` (SPMD mesh + rules, or an MPMD pipeline), ``optim`` (AdamW and its
+schedule), ``step`` (the train/eval steps, parallelized), ``train`` (the loop,
+checkpoints, resume), ``metrics`` (JSONL, throughput, loss plot), ``sample``
+(text from a checkpoint), ``data`` (the byte-level corpus), ``cli``.
+"""

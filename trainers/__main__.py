@@ -1,6 +1,8 @@
-"""``python -m trainers``: until the config-driven trainer lands, a short sharded training demo."""
+"""``python -m trainers``: the ``multimesh-train`` command (no arguments: the tiny default config)."""
 
-from .demo import main
+import sys
+
+from .cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -6,7 +6,7 @@ Corpus
     file, sorted by relative path, skipping ``site-packages``/``dist-packages``,
     ``__pycache__`` and the parts that distributions often package separately
     (``test``, ``tests``, ``idlelib``, ``tkinter``, ``turtledemo``, ``lib2to3``,
-    ``ensurepip``), concatenated and capped at ``max_bytes`` (4 MB by default).
+    ``ensurepip``), concatenated and capped at ``max_bytes`` (2 MB by default).
     The text is therefore identical on machines with the same Python version.
     Other text can be given as file paths or globs (``"stdlib"`` in the list
     stands for the default corpus). See ``trainers/corpus/README.md``.
@@ -53,25 +53,25 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "VOCAB_SIZE",
-    "DOC_SEPARATOR",
     "DEFAULT_MAX_BYTES",
+    "DOC_SEPARATOR",
+    "VOCAB_SIZE",
     "DataConfig",
     "TextDataset",
-    "stdlib_source_files",
-    "resolve_paths",
-    "load_corpus",
-    "encode",
     "decode",
+    "encode",
+    "ln_vocab",
+    "load_corpus",
+    "make_datasets",
+    "resolve_paths",
+    "stdlib_source_files",
     "train_val_split",
     "unigram_entropy",
-    "make_datasets",
-    "ln_vocab",
 ]
 
 VOCAB_SIZE = 256
 DOC_SEPARATOR = 0
-DEFAULT_MAX_BYTES = 4_000_000
+DEFAULT_MAX_BYTES = 2_000_000
 STDLIB = "stdlib"
 
 _EXCLUDED_DIRS = frozenset({
@@ -156,7 +156,7 @@ def train_val_split(tokens: np.ndarray, val_fraction: float = 0.05) -> tuple[np.
     """Split the token stream: the last ``val_fraction`` is validation, the rest training."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    n_val = max(1, int(round(len(tokens) * val_fraction)))
+    n_val = max(1, round(len(tokens) * val_fraction))
     return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
 
 

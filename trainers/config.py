@@ -1,0 +1,507 @@
+"""Trainer configuration: YAML files with inheritance, ``key.sub=value`` overrides, validation.
+
+A config has five sections (see ``configs/tiny.yaml``)::
+
+    model:      TransformerConfig fields (models/transformer.py)
+    data:       DataConfig fields (trainers/data.py)
+    optimizer:  OptimizerConfig
+    layout:     LayoutConfig (mesh, rules, pipeline)
+    train:      TrainConfig
+
+``base: NAME`` (or a path) inherits from another config: sections are merged
+key by key, the child winning; free-form values (``layout.mesh``,
+``layout.rules``, ``data.paths``) are replaced whole. Overrides
+``key.sub=value`` are applied last, the value parsed as YAML
+(``layout.mesh={data: 8}``, ``layout.pipeline=null``, ``optimizer.lr=1e-3``).
+Every key is checked against the schema; an error names the offending key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from models.transformer import TransformerConfig
+from trainers.data import DataConfig
+
+__all__ = [
+    "CONFIG_DIR",
+    "DEFAULT_CONFIG",
+    "Config",
+    "ConfigError",
+    "LayoutConfig",
+    "OptimizerConfig",
+    "PipelineConfig",
+    "TrainConfig",
+    "config_from_dict",
+    "find_config",
+    "load_config",
+    "parse_overrides",
+]
+
+#: Where named configs (``tiny``, ``dp``, ...) live: ``<repo>/configs``.
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = "tiny"
+SCHEDULES = ("1f1b", "gpipe")
+RULE_SETS = ("standard",)
+
+
+class ConfigError(ValueError):
+    """A config problem; the message names the key (e.g. ``optimizer.lr``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warmup to ``lr``, then ``decay`` to ``min_lr`` at the last step.
+
+    ``decay``: ``cosine``, ``linear`` or ``constant``. Weight decay applies to
+    matrices only (not norm scales). ``clip_norm``: global gradient-norm clip
+    (``null``: none).
+    """
+
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 100
+    decay: str = "cosine"
+    weight_decay: float = 0.1
+    clip_norm: float | None = 1.0
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if self.decay not in ("cosine", "linear", "constant"):
+            raise ValueError(f"decay={self.decay!r}: use 'cosine', 'linear' or 'constant'")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.clip_norm is not None and self.clip_norm <= 0:
+            raise ValueError(f"clip_norm must be positive or null, got {self.clip_norm}")
+        if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1):
+            raise ValueError(f"b1 and b2 must be in [0, 1), got {self.b1}, {self.b2}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline (MPMD) layout: ``stages`` device groups, each shaped as ``layout.mesh``.
+
+    The global batch is split into ``microbatches`` run in ``schedule`` order.
+    """
+
+    stages: int
+    microbatches: int
+    schedule: str = "1f1b"
+
+    def __post_init__(self) -> None:
+        if self.stages < 2:
+            raise ValueError(f"stages must be >= 2 (a 1-stage pipeline is plain SPMD), got {self.stages}")
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}: use one of {list(SCHEDULES)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutConfig:
+    """How the step is laid out on devices.
+
+    ``mesh``: ``{axis: size}`` (the whole mesh; with a pipeline, each stage's
+    mesh). ``rules``: a named rule set (``standard``:
+    ``multimesh.jax.standard_rules`` of the mesh axes) or a list of
+    ``[logical_name, mesh_axis | [axes] | null]`` pairs. ``pipeline``:
+    ``null`` (SPMD) or a :class:`PipelineConfig`. The layout runs on the first
+    :attr:`num_devices` devices (``{data: 1}`` without a pipeline: one device).
+    """
+
+    mesh: dict[str, int] = dataclasses.field(default_factory=lambda: {"data": 8})
+    rules: str | list = "standard"
+    pipeline: PipelineConfig | None = None
+
+    def __post_init__(self) -> None:
+        if not self.mesh:
+            raise ValueError("mesh must name at least one axis, e.g. {data: 8}")
+        for axis, size in self.mesh.items():
+            if not isinstance(axis, str) or not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"mesh entry {axis!r}: {size!r}; sizes must be positive ints")
+        if isinstance(self.rules, str):
+            if self.rules not in RULE_SETS:
+                raise ValueError(f"rules={self.rules!r}: a named rule set must be one of {list(RULE_SETS)}")
+        else:
+            for i, rule in enumerate(self.rules):
+                _check_rule(i, rule, self.mesh)
+
+    @property
+    def devices_per_stage(self) -> int:
+        return math.prod(self.mesh.values())
+
+    @property
+    def num_devices(self) -> int:
+        """Devices the layout uses: the mesh size times the pipeline stages."""
+        return self.devices_per_stage * (self.pipeline.stages if self.pipeline else 1)
+
+    def rule_pairs(self) -> list[tuple[str, Any]]:
+        """The rules as ``(logical, mesh_axes)`` pairs (named sets resolved for this mesh)."""
+        if isinstance(self.rules, str):
+            from multimesh.jax import standard_rules
+
+            return list(standard_rules(tuple(self.mesh)))
+        return [(name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in self.rules]
+
+
+def _check_rule(i: int, rule: Any, mesh: Mapping[str, int]) -> None:
+    if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str)):
+        raise ValueError(f"rule #{i} is {rule!r}; each rule is a pair [logical_name, mesh_axis]")
+    axes = rule[1]
+    names = [] if axes is None else [axes] if isinstance(axes, str) else axes
+    if not isinstance(names, (list, tuple)) or not all(isinstance(a, str) for a in names):
+        raise ValueError(f"rule #{i} {rule!r}: the mesh axis must be a name, a list of names, or null")
+    for a in names:
+        if a not in mesh:
+            raise ValueError(f"rule #{i} {rule!r} names mesh axis {a!r}, but the mesh has only {list(mesh)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The loop: ``steps`` optimizer steps; every ``eval_every`` a validation loss over
+    ``eval_batches`` batches (and at the end); a metrics line every ``log_every``;
+    an asynchronous checkpoint every ``checkpoint_every`` (and at the end; ``0``:
+    only at the end) keeping the newest ``keep``; ``seed`` seeds the parameters;
+    ``out_dir`` holds ``metrics.jsonl``, ``loss.png``, ``checkpoints/``. With
+    ``resume`` a run continues from the latest checkpoint in ``out_dir``.
+    """
+
+    steps: int = 1000
+    eval_every: int = 250
+    eval_batches: int = 8
+    log_every: int = 10
+    checkpoint_every: int = 250
+    keep: int = 2
+    seed: int = 0
+    out_dir: str | None = None
+    resume: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "eval_every", "eval_batches", "log_every", "keep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0 (0: only at the end), got {self.checkpoint_every}")
+
+
+#: The sections of a config, in order, with their dataclass.
+SECTIONS: dict[str, type] = {
+    "model": TransformerConfig,
+    "data": DataConfig,
+    "optimizer": OptimizerConfig,
+    "layout": LayoutConfig,
+    "train": TrainConfig,
+}
+#: Nested dataclass fields (merged key by key rather than replaced).
+NESTED: dict[tuple[str, str], type] = {("layout", "pipeline"): PipelineConfig}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A complete, validated trainer config."""
+
+    name: str
+    model: TransformerConfig
+    data: DataConfig
+    optimizer: OptimizerConfig
+    layout: LayoutConfig
+    train: TrainConfig
+
+    @property
+    def out_dir(self) -> Path:
+        """``train.out_dir``, or ``runs/<name>`` (absolute)."""
+        return Path(self.train.out_dir or os.path.join("runs", self.name)).expanduser().resolve()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (YAML/JSON-safe): every section, defaults resolved."""
+        out: dict[str, Any] = {"name": self.name}
+        for section in SECTIONS:
+            d = dataclasses.asdict(getattr(self, section))
+            if section == "data" and d["paths"] is not None:
+                d["paths"] = list(d["paths"])
+            out[section] = d
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def replace(self, name: str | None = None, **sections: Mapping[str, Any]) -> Config:
+        """A copy with some keys of some sections changed, e.g. ``replace(train={"steps": 5})``."""
+        raw = self.to_dict()
+        if name is not None:
+            raw["name"] = name
+        for section, values in sections.items():
+            if section not in SECTIONS:
+                raise ConfigError(f"unknown section {section!r}; sections: {list(SECTIONS)}")
+            raw[section] = {**raw[section], **values}
+        return config_from_dict(raw)
+
+
+# -- loading --------------------------------------------------------------------------
+
+
+def find_config(name_or_path: str | os.PathLike, relative_to: Path | None = None) -> Path:
+    """A config file from a path, or a name in ``configs/`` (``dp`` -> ``configs/dp.yaml``)."""
+    text = os.fspath(name_or_path)
+    candidates = [Path(text).expanduser()]
+    if relative_to is not None:
+        candidates.insert(0, relative_to / text)
+    if not text.endswith((".yaml", ".yml")):
+        candidates += [c.with_name(c.name + ".yaml") for c in list(candidates)]
+        candidates.append(CONFIG_DIR / f"{text}.yaml")
+    for c in candidates:
+        if c.is_file():
+            return c.resolve()
+    known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    raise ConfigError(f"config {text!r} not found (a YAML path, or one of {known} in {CONFIG_DIR})")
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a config must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    if path in seen:
+        chain = " -> ".join(str(p) for p in (*seen, path))
+        raise ConfigError(f"config inheritance cycle: {chain}")
+    data = _read_yaml(path)
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base must be a config name or path, got {base!r}")
+    parent = _load_raw(find_config(base, relative_to=path.parent), (*seen, path))
+    return _merge(parent, data)
+
+
+def _merge(base: dict[str, Any], child: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``child`` over ``base``: sections and nested dataclasses merge, other values are replaced."""
+    out = dict(base)
+    for key, value in child.items():
+        path = (*prefix, key)
+        mergeable = len(path) == 1 and key in SECTIONS or path in NESTED
+        if mergeable and isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value, path)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_overrides(items: Sequence[str]) -> list[tuple[tuple[str, ...], Any]]:
+    """``["optimizer.lr=1e-3", ...]`` -> ``[(("optimizer", "lr"), 0.001), ...]`` (YAML values)."""
+    out = []
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key.sub=value")
+        parts = tuple(key.split("."))
+        if any(not p for p in parts):
+            raise ConfigError(f"override {item!r}: empty component in key {key!r}")
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {key}: value {text!r} is not valid YAML: {e}") from None
+        out.append((parts, value))
+    return out
+
+
+def _apply_override(raw: dict[str, Any], parts: tuple[str, ...], value: Any) -> None:
+    if parts[0] == "name" and len(parts) == 1:
+        raw["name"] = value
+        return
+    if parts[0] not in SECTIONS:
+        raise ConfigError(f"unknown key {'.'.join(parts)!r}: {_suggest(parts[0], ['name', *SECTIONS])}")
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            if parts[: i + 1] != parts[:1] and tuple(parts[: i + 1]) not in NESTED:
+                raise ConfigError(f"override {'.'.join(parts)}: {'.'.join(parts[:i + 1])} is not a section")
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(
+                f"override {'.'.join(parts)}: {'.'.join(parts[:i + 1])} is {child!r}, not a mapping; "
+                f"set it whole, e.g. {'.'.join(parts[:i + 1])}={{...}}"
+            )
+        node = child
+    node[parts[-1]] = value
+
+
+def load_config(config: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Load a config by name or path (default ``tiny``), apply ``key=value`` overrides, validate."""
+    path = find_config(config if config is not None else DEFAULT_CONFIG)
+    raw = _load_raw(path)
+    raw.setdefault("name", path.stem)
+    for parts, value in parse_overrides(overrides):
+        _apply_override(raw, parts, value)
+    return config_from_dict(raw)
+
+
+# -- validation -----------------------------------------------------------------------
+
+
+def config_from_dict(raw: Mapping[str, Any]) -> Config:
+    """Validate plain data (as loaded from YAML) into a :class:`Config`."""
+    raw = dict(raw)
+    name = raw.pop("name", "custom")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"name must be a non-empty string, got {name!r}")
+    unknown = [k for k in raw if k not in SECTIONS]
+    if unknown:
+        raise ConfigError(f"unknown key {unknown[0]!r}: {_suggest(unknown[0], ['name', 'base', *SECTIONS])}")
+    sections = {}
+    for section, cls in SECTIONS.items():
+        values = raw.get(section) or {}
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{section} must be a mapping of keys, got {values!r}")
+        sections[section] = _build(cls, values, section)
+    cfg = Config(name=name, **sections)
+    _check_consistency(cfg)
+    return cfg
+
+
+def _build(cls: type, values: Mapping[str, Any], where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise ConfigError(f"unknown key {where}.{key}: {_suggest(key, list(fields))}")
+        nested = NESTED.get((where, key))
+        if nested is not None and isinstance(value, Mapping):
+            kwargs[key] = _build(nested, value, f"{where}.{key}")
+        else:
+            kwargs[key] = _check_type(value, hints[key], f"{where}.{key}")
+    missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{where}: missing key {where}.{missing[0]}")
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _check_type(value: Any, hint: Any, key: str) -> Any:
+    """``value`` if it fits ``hint`` (ints may stand for floats, '1e-3' strings too), else ConfigError."""
+    ok, converted = _fits(value, hint)
+    if not ok:
+        raise ConfigError(f"{key}: expected {_type_name(hint)}, got {value!r} ({type(value).__name__})")
+    return converted
+
+
+def _fits(value: Any, hint: Any) -> tuple[bool, Any]:
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return True, value
+    if origin in (typing.Union, types.UnionType):
+        for arm in typing.get_args(hint):
+            ok, converted = _fits(value, arm)
+            if ok:
+                return True, converted
+        return False, value
+    if hint is type(None):
+        return value is None, value
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, float(value)
+        if isinstance(value, str):  # PyYAML reads 1e-3 (no dot) as a string
+            try:
+                return True, float(value)
+            except ValueError:
+                return False, value
+        return False, value
+    if hint is str:
+        return isinstance(value, str), value
+    if origin is tuple:
+        args = typing.get_args(hint)
+        if isinstance(value, str) and args == (str, Ellipsis):
+            value = [value]  # a single path
+        if not isinstance(value, (list, tuple)):
+            return False, value
+        if len(args) == 2 and args[1] is Ellipsis:
+            items = [_fits(v, args[0]) for v in value]
+            return all(ok for ok, _ in items), tuple(v for _, v in items)
+        return len(args) == len(value), tuple(value)
+    if origin is list or hint is list:
+        return isinstance(value, list), value
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            return False, value
+        args = typing.get_args(hint)
+        if args:
+            for k, v in value.items():
+                if not (_fits(k, args[0])[0] and _fits(v, args[1])[0]):
+                    return False, value
+        return True, dict(value)
+    if dataclasses.is_dataclass(hint):
+        return isinstance(value, hint), value
+    return isinstance(value, hint), value
+
+
+def _type_name(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(hint))
+    if hint is type(None):
+        return "null"
+    if dataclasses.is_dataclass(hint):
+        return "a mapping"
+    if origin is not None:
+        return str(hint).replace("typing.", "")
+    return getattr(hint, "__name__", str(hint))
+
+
+def _suggest(key: str, known: Sequence[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"{hint}known keys: {', '.join(known)}"
+
+
+def _check_consistency(cfg: Config) -> None:
+    """Cross-section checks that no single section can make."""
+    m, d, lay = cfg.model, cfg.data, cfg.layout
+    if d.seq_len > m.max_len:
+        raise ConfigError(f"data.seq_len={d.seq_len} exceeds model.max_len={m.max_len}")
+    if m.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size={m.vocab_size}: the byte-level data needs at least 256")
+    p = lay.pipeline
+    if p is not None:
+        if m.tie_embeddings:
+            raise ConfigError(
+                "model.tie_embeddings must be false with layout.pipeline: a tied embedding would be "
+                "shared by the first and the last stage"
+            )
+        if m.num_layers < p.stages:
+            raise ConfigError(f"layout.pipeline.stages={p.stages} exceeds model.num_layers={m.num_layers}")
+        if d.batch_size % p.microbatches:
+            raise ConfigError(
+                f"layout.pipeline.microbatches={p.microbatches} does not divide data.batch_size={d.batch_size}"
+            )

@@ -1,0 +1,145 @@
+"""From a ``layout:`` config to a parallel step: SPMD (one mesh, logical rules) or a pipeline (MPMD).
+
+SPMD (``pipeline: null``): ``multimesh.parallelize`` on a mesh of
+``layout.mesh`` over the first devices, parameters and activations sharded by
+the logical-axis rules.
+
+Pipeline: the same model and step. ``register_task`` places the modules by
+name: ``embed`` and the first blocks on stage 0, ..., the last blocks and
+``head`` on the last stage (blocks split evenly); stage ``s`` runs on devices
+``[s*n, (s+1)*n)`` (``n`` = the size of ``layout.mesh``, its shape and axes),
+with the same rules. ``microbatch`` wraps the loss so that the global batch
+runs as ``microbatches`` microbatches in ``schedule`` order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+
+from multimesh.jax import microbatch, parallelize, register_task
+from trainers.config import LayoutConfig, PipelineConfig
+
+__all__ = ["Layout", "build_layout", "sharding_rows", "sharding_table", "stage_of_layer"]
+
+#: Module names placed on pipeline stages: the embedding, each block, the head.
+STAGE_MODULES = r"embed|head|layers_(\d+)"
+
+
+def stage_of_layer(layer: int, num_layers: int, stages: int) -> int:
+    """The stage of block ``layer`` when ``num_layers`` blocks are split evenly over ``stages``."""
+    return layer * stages // num_layers
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A resolved layout: the devices it uses, the (per-stage) mesh shape, rules, pipeline."""
+
+    devices: tuple
+    mesh: dict[str, int]
+    rules: tuple[tuple[str, Any], ...]
+    pipeline: PipelineConfig | None = None
+
+    @property
+    def is_pipeline(self) -> bool:
+        return self.pipeline is not None
+
+    def describe(self) -> str:
+        mesh = "x".join(f"{k}={v}" for k, v in self.mesh.items())
+        if self.pipeline is None:
+            return f"SPMD on {len(self.devices)} devices, mesh {mesh}"
+        p = self.pipeline
+        return (f"{p.stages}-stage {p.schedule} pipeline (MPMD) on {len(self.devices)} devices, "
+                f"stage mesh {mesh}, {p.microbatches} microbatches")
+
+    # -- the step --------------------------------------------------------------------
+
+    def loss_for_grad(self, loss_fn: Callable, batch_size: int) -> Callable:
+        """``loss_fn(params, batch)`` as the step differentiates it: microbatched in a pipeline.
+
+        ``loss_fn`` must be normalised by the *global* token count, so that the
+        sum over microbatches is the mean.
+        """
+        if self.pipeline is None:
+            return loss_fn
+        p = self.pipeline
+        return microbatch(loss_fn, 0, batch_size // p.microbatches, argnum=1, schedule=p.schedule,
+                          num_stages=p.stages)
+
+    @contextlib.contextmanager
+    def tasks(self, num_layers: int) -> Iterator[None]:
+        """Within the block, the model's modules run as pipeline stages (nothing for SPMD)."""
+        if self.pipeline is None:
+            yield
+            return
+        stages, per_stage = self.pipeline.stages, math.prod(self.mesh.values())
+        if self.devices != tuple(jax.devices()[: len(self.devices)]):
+            raise ValueError("a pipeline layout runs on the first devices of jax.devices() (register_task "
+                             "places stages by device index); do not pass other devices")
+
+        def placement(match: Any, backprop: bool) -> tuple[tuple[int, int], str]:
+            name = match.group(0)
+            if name == "embed":
+                s = 0
+            elif name == "head":
+                s = stages - 1
+            else:
+                s = stage_of_layer(int(match.group(1)), num_layers, stages)
+            return (s * per_stage, (s + 1) * per_stage), f"stage{s}"
+
+        with register_task(STAGE_MODULES, callback=placement, dims=tuple(self.mesh.values()),
+                           device_axes=tuple(self.mesh), logical_axes=self.rules):
+            yield
+
+    def parallelize(self, fun: Callable, init: Callable[[], Any], batch: Any, *, donate: bool) -> tuple:
+        """``parallelize(fun, ...)`` on this layout: ``(sharded_fun, sharded_init)``.
+
+        For a pipeline, call it inside :meth:`tasks`.
+        """
+        # A pipeline's meshes and rules come from its registered tasks.
+        spmd = {} if self.is_pipeline else {"mesh": dict(self.mesh), "rules": list(self.rules)}
+        return parallelize(fun, init_params=init, initial_batch=batch, devices=list(self.devices),
+                           donate=donate, **spmd)
+
+
+def build_layout(cfg: LayoutConfig, devices: Any = None) -> Layout:
+    """Resolve ``cfg`` on ``devices`` (default ``jax.devices()``): it uses the first ``cfg.num_devices``."""
+    devices = list(jax.devices() if devices is None else devices)
+    need = cfg.num_devices
+    if len(devices) < need:
+        shape = f"mesh {cfg.mesh}" + (f" x {cfg.pipeline.stages} stages" if cfg.pipeline else "")
+        raise ValueError(
+            f"layout needs {need} devices ({shape}) but {len(devices)} are available; on CPU set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={need}, or override layout.mesh"
+        )
+    return Layout(tuple(devices[:need]), dict(cfg.mesh), tuple(cfg.rule_pairs()), cfg.pipeline)
+
+
+def _device_span(sharding: Any) -> str:
+    ids = sorted(d.id for d in sharding.device_set)
+    if len(ids) > 1 and ids == list(range(ids[0], ids[-1] + 1)):
+        return f"{ids[0]}-{ids[-1]}"
+    return ",".join(map(str, ids))
+
+
+def sharding_rows(step_fn: Any, prefix: str = "params/") -> list[tuple[str, str, str, str, str]]:
+    """``(path, shape, PartitionSpec, mesh, devices)`` of every leaf whose path starts with ``prefix``
+    (default: the model parameters, not the optimizer state that mirrors them)."""
+    rows = []
+    for leaf in step_fn.param_layout.leaves:
+        if leaf.path.startswith(prefix):
+            mesh = "x".join(f"{k}={v}" for k, v in leaf.sharding.mesh.shape.items())
+            rows.append((leaf.path, str(tuple(leaf.shape)), str(leaf.spec), mesh, _device_span(leaf.sharding)))
+    return rows
+
+
+def sharding_table(step_fn: Any, prefix: str = "params/") -> str:
+    """:func:`sharding_rows` as an aligned text table (deterministic: used for golden files)."""
+    rows = [("path", "shape", "PartitionSpec", "mesh", "devices"), *sharding_rows(step_fn, prefix)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows) + "\n"

@@ -1,0 +1,93 @@
+"""The train and eval steps of a config, written for one device and parallelized by the layout.
+
+The train state is ``{"params": flax variables, "opt": optax state}``; the
+step returns ``({"loss", "grad_norm"}, new_state)``. The loss is the sum of the
+next-token cross-entropies divided by the *global* token count, so that it
+is the mean whether or not a pipeline splits the batch into microbatches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from models.transformer import Transformer, next_token_loss
+from trainers.config import Config
+from trainers.layout import Layout
+from trainers.optim import learning_rate_schedule, make_optimizer
+
+__all__ = ["Program", "build_program", "loss_sum_over"]
+
+
+def loss_sum_over(model: Transformer, params: Any, batch: dict, n_tokens: int) -> jax.Array:
+    """Next-token cross-entropy summed over ``batch["tokens"]`` [B, T+1], divided by ``n_tokens``."""
+    tokens = batch["tokens"]
+    logits = model.apply(params, tokens[:, :-1])
+    return next_token_loss(logits, tokens, reduction="sum") / n_tokens
+
+
+@dataclasses.dataclass
+class Program:
+    """A config's model, optimizer and parallel steps on a layout.
+
+    ``step(state, batch) -> (metrics, state)``, ``init() -> state`` (born
+    sharded), ``evaluate(params, batch) -> loss``; ``step.abstract_params`` is
+    the state's restore target.
+    """
+
+    config: Config
+    layout: Layout
+    model: Transformer
+    optimizer: optax.GradientTransformation
+    lr_schedule: optax.Schedule
+    step: Any
+    init: Any
+    evaluate: Any
+
+    @property
+    def abstract_state(self) -> Any:
+        """The train state as ``ShapeDtypeStruct``s with this layout's shardings (a restore target)."""
+        return self.step.abstract_params
+
+    def __repr__(self) -> str:
+        return f"Program({self.config.name!r}, {self.layout.describe()})"
+
+
+def build_program(cfg: Config, layout: Layout, train_batch: dict[str, np.ndarray],
+                  val_batch: dict[str, np.ndarray]) -> Program:
+    """Build and parallelize the steps (for a pipeline: inside ``layout.tasks(...)``)."""
+    model = Transformer(cfg.model)
+    schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
+    tx = make_optimizer(cfg.optimizer, cfg.train.steps)
+    seq_len = cfg.data.seq_len
+
+    def init_params():
+        return model.init(jax.random.key(cfg.train.seed), jnp.zeros((1, seq_len), jnp.int32))
+
+    def init_state():
+        params = init_params()
+        return {"params": params, "opt": tx.init(params)}
+
+    global_tokens = int(np.prod(train_batch["tokens"].shape)) - train_batch["tokens"].shape[0]
+    loss_fn = functools.partial(loss_sum_over, model, n_tokens=global_tokens)
+    grad_fn = jax.value_and_grad(layout.loss_for_grad(loss_fn, cfg.data.batch_size))
+
+    def train_step(state, batch):
+        loss, grads = grad_fn(state["params"], batch)
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        return {"loss": loss, "grad_norm": optax.tree.norm(grads)}, {"params": params, "opt": opt}
+
+    def eval_step(params, batch):
+        b, t1 = batch["tokens"].shape
+        return loss_sum_over(model, params, batch, b * (t1 - 1))
+
+    step, init = layout.parallelize(train_step, init_state, train_batch, donate=True)
+    evaluate, _ = layout.parallelize(eval_step, init_params, val_batch, donate=False)
+    return Program(cfg, layout, model, tx, schedule, step, init, evaluate)

@@ -1,0 +1,276 @@
+"""The training loop: data, parallel step, validation, metrics, checkpoints, resume.
+
+``train(config)`` runs ``config.train.steps`` optimizer steps on the config's
+layout and writes to ``config.out_dir``:
+
+* ``metrics.jsonl``: one line per logged step: ``step``, ``loss`` (mean train
+  loss since the previous line), ``lr``, ``grad_norm``, ``tokens_per_s``,
+  ``wall_time`` (seconds since this call started, set-up and compilation
+  included), and ``val_loss`` when computed;
+* ``loss.png``: the loss curves against the unigram baseline (at the end);
+* ``checkpoints/<step>/``: asynchronous, every ``checkpoint_every`` steps and at the
+  end: the train state, the data position, the config as metadata;
+* ``config.yaml`` (the resolved config), ``sharding.txt`` (where each array
+  lives), ``summary.json`` (the final numbers).
+
+If ``out_dir`` holds a checkpoint (and ``train.resume``), the run continues
+from the latest one, onto the current layout: the same config gives the same
+result, bit for bit, whether or not it was interrupted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from models.transformer import count_params
+from multimesh.checkpoint import CheckpointManager
+from trainers.config import Config, ConfigError, config_from_dict
+from trainers.data import TextDataset, make_datasets
+from trainers.layout import build_layout
+from trainers.metrics import MetricsLog, Throughput, plot_losses, read_metrics
+from trainers.step import Program, build_program
+
+__all__ = ["SYNC_EVERY", "TrainResult", "train"]
+
+#: Block on the step's results at least this often: bounds the executions in flight
+#: (XLA:CPU aborts when ~50 collectives are queued) and keeps the progress bar honest.
+SYNC_EVERY = 4
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What a run did. ``losses`` maps each step run by this call to its train loss."""
+
+    config: Config
+    out_dir: Path
+    start_step: int
+    step: int
+    losses: dict[int, float]
+    val_loss: float | None
+    baseline: float
+    wall_time: float
+    tokens_per_s: float
+    state: Any = dataclasses.field(repr=False)
+
+    def summary(self) -> str:
+        if self.val_loss is None:
+            verdict = "no validation loss"
+        else:
+            verdict = (f"final validation loss {self.val_loss:.4f} vs unigram baseline {self.baseline:.4f} "
+                       f"nats/byte ({self.val_loss - self.baseline:+.4f})")
+        steps = self.step - self.start_step
+        resumed = f" (resumed at {self.start_step})" if self.start_step else ""
+        rate = "n/a" if math.isnan(self.tokens_per_s) else f"{self.tokens_per_s:,.0f}"
+        return f"{verdict}; {steps} steps{resumed} in {self.wall_time:.1f} s wall, {rate} tokens/s"
+
+
+def validation_steps(val: TextDataset, num_batches: int) -> list[int]:
+    """``num_batches`` batch indices spread evenly over the validation split (all of it if fewer)."""
+    n = val.steps_per_epoch
+    return sorted({k * n // num_batches for k in range(num_batches)}) if num_batches < n else list(range(n))
+
+
+def validate(program: Program, params: Any, val: TextDataset, num_batches: int) -> float:
+    """Mean validation loss over ``num_batches`` batches spread over the validation split."""
+    losses, pending = [], []
+    for s in validation_steps(val, num_batches):
+        pending.append(program.evaluate(params, val.batch_at(s)))
+        if len(pending) >= SYNC_EVERY:
+            losses += [float(x) for x in jax.device_get(pending)]
+            pending = []
+    losses += [float(x) for x in jax.device_get(pending)]
+    return float(np.mean(losses))
+
+
+def _resume_point(ckpt: CheckpointManager, cfg: Config) -> int | None:
+    """The checkpoint step to resume from (None: start afresh); refuses an incompatible one."""
+    latest = ckpt.latest_step()
+    if latest is None:
+        return None
+    if not cfg.train.resume:
+        raise ConfigError(f"{ckpt.directory} already holds checkpoints {ckpt.all_steps()} and "
+                          f"train.resume is false; use another train.out_dir or delete it")
+    saved = ckpt.info(latest).metadata
+    if isinstance(saved, dict) and "config" in saved:
+        try:
+            old = config_from_dict(saved["config"])
+        except ConfigError:
+            return latest  # written by another version of the trainer: the restore checks shapes
+        for section in ("model", "data"):
+            if getattr(old, section) != getattr(cfg, section):
+                raise ConfigError(
+                    f"{ckpt.step_path(latest)} was written with a different {section} config:\n"
+                    f"  saved: {getattr(old, section)}\n  now:   {getattr(cfg, section)}\n"
+                    f"use another train.out_dir, or the saved {section} settings"
+                )
+    return latest
+
+
+def _log(quiet: bool, message: str) -> None:
+    if not quiet:
+        from tqdm import tqdm
+
+        tqdm.write(message, file=sys.stdout)
+
+
+def _write_run_files(out: Path, program: Program) -> None:
+    step = program.step
+    plan = f"\n\n{step.plan}" if hasattr(step, "plan") else ""
+    (out / "sharding.txt").write_text(f"{step.report()}{plan}\n")
+    (out / "config.yaml").write_text(program.config.to_yaml())
+
+
+def train(cfg: Config, *, devices: Any = None, quiet: bool = False, stop_after: int | None = None) -> TrainResult:
+    """Run (or resume) training as configured; see the module doc for what is written.
+
+    ``devices``: where the layout runs (default ``jax.devices()``).
+    ``stop_after``: leave after this step without the final checkpoint,
+    validation or plot (as if killed; for tests).
+    """
+    t_start = time.perf_counter()
+    out = cfg.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    layout = build_layout(cfg.layout, devices)
+    train_ds, val_ds, baseline = make_datasets(cfg.data)
+
+    with CheckpointManager(out / "checkpoints", max_to_keep=cfg.train.keep) as ckpt, \
+            layout.tasks(cfg.model.num_layers):
+        latest = _resume_point(ckpt, cfg)
+        program = build_program(cfg, layout, train_ds.batch_at(0), val_ds.batch_at(0))
+        _write_run_files(out, program)
+        n_params = count_params(program.abstract_state["params"])
+        _log(quiet, f"config {cfg.name}: {cfg.model.num_layers} layers, d_model {cfg.model.d_model}, "
+                    f"{n_params / 1e6:.2f}M parameters, {cfg.model.dtype}; {layout.describe()}")
+        _log(quiet, f"data: {len(train_ds.tokens):,} train / {len(val_ds.tokens):,} validation bytes, "
+                    f"batch {cfg.data.batch_size} x {cfg.data.seq_len}; unigram baseline {baseline:.3f} nats/byte")
+        if latest is None:
+            state, start = program.init(), 0
+            _log(quiet, f"writing to {out}")
+        else:
+            restored = ckpt.restore(latest, target=program.abstract_state)
+            state, start = restored.state, restored.step
+            train_ds.load_state_dict(restored.data_position)
+            if train_ds.step != start:
+                raise RuntimeError(f"checkpoint {latest}: data position {train_ds.step} does not match its step")
+            _log(quiet, f"resumed from {ckpt.step_path(start)}")
+        state, losses, val_loss, clock, last = _loop(program, state, start, train_ds, val_ds, ckpt, out,
+                                                     quiet, stop_after, t_start)
+    wall = time.perf_counter() - t_start
+    result = TrainResult(cfg, out, start, last, losses, val_loss, baseline, wall, clock.rate, state)
+    if stop_after is None or last >= cfg.train.steps:
+        plot_losses(read_metrics(out / "metrics.jsonl"), out / "loss.png", baseline=baseline,
+                    title=f"{cfg.name}: {layout.describe()}")
+        (out / "summary.json").write_text(json.dumps({
+            "config": cfg.name, "layout": layout.describe(), "start_step": start, "step": last,
+            "val_loss": val_loss, "unigram_baseline": baseline, "wall_time_s": round(wall, 2),
+            "tokens_per_s": None if math.isnan(clock.rate) else round(clock.rate, 1),
+            "tokens_per_step": cfg.data.batch_size * cfg.data.seq_len,
+        }, indent=1) + "\n")
+    return result
+
+
+class _Loop:
+    """The steps of one run: dispatch, bounded syncs, validation, metrics lines, checkpoints."""
+
+    def __init__(self, program: Program, train_ds: TextDataset, val_ds: TextDataset, ckpt: CheckpointManager,
+                 log: MetricsLog, bar: Any, t_start: float):
+        self.program, self.train_ds, self.val_ds, self.ckpt, self.log, self.bar = (
+            program, train_ds, val_ds, ckpt, log, bar)
+        cfg = program.config
+        self.tc = cfg.train
+        self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+        self.metadata = {"config": cfg.to_dict(), "layout": program.layout.describe()}
+        self.losses: dict[int, float] = {}
+        self.val_loss: float | None = None
+        self.clock = Throughput()
+        self._pending: list[tuple[int, Any]] = []
+        self._window: list[float] = []
+        self._grad_norm = float("nan")
+        self._t0 = t_start
+
+    def run(self, state: Any, start: int, stop_after: int | None) -> tuple[Any, int]:
+        """Steps ``start+1 .. train.steps`` (or up to ``stop_after``); returns ``(state, last step)``."""
+        tc, last = self.tc, start
+        for step in range(start + 1, tc.steps + 1):
+            metrics, state = self.program.step(state, next(self.train_ds))
+            self._pending.append((step, metrics))
+            last = step
+            is_last = step == tc.steps
+            do_eval = step % tc.eval_every == 0 or is_last
+            do_log = step % tc.log_every == 0 or do_eval
+            do_ckpt = bool(tc.checkpoint_every and step % tc.checkpoint_every == 0) or is_last
+            if len(self._pending) >= SYNC_EVERY or do_log or do_ckpt or step == start + 1:
+                self._sync()
+            if stop_after is not None and step >= stop_after and not is_last:
+                break
+            if do_eval or do_ckpt:
+                self.clock.pause()
+            if do_eval:
+                self.val_loss = validate(self.program, state["params"], self.val_ds, tc.eval_batches)
+                self.bar.set_postfix(loss=f"{self.losses[step]:.3f}", val=f"{self.val_loss:.3f}",
+                                     tok_s=self.clock.format())
+            if do_log:
+                self._write(step, with_val=do_eval)
+            if do_ckpt:
+                self.ckpt.save(step, state, metadata=self.metadata, data_position=self.train_ds.state_dict())
+            if do_eval or do_ckpt:
+                self.clock.resume()
+        self._sync()
+        return state, last
+
+    def _sync(self) -> None:
+        """Wait for the dispatched steps and record their metrics."""
+        if not self._pending:
+            return
+        fetched = jax.device_get([m for _, m in self._pending])
+        for (step, _), m in zip(self._pending, fetched):
+            self.losses[step] = float(m["loss"])
+            self._window.append(self.losses[step])
+        self._grad_norm = float(fetched[-1]["grad_norm"])
+        self.clock.count(len(self._pending) * self.tokens_per_step)
+        step = self._pending[-1][0]
+        self._pending.clear()
+        self.bar.update(step - self.bar.n)
+        self.bar.set_postfix(loss=f"{self.losses[step]:.3f}", tok_s=self.clock.format(), refresh=False)
+
+    def _write(self, step: int, with_val: bool) -> None:
+        rate = self.clock.window_rate()
+        record = {
+            "step": step,
+            "loss": float(np.mean(self._window)),
+            "lr": float(self.program.lr_schedule(step - 1)),
+            "grad_norm": self._grad_norm,
+            "tokens_per_s": None if math.isnan(rate) else round(rate, 1),
+            "wall_time": round(time.perf_counter() - self._t0, 3),
+        }
+        if with_val:
+            record["val_loss"] = self.val_loss
+        self.log.write(record)
+        self._window.clear()
+
+
+def _loop(program: Program, state: Any, start: int, train_ds: TextDataset, val_ds: TextDataset,
+          ckpt: CheckpointManager, out: Path, quiet: bool, stop_after: int | None, t_start: float):
+    from tqdm import tqdm
+
+    tc = program.config.train
+    bar = tqdm(total=tc.steps, initial=start, desc=program.config.name, unit="step", disable=quiet,
+               dynamic_ncols=True, file=sys.stdout, smoothing=0.1)
+    with MetricsLog(out / "metrics.jsonl", resume_at=start if start else None) as log:
+        loop = _Loop(program, train_ds, val_ds, ckpt, log, bar, t_start)
+        state, last = loop.run(state, start, stop_after)
+    bar.close()
+    if start >= tc.steps:  # nothing left to train: report where the run stands
+        _log(quiet, f"already trained to step {start} (train.steps={tc.steps}); raise train.steps to continue, "
+                    f"or give a new train.out_dir to start over")
+        loop.val_loss = validate(program, state["params"], val_ds, tc.eval_batches)
+    return state, loop.losses, loop.val_loss, loop.clock, last
