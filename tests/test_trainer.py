@@ -59,9 +59,10 @@ def small(name: str, tmp: Path, *overrides: str) -> Config:
     return load_config(name, [*SMALL, *depth, f"train.out_dir={tmp}", *overrides])
 
 
-def curve(cfg: Config) -> list[float]:
-    result = train(cfg, quiet=True)
-    return [result.losses[s] for s in range(1, cfg.train.steps + 1)]
+def curve(cfg: Config, steps: int | None = None) -> list[float]:
+    """The train losses of steps 1..``steps`` (default: all of ``train.steps``)."""
+    result = train(cfg, quiet=True, stop_after=steps)
+    return [result.losses[s] for s in range(1, (steps or cfg.train.steps) + 1)]
 
 
 def params_of(result) -> list[np.ndarray]:
@@ -160,13 +161,14 @@ def reference_curve(tmp_path_factory):
     """The loss curve of a config run on one device without pipeline (computed once per config)."""
     cache: dict = {}
 
-    def get(cfg: Config) -> list[float]:
+    def get(cfg: Config, steps: int | None = None) -> list[float]:
         one = cfg.replace(name="one_device", layout={"mesh": {"data": 1}, "pipeline": None},
                           train={"out_dir": None})
-        key = repr(one.to_dict())
+        key = (repr(one.to_dict()), steps)
         if key not in cache:
             assert one.layout.num_devices == 1
-            cache[key] = curve(one.replace(train={"out_dir": str(tmp_path_factory.mktemp("one_device"))}))
+            out = str(tmp_path_factory.mktemp("one_device"))
+            cache[key] = curve(one.replace(train={"out_dir": out}), steps)
         return cache[key]
 
     return get
@@ -180,6 +182,17 @@ def test_layout_matches_one_device(name, tmp_path, reference_curve):
     want = reference_curve(cfg)
     np.testing.assert_allclose(got, want, rtol=RTOL, err_msg=f"{name}: loss curve differs from one device")
     assert want[-1] < want[0] - 1.0  # it learns, so the comparison means something
+
+
+@pytest.mark.slow  # ~5 min: the configs' full-size model, 6 layouts and 2 one-device references
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_shipped_layout_config_matches_one_device(name, tmp_path, reference_curve):
+    """The config exactly as shipped (model, data, schedule), its first 20 steps."""
+    cfg = load_config(name, [f"train.out_dir={tmp_path}"])
+    got = curve(cfg, CURVE_STEPS)
+    want = reference_curve(cfg, CURVE_STEPS)
+    np.testing.assert_allclose(got, want, rtol=RTOL, err_msg=f"{name}: loss curve differs from one device")
+    assert want[-1] < want[0] - 0.5
 
 
 # -- golden sharding tables -------------------------------------------------------------------
