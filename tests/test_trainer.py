@@ -404,3 +404,64 @@ def test_console_script_help():
     cmd = [str(exe), "--help"] if exe.exists() else _cli("--help")
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO, check=False)
     assert done.returncode == 0 and "usage: multimesh-train" in done.stdout
+
+
+# -- several processes ---------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _run_processes(args: list[str], n: int, timeout: float = 400) -> None:
+    """``multimesh-train ARGS`` as ``n`` processes joined by jax.distributed (8/n CPU devices each)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    port = _free_port()
+    procs = [subprocess.Popen(_cli(*args, "--coordinator", f"localhost:{port}", "--num-processes", str(n),
+                                   "--process-id", str(i), "-q"),
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(n)]
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for i, (p, (_, err)) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"process {i} failed:\n{err[-4000:]}"
+
+
+@pytest.mark.parametrize("name", ["dp_tp", "tp"])  # the batch split over the processes / replicated on both
+def test_two_processes_follow_one_process_and_resume_in_one(name, tmp_path):
+    """Two processes of 4 devices each (data read per process, global arrays, checkpoints written by both)
+    give one process's losses, and their checkpoint resumes in one process."""
+    over = [*SMALL, SPMD_LAYERS, "train.steps=4", "train.checkpoint_every=2", "train.log_every=1"]
+    _run_processes([name, *over, f"train.out_dir={tmp_path / 'two'}"], 2)
+    two = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    one = train(load_config(name, [*over, f"train.out_dir={tmp_path / 'one'}"]), quiet=True)
+    assert [r["step"] for r in two] == [1, 2, 3, 4]
+    np.testing.assert_allclose([r["loss"] for r in two], [one.losses[s] for s in range(1, 5)], rtol=RTOL)
+
+    # Both runs' step-4 checkpoints, resumed in one process for 2 more steps, go on the same way.
+    more = [*over, "train.steps=6"]
+    from_two = train(load_config(name, [*more, f"train.out_dir={tmp_path / 'two'}"]), quiet=True)
+    from_one = train(load_config(name, [*more, f"train.out_dir={tmp_path / 'one'}"]), quiet=True)
+    assert from_two.start_step == from_one.start_step == 4
+    np.testing.assert_allclose([from_two.losses[s] for s in (5, 6)], [from_one.losses[s] for s in (5, 6)],
+                               rtol=RTOL)
+
+
+def test_a_pipeline_refuses_several_processes(tmp_path):
+    over = [*SMALL, "train.steps=1", f"train.out_dir={tmp_path}"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    port = _free_port()
+    procs = [subprocess.Popen(_cli("pipeline", *over, "--coordinator", f"localhost:{port}", "--num-processes", "2",
+                                   "--process-id", str(i), "-q"),
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert all(p.returncode == 2 for p in procs), errors
+    assert "layout.pipeline runs in one process" in errors[0]

@@ -47,6 +47,13 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--report", action="store_true", help="also print the parameters' sharding table")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or messages; only the summary")
+    multi = p.add_argument_group(
+        "several processes", "start one command per process, all with the same config and train.out_dir "
+        "(on CPU each process gets 8/N simulated devices); the batch is read and the checkpoints are written "
+        "by every process; process 0 writes the metrics")
+    multi.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0 (jax.distributed)")
+    multi.add_argument("--num-processes", type=int, default=1, metavar="N")
+    multi.add_argument("--process-id", type=int, default=0, metavar="I")
     return p
 
 
@@ -65,11 +72,25 @@ def _sample_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _setup_devices() -> None:
+def _setup_devices(num_processes: int = 1) -> None:
     """Simulated CPU devices for the default layouts (must happen before JAX starts)."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={SIMULATED_DEVICES}".strip()
+        count = max(1, SIMULATED_DEVICES // num_processes)
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def _start_processes(coordinator: str | None, num_processes: int, process_id: int) -> None:
+    """Join the other processes of the run (``jax.distributed``); nothing for one process."""
+    if num_processes == 1:
+        return
+    if coordinator is None or not 0 <= process_id < num_processes:
+        raise SystemExit(f"multimesh-train: --num-processes {num_processes} needs --coordinator HOST:PORT and "
+                         f"a --process-id in 0..{num_processes - 1}")
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
+    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
 
 
 def _split_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -84,7 +105,9 @@ def _split_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
 def _train(argv: Sequence[str]) -> int:
     opts = _train_parser().parse_intermixed_args(argv)
     config_name, overrides = _split_args(opts.args)
-    _setup_devices()
+    if opts.num_processes < 1:
+        raise SystemExit("multimesh-train: --num-processes must be >= 1")
+    _setup_devices(opts.num_processes)
     from trainers.config import ConfigError, load_config
 
     try:
@@ -95,6 +118,7 @@ def _train(argv: Sequence[str]) -> int:
     if opts.print_config:
         print(cfg.to_yaml(), end="")
         return 0
+    _start_processes(opts.coordinator, opts.num_processes, opts.process_id)
     from trainers.train import train
 
     try:
@@ -102,9 +126,10 @@ def _train(argv: Sequence[str]) -> int:
     except ConfigError as e:
         print(f"multimesh-train: config error: {e}", file=sys.stderr)
         return 2
-    if opts.report:
-        print((result.out_dir / "sharding.txt").read_text())
-    print(result.summary())
+    if opts.process_id == 0:  # the others' numbers are the same
+        if opts.report:
+            print((result.out_dir / "sharding.txt").read_text())
+        print(result.summary())
     return 0
 
 

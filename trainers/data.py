@@ -284,17 +284,19 @@ class TextDataset:
         idx = perm[within * self.batch_size:(within + 1) * self.batch_size]
         return offset + idx * self.seq_len
 
+    def rows_at(self, step: int, start: int, stop: int) -> dict[str, np.ndarray]:
+        """Rows ``start .. stop-1`` of global batch ``step`` (only those windows are read)."""
+        starts = self.global_window_starts(step)[start:stop]
+        return {"tokens": self.tokens[starts[:, None] + self._span].astype(np.int32)}
+
     def global_batch_at(self, step: int) -> dict[str, np.ndarray]:
         """The whole global batch of ``step`` (all processes' rows)."""
-        starts = self.global_window_starts(step)
-        return {"tokens": self.tokens[starts[:, None] + self._span].astype(np.int32)}
+        return self.rows_at(step, 0, self.batch_size)
 
     def batch_at(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of global batch ``step``."""
-        starts = self.global_window_starts(step)
         lb = self.local_batch_size
-        starts = starts[self.process_index * lb:(self.process_index + 1) * lb]
-        return {"tokens": self.tokens[starts[:, None] + self._span].astype(np.int32)}
+        return self.rows_at(step, self.process_index * lb, (self.process_index + 1) * lb)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self

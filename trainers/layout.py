@@ -117,6 +117,9 @@ def build_layout(cfg: LayoutConfig, devices: Any = None) -> Layout:
             f"layout needs {need} devices ({shape}) but {len(devices)} are available; on CPU set "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={need}, or override layout.mesh"
         )
+    if jax.process_count() > 1 and need != len(devices):
+        raise ValueError(f"with {jax.process_count()} processes a layout must use all {len(devices)} devices "
+                         f"(every process's), but this one uses {need}; change layout.mesh")
     return Layout(tuple(devices[:need]), dict(cfg.mesh), tuple(cfg.rule_pairs()), cfg.pipeline)
 
 

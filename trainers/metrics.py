@@ -30,11 +30,15 @@ class MetricsLog:
     """Appends one JSON object per line to ``path``, flushed at once.
 
     ``resume_at`` (the step a run resumes from) drops the records of later
-    steps, written by a run that died after its last checkpoint.
+    steps, written by a run that died after its last checkpoint. With
+    ``write=False`` (a process other than the first) nothing is written.
     """
 
-    def __init__(self, path: str | os.PathLike, resume_at: int | None = None):
+    def __init__(self, path: str | os.PathLike, resume_at: int | None = None, *, write: bool = True):
         self.path = Path(path)
+        self._file = None
+        if not write:
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_at is None:
             self.path.write_text("")
@@ -44,12 +48,15 @@ class MetricsLog:
         self._file = open(self.path, "a")  # noqa: SIM115 - open for the run, closed by close()
 
     def write(self, record: dict[str, Any]) -> None:
+        if self._file is None:
+            return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
     def __enter__(self) -> Self:
         return self

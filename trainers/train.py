@@ -35,6 +35,7 @@ from models.transformer import count_params
 from multimesh.checkpoint import CheckpointManager
 from trainers.config import Config, ConfigError, config_from_dict
 from trainers.data import TextDataset, make_datasets
+from trainers.feed import Feed
 from trainers.layout import build_layout
 from trainers.metrics import MetricsLog, Throughput, plot_losses, read_metrics
 from trainers.step import Program, build_program
@@ -79,11 +80,11 @@ def validation_steps(val: TextDataset, num_batches: int) -> list[int]:
     return sorted({k * n // num_batches for k in range(num_batches)}) if num_batches < n else list(range(n))
 
 
-def validate(program: Program, params: Any, val: TextDataset, num_batches: int) -> float:
+def validate(program: Program, params: Any, val: Feed, num_batches: int) -> float:
     """Mean validation loss over ``num_batches`` batches spread over the validation split."""
     losses, pending = [], []
-    for s in validation_steps(val, num_batches):
-        pending.append(program.evaluate(params, val.batch_at(s)))
+    for s in validation_steps(val.dataset, num_batches):
+        pending.append(program.evaluate(params, val.at(s)))
         if len(pending) >= SYNC_EVERY:
             losses += [float(x) for x in jax.device_get(pending)]
             pending = []
@@ -135,8 +136,17 @@ def train(cfg: Config, *, devices: Any = None, quiet: bool = False, stop_after: 
     ``devices``: where the layout runs (default ``jax.devices()``).
     ``stop_after``: leave after this step without the final checkpoint,
     validation or plot (as if killed; for tests).
+
+    With several processes (``jax.distributed``), every process runs this on the
+    same config and ``out_dir``; process 0 alone shows progress and writes the
+    metrics, plot and summary (checkpoints are written by all).
     """
     t_start = time.perf_counter()
+    main = jax.process_index() == 0
+    quiet = quiet or not main
+    if cfg.layout.pipeline is not None and jax.process_count() > 1:
+        raise ConfigError(f"layout.pipeline runs in one process (its stages are moved between with device_put), "
+                          f"but {jax.process_count()} processes are running; use an SPMD layout")
     out = cfg.out_dir
     out.mkdir(parents=True, exist_ok=True)
     layout = build_layout(cfg.layout, devices)
@@ -146,7 +156,9 @@ def train(cfg: Config, *, devices: Any = None, quiet: bool = False, stop_after: 
             layout.tasks(cfg.model.num_layers):
         latest = _resume_point(ckpt, cfg)
         program = build_program(cfg, layout, train_ds.batch_at(0), val_ds.batch_at(0))
-        _write_run_files(out, program)
+        train_feed, val_feed = Feed(train_ds, program.step), Feed(val_ds, program.evaluate)
+        if main:
+            _write_run_files(out, program)
         n_params = count_params(program.abstract_state["params"])
         _log(quiet, f"config {cfg.name}: {cfg.model.num_layers} layers, d_model {cfg.model.d_model}, "
                     f"{n_params / 1e6:.2f}M parameters, {cfg.model.dtype}; {layout.describe()}")
@@ -162,11 +174,11 @@ def train(cfg: Config, *, devices: Any = None, quiet: bool = False, stop_after: 
             if train_ds.step != start:
                 raise RuntimeError(f"checkpoint {latest}: data position {train_ds.step} does not match its step")
             _log(quiet, f"resumed from {ckpt.step_path(start)}")
-        state, losses, val_loss, clock, last = _loop(program, state, start, train_ds, val_ds, ckpt, out,
+        state, losses, val_loss, clock, last = _loop(program, state, start, train_feed, val_feed, ckpt, out,
                                                      quiet, stop_after, t_start)
     wall = time.perf_counter() - t_start
     result = TrainResult(cfg, out, start, last, losses, val_loss, baseline, wall, clock.rate, state)
-    if stop_after is None or last >= cfg.train.steps:
+    if main and (stop_after is None or last >= cfg.train.steps):
         plot_losses(read_metrics(out / "metrics.jsonl"), out / "loss.png", baseline=baseline,
                     title=f"{cfg.name}: {layout.describe()}")
         (out / "summary.json").write_text(json.dumps({
@@ -181,10 +193,9 @@ def train(cfg: Config, *, devices: Any = None, quiet: bool = False, stop_after: 
 class _Loop:
     """The steps of one run: dispatch, bounded syncs, validation, metrics lines, checkpoints."""
 
-    def __init__(self, program: Program, train_ds: TextDataset, val_ds: TextDataset, ckpt: CheckpointManager,
+    def __init__(self, program: Program, train: Feed, val: Feed, ckpt: CheckpointManager,
                  log: MetricsLog, bar: Any, t_start: float):
-        self.program, self.train_ds, self.val_ds, self.ckpt, self.log, self.bar = (
-            program, train_ds, val_ds, ckpt, log, bar)
+        self.program, self.train, self.val, self.ckpt, self.log, self.bar = program, train, val, ckpt, log, bar
         cfg = program.config
         self.tc = cfg.train
         self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
@@ -201,7 +212,7 @@ class _Loop:
         """Steps ``start+1 .. train.steps`` (or up to ``stop_after``); returns ``(state, last step)``."""
         tc, last = self.tc, start
         for step in range(start + 1, tc.steps + 1):
-            metrics, state = self.program.step(state, next(self.train_ds))
+            metrics, state = self.program.step(state, next(self.train))
             self._pending.append((step, metrics))
             last = step
             is_last = step == tc.steps
@@ -215,13 +226,13 @@ class _Loop:
             if do_eval or do_ckpt:
                 self.clock.pause()
             if do_eval:
-                self.val_loss = validate(self.program, state["params"], self.val_ds, tc.eval_batches)
+                self.val_loss = validate(self.program, state["params"], self.val, tc.eval_batches)
                 self.bar.set_postfix(loss=f"{self.losses[step]:.3f}", val=f"{self.val_loss:.3f}",
                                      tok_s=self.clock.format())
             if do_log:
                 self._write(step, with_val=do_eval)
             if do_ckpt:
-                self.ckpt.save(step, state, metadata=self.metadata, data_position=self.train_ds.state_dict())
+                self.ckpt.save(step, state, metadata=self.metadata, data_position=self.train.dataset.state_dict())
             if do_eval or do_ckpt:
                 self.clock.resume()
         self._sync()
@@ -258,19 +269,20 @@ class _Loop:
         self._window.clear()
 
 
-def _loop(program: Program, state: Any, start: int, train_ds: TextDataset, val_ds: TextDataset,
-          ckpt: CheckpointManager, out: Path, quiet: bool, stop_after: int | None, t_start: float):
+def _loop(program: Program, state: Any, start: int, train: Feed, val: Feed, ckpt: CheckpointManager, out: Path,
+          quiet: bool, stop_after: int | None, t_start: float):
     from tqdm import tqdm
 
     tc = program.config.train
     bar = tqdm(total=tc.steps, initial=start, desc=program.config.name, unit="step", disable=quiet,
                dynamic_ncols=True, file=sys.stdout, smoothing=0.1)
-    with MetricsLog(out / "metrics.jsonl", resume_at=start if start else None) as log:
-        loop = _Loop(program, train_ds, val_ds, ckpt, log, bar, t_start)
+    log = MetricsLog(out / "metrics.jsonl", resume_at=start if start else None, write=jax.process_index() == 0)
+    with log:
+        loop = _Loop(program, train, val, ckpt, log, bar, t_start)
         state, last = loop.run(state, start, stop_after)
     bar.close()
     if start >= tc.steps:  # nothing left to train: report where the run stands
         _log(quiet, f"already trained to step {start} (train.steps={tc.steps}); raise train.steps to continue, "
                     f"or give a new train.out_dir to start over")
-        loop.val_loss = validate(program, state["params"], val_ds, tc.eval_batches)
+        loop.val_loss = validate(program, state["params"], val, tc.eval_batches)
     return state, loop.losses, loop.val_loss, loop.clock, last
