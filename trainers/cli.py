@@ -48,12 +48,12 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", action="store_true", help="also print the parameters' sharding table")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or messages; only the summary")
     multi = p.add_argument_group(
-        "several processes", "start one command per process, all with the same config and train.out_dir "
-        "(on CPU each process gets 8/N simulated devices); the batch is read and the checkpoints are written "
-        "by every process; process 0 writes the metrics")
+        "several processes (SPMD layouts)",
+        "one command per process, all with the same config and train.out_dir; on CPU each\n"
+        "process gets 8/N simulated devices. Process 0 shows progress and writes the metrics.")
     multi.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0 (jax.distributed)")
-    multi.add_argument("--num-processes", type=int, default=1, metavar="N")
-    multi.add_argument("--process-id", type=int, default=0, metavar="I")
+    multi.add_argument("--num-processes", type=int, default=1, metavar="N", help="processes in the run (default 1)")
+    multi.add_argument("--process-id", type=int, default=0, metavar="I", help="this process, 0..N-1")
     return p
 
 
