@@ -195,6 +195,19 @@ def test_shipped_layout_config_matches_one_device(name, tmp_path, reference_curv
     assert want[-1] < want[0] - 0.5
 
 
+def test_bfloat16_compute_keeps_float32_parameters(tmp_path, reference_curve):
+    """Mixed precision on a parallel layout: bfloat16 compute, float32 parameters and optimizer state,
+    a loss curve close to (not equal to) the float32 one."""
+    cfg = small("dp_tp", tmp_path, "train.steps=4", "model.dtype=bfloat16")
+    result = train(cfg, quiet=True)
+    dtypes = {x.dtype for x in jax.tree.leaves(result.state) if x.ndim > 0}
+    assert dtypes == {np.dtype("float32")}
+    f32 = reference_curve(cfg.replace(model={"dtype": "float32"}))
+    got = [result.losses[s] for s in range(1, 5)]
+    np.testing.assert_allclose(got, f32, rtol=2e-2)
+    assert got != f32  # the compute did run in bfloat16
+
+
 # -- golden sharding tables -------------------------------------------------------------------
 
 
