@@ -430,20 +430,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_processes(args: list[str], n: int, timeout: float = 400) -> None:
+def _spawn(args: list[str], n: int) -> list[subprocess.Popen]:
     """``multimesh-train ARGS`` as ``n`` processes joined by jax.distributed (8/n CPU devices each)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     port = _free_port()
-    procs = [subprocess.Popen(_cli(*args, "--coordinator", f"localhost:{port}", "--num-processes", str(n),
-                                   "--process-id", str(i), "-q"),
-                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(n)]
+    return [subprocess.Popen(_cli(*args, "--coordinator", f"localhost:{port}", "--num-processes", str(n),
+                                  "--process-id", str(i), "-q"),
+                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in range(n)]
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float = 400) -> list[str]:
+    """Wait for the processes; their stderr."""
     try:
-        outputs = [p.communicate(timeout=timeout) for p in procs]
+        return [p.communicate(timeout=timeout)[1] for p in procs]
     finally:
         for p in procs:
             p.kill()
-    for i, (p, (_, err)) in enumerate(zip(procs, outputs)):
+
+
+def _run_processes(args: list[str], n: int) -> None:
+    procs = _spawn(args, n)
+    for i, (p, err) in enumerate(zip(procs, _finish(procs))):
         assert p.returncode == 0, f"process {i} failed:\n{err[-4000:]}"
 
 
@@ -468,13 +476,7 @@ def test_two_processes_follow_one_process_and_resume_in_one(name, tmp_path):
 
 
 def test_a_pipeline_refuses_several_processes(tmp_path):
-    over = [*SMALL, "train.steps=1", f"train.out_dir={tmp_path}"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    port = _free_port()
-    procs = [subprocess.Popen(_cli("pipeline", *over, "--coordinator", f"localhost:{port}", "--num-processes", "2",
-                                   "--process-id", str(i), "-q"),
-                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    errors = [p.communicate(timeout=300)[1] for p in procs]
+    procs = _spawn(["pipeline", *SMALL, "train.steps=1", f"train.out_dir={tmp_path}"], 2)
+    errors = _finish(procs)
     assert all(p.returncode == 2 for p in procs), errors
     assert "layout.pipeline runs in one process" in errors[0]
