@@ -103,7 +103,13 @@ def derive_layout(
             else:
                 ann = Annotation(None, "none")
         if ann.physical:
-            sharding = where.physical(ann.spec, shape, path=label)
+            try:
+                sharding = where.physical(ann.spec, shape, path=label)
+            except RuleError as e:
+                if ann.source != "path rule":
+                    raise
+                raise RuleError(f"{e} (a PartitionSpec in param_rules names mesh axes; give a tuple of logical "
+                                f"names, e.g. {tuple(ann.spec)}, to have the rules resolve them)") from None
         else:
             spec = where.spec(ann.spec, shape, path=label)
             if exact and ann.spec is not None:

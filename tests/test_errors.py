@@ -72,6 +72,12 @@ def test_unknown_mesh_axis_in_flax_partitioning():
         _build(Tiny(names=("tensor", None), physical=True), mesh=MESH, rules=[("batch", "data")])
 
 
+def test_logical_names_in_a_physical_path_rule_suggest_a_tuple():
+    with pytest.raises(RuleError, match=r"names mesh axis 'hidden'.*give a tuple of logical names, e\.g\. "
+                                        r"\(.hidden.,\)"):
+        _build(mesh=MESH, rules=[("hidden", "model")], param_rules={"bias": P("hidden")})
+
+
 def test_mesh_axis_used_twice_in_one_spec():
     with pytest.raises(RuleError, match=r"Dense_0/kernel.*uses mesh axis 'data' twice"):
         _build(Tiny(names=("data", "data"), physical=True), mesh=MESH, rules=[("batch", "data")])
