@@ -15,10 +15,11 @@ import contextvars
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from jax.extend.core import ClosedJaxpr, Literal, Primitive
+from jax.extend.core import ClosedJaxpr, Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec
 
+from .interpret import bind_equation, interpret
 from .scope import Scope, use_scope
 
 __all__ = ["logical_constraint_p", "deferring", "is_deferring", "eval_with_scope"]
@@ -59,17 +60,10 @@ def eval_with_scope(closed: ClosedJaxpr, scope: Scope, *args: Any) -> Sequence[A
     """Evaluate ``closed`` (under a trace: re-trace it), resolving deferred constraints with ``scope``."""
     from .constraints import with_sharding_constraint
 
-    env = dict(zip(closed.jaxpr.constvars, closed.consts))
-    env.update(zip(closed.jaxpr.invars, args))
-    read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
+    def resolve(eqn: Any, ins: list) -> list:
+        if eqn.primitive is logical_constraint_p:
+            return [with_sharding_constraint(ins[0], PartitionSpec(*eqn.params["spec"]))]
+        return bind_equation(eqn, ins)
+
     with use_scope(scope):
-        for e in closed.jaxpr.eqns:
-            ins = [read(v) for v in e.invars]
-            if e.primitive is logical_constraint_p:
-                outs = [with_sharding_constraint(ins[0], PartitionSpec(*e.params["spec"]))]
-            else:
-                with e.ctx.manager:
-                    outs = e.primitive.bind(*ins, **e.primitive.get_bind_params(e.params))
-                outs = outs if e.primitive.multiple_results else [outs]
-            env.update(zip(e.outvars, outs))
-    return [read(v) for v in closed.jaxpr.outvars]
+        return interpret(closed.jaxpr, closed.consts, args, resolve)

@@ -28,6 +28,7 @@ import numpy as np
 from jax._src import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
+from ..interpret import bind_equation, interpret
 from .implicit import implicit_placement, is_backprop, microbatch_of
 from .schedules import Action, Schedule
 from .task import Placement, task_call_p
@@ -153,26 +154,20 @@ def _eval_inlined(jaxpr: Jaxpr, consts: Sequence, *args: Any) -> list:
     Each equation is re-bound under its own scope stack (appended to the
     caller's), so implicit tasks and microbatch indices survive inlining.
     """
-    env: dict = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    read = lambda v: v.val if isinstance(v, Literal) else env[v]
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
+
+    def inline(eqn: Any, ins: list) -> list:
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
             if eqn.primitive.name in _INLINED and "jaxpr" in eqn.params:
                 inner = eqn.params["jaxpr"]
-                outs = _eval_inlined(inner.jaxpr, inner.consts, *ins)
-            elif eqn.primitive.name in _CUSTOM and has_tasks(eqn.params["call_jaxpr"].jaxpr):
+                return _eval_inlined(inner.jaxpr, inner.consts, *ins)
+            if eqn.primitive.name in _CUSTOM and has_tasks(eqn.params["call_jaxpr"].jaxpr):
                 # Not differentiated any further (the trace is final): its primal body is the program.
                 inner = eqn.params["call_jaxpr"]
-                outs = _eval_inlined(inner.jaxpr, inner.consts, *ins)
-            else:
-                with eqn.ctx.manager:
-                    outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
-                outs = outs if eqn.primitive.multiple_results else [outs]
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+                return _eval_inlined(inner.jaxpr, inner.consts, *ins)
+            return bind_equation(eqn, ins)
+
+    return interpret(jaxpr, consts, args, inline)
 
 
 def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
