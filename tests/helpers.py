@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from multimesh.jax import with_sharding_constraint
+from multimesh.jax import ignore_transforms, parallelize, with_sharding_constraint
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -250,6 +250,33 @@ def run_reference(step: Callable, init: Callable[[], Any], batch: Any, steps: in
             state = out[1]
     assert on_one_device(state0, device) and on_one_device(outputs, device)
     return {"init": state0, "outputs": outputs}
+
+
+def check_mpmd_against_reference(step: Callable, init: Callable[[], Any], batch: Callable[[], Any], *,
+                                 steps: int = 3, grad_rtol: float = RTOL, **options: Any) -> tuple[Any, Any]:
+    """``parallelize(step)`` (tasks inside) against the same step jitted with tasks and microbatching off.
+
+    ``step(state, batch) -> (loss, grads, new_state)``. Checks the loss and the
+    gradients of every step and the final state; returns ``(step_fn, state)``.
+    """
+    fn, init_p, get_b = parallelize(step, init_params=init, get_input_batch=batch, **options)
+    state, b = init_p(), get_b()
+
+    def reference(*a):
+        with ignore_transforms():
+            return step(*a)
+
+    ref = jax.jit(reference)
+    ref_state, ref_b = init(), batch()
+    for _ in range(steps):
+        loss, grads, state = fn(state, b)
+        ref_loss, ref_grads, ref_state = ref(ref_state, ref_b)
+        np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
+        for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=grad_rtol, atol=ATOL)
+    for a, r in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(r, np.float32), rtol=grad_rtol, atol=ATOL)
+    return fn, state
 
 
 # ----------------------------------------------------------------------------

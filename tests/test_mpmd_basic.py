@@ -5,10 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import check_mpmd_against_reference
 from jax.sharding import PartitionSpec as P
 
 from multimesh.jax import build_mesh, parallelize, with_sharding_constraint
-from multimesh.mpmd import ignore_transforms, task
+from multimesh.mpmd import task
 from multimesh.mpmd.task import task_call_p
 
 pytestmark = pytest.mark.devices(8)
@@ -52,29 +53,12 @@ def build(n_stages):
 @pytest.mark.parametrize("n_stages", [2, 4])
 def test_pipeline_matches_one_device(n_stages):
     stages, init, batch, step = build(n_stages)
-    fn, init_p, get_b = parallelize(step, init_params=init, get_input_batch=batch)
-    state, b = init_p(), get_b()
-
-    def reference(*a):
-        with ignore_transforms():
-            return step(*a)
-
-    ref = jax.jit(reference)
-    ref_state, ref_b = init(), batch()
-    for _ in range(3):
-        loss, grads, state = fn(state, b)
-        ref_loss, ref_grads, ref_state = ref(ref_state, ref_b)
-        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-        for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
-    for a, r in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-6)
+    _, state = check_mpmd_against_reference(step, init, batch)
     # Each stage's parameters and optimizer moments live on that stage's devices.
     for i, s in enumerate(stages):
         stage_devices = set(s.placement.mesh.devices.flat)
         for leaf in jax.tree.leaves(state["p"][f"s{i}"]) + jax.tree.leaves(state["o"][0].mu[f"s{i}"]):
             assert leaf.sharding.device_set == stage_devices
-
 
 
 def test_backward_does_not_recompute_forward():

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import check_mpmd_against_reference
 from jax.sharding import PartitionSpec as P
 
 from multimesh.jax import (
@@ -72,24 +73,7 @@ def train_step(loss, mb_size, schedule, *, grad_inside=False, **mb_kwargs):
 
 
 def check_against_reference(step, init, batch=make_batch, steps=3, **options):
-    fn, init_p, get_b = parallelize(step, init_params=init, get_input_batch=batch, **options)
-    state, b = init_p(), get_b()
-
-    def reference(*a):
-        with ignore_transforms():
-            return step(*a)
-
-    ref = jax.jit(reference)
-    ref_state, ref_b = init(), batch()
-    for _ in range(steps):
-        loss, grads, state = fn(state, b)
-        ref_loss, ref_grads, ref_state = ref(ref_state, ref_b)
-        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-        for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-5, atol=1e-6)
-    for a, r in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(r, np.float32), rtol=2e-5, atol=1e-6)
-    return fn, state
+    return check_mpmd_against_reference(step, init, batch, steps=steps, grad_rtol=2e-5, **options)
 
 
 def pipeline_actions(fn):
