@@ -43,13 +43,13 @@ class Feed:
         self.dataset = dataset
         self.shape = (dataset.batch_size, dataset.seq_len + 1)
         self.sharding = fun.batch_shardings["tokens"] if jax.process_count() > 1 else None
+        self.rows = (0, self.shape[0]) if self.sharding is None else process_rows(self.sharding, self.shape)
 
     def at(self, step: int) -> dict[str, Any]:
         """The global batch of ``step``, without moving the dataset's position."""
         if self.sharding is None:
             return self.dataset.global_batch_at(step)
-        start, stop = process_rows(self.sharding, self.shape)
-        rows = self.dataset.rows_at(step, start, stop)["tokens"]
+        rows = self.dataset.rows_at(step, *self.rows)["tokens"]
         return {"tokens": jax.make_array_from_process_local_data(self.sharding, np.asarray(rows), self.shape)}
 
     def __next__(self) -> dict[str, Any]:
