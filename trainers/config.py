@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 
 from models.transformer import TransformerConfig
+from multimesh.rules import Rules
 from trainers.data import DataConfig
 
 __all__ = [
@@ -137,8 +138,7 @@ class LayoutConfig:
             if self.rules not in RULE_SETS:
                 raise ValueError(f"rules={self.rules!r}: a named rule set must be one of {list(RULE_SETS)}")
         else:
-            for i, rule in enumerate(self.rules):
-                _check_rule(i, rule, self.mesh)
+            Rules(self.rules).check_mesh(self.mesh)  # a RuleError (a ValueError) names the rule and axis
 
     @property
     def devices_per_stage(self) -> int:
@@ -156,18 +156,6 @@ class LayoutConfig:
 
             return list(standard_rules(tuple(self.mesh)))
         return [(name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in self.rules]
-
-
-def _check_rule(i: int, rule: Any, mesh: Mapping[str, int]) -> None:
-    if not (isinstance(rule, (list, tuple)) and len(rule) == 2 and isinstance(rule[0], str)):
-        raise ValueError(f"rule #{i} is {rule!r}; each rule is a pair [logical_name, mesh_axis]")
-    axes = rule[1]
-    names = [] if axes is None else [axes] if isinstance(axes, str) else axes
-    if not isinstance(names, (list, tuple)) or not all(isinstance(a, str) for a in names):
-        raise ValueError(f"rule #{i} {rule!r}: the mesh axis must be a name, a list of names, or null")
-    for a in names:
-        if a not in mesh:
-            raise ValueError(f"rule #{i} {rule!r} names mesh axis {a!r}, but the mesh has only {list(mesh)}")
 
 
 @dataclasses.dataclass(frozen=True)
