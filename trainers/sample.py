@@ -18,6 +18,7 @@ from multimesh.checkpoint import CheckpointManager
 from trainers.config import Config, ConfigError, config_from_dict
 from trainers.data import DOC_SEPARATOR, decode, encode
 from trainers.optim import make_optimizer
+from trainers.step import initializers
 
 __all__ = ["Checkpointed", "generate", "load_checkpoint", "sample_text"]
 
@@ -44,12 +45,7 @@ def load_checkpoint(run_dir: str | os.PathLike, step: int | None = None, device:
             raise ConfigError(f"checkpoint {info.path} has no config in its metadata")
         cfg = config_from_dict(meta["config"])
         model = Transformer(cfg.model)
-        tx = make_optimizer(cfg.optimizer, cfg.train.steps)
-
-        def init_state():
-            params = model.init(jax.random.key(0), jnp.zeros((1, cfg.data.seq_len), jnp.int32))
-            return {"params": params, "opt": tx.init(params)}
-
+        _, init_state = initializers(cfg, model, make_optimizer(cfg.optimizer, cfg.train.steps))
         mesh = Mesh(np.asarray([device or jax.devices()[0]]), ("devices",))
         replicated = NamedSharding(mesh, PartitionSpec())
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),

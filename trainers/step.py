@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -22,7 +23,7 @@ from trainers.config import Config
 from trainers.layout import Layout
 from trainers.optim import learning_rate_schedule, make_optimizer
 
-__all__ = ["Program", "build_program", "loss_sum_over"]
+__all__ = ["Program", "build_program", "initializers", "loss_sum_over"]
 
 
 def loss_sum_over(model: Transformer, params: Any, batch: dict, n_tokens: int) -> jax.Array:
@@ -30,6 +31,20 @@ def loss_sum_over(model: Transformer, params: Any, batch: dict, n_tokens: int) -
     tokens = batch["tokens"]
     logits = model.apply(params, tokens[:, :-1])
     return next_token_loss(logits, tokens, reduction="sum") / n_tokens
+
+
+def initializers(cfg: Config, model: Transformer, tx: optax.GradientTransformation) -> tuple[Callable, Callable]:
+    """``(init_params, init_state)``: zero-argument initializers of the parameters (from
+    ``train.seed``) and of the train state ``{"params", "opt"}``."""
+
+    def init_params():
+        return model.init(jax.random.key(cfg.train.seed), jnp.zeros((1, cfg.data.seq_len), jnp.int32))
+
+    def init_state():
+        params = init_params()
+        return {"params": params, "opt": tx.init(params)}
+
+    return init_params, init_state
 
 
 @dataclasses.dataclass
@@ -65,15 +80,8 @@ def build_program(cfg: Config, layout: Layout, train_batch: dict[str, np.ndarray
     model = Transformer(cfg.model)
     schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
     tx = make_optimizer(cfg.optimizer, cfg.train.steps)
-    seq_len = cfg.data.seq_len
 
-    def init_params():
-        return model.init(jax.random.key(cfg.train.seed), jnp.zeros((1, seq_len), jnp.int32))
-
-    def init_state():
-        params = init_params()
-        return {"params": params, "opt": tx.init(params)}
-
+    init_params, init_state = initializers(cfg, model, tx)
     global_tokens = int(np.prod(train_batch["tokens"].shape)) - train_batch["tokens"].shape[0]
     loss_fn = functools.partial(loss_sum_over, model, n_tokens=global_tokens)
     grad_fn = jax.value_and_grad(layout.loss_for_grad(loss_fn, cfg.data.batch_size))
