@@ -19,6 +19,8 @@ from flax.core import meta as linen_meta
 from flax.linen import spmd as linen_spmd
 from jax.sharding import PartitionSpec
 
+from .fmt import keypath_str
+
 __all__ = ["Annotation", "is_box", "read_box", "path_str", "map_with_annotations", "unbox"]
 
 _NNX_KEYS = ("out_sharding", "sharding_names", "sharding")
@@ -58,16 +60,8 @@ def read_box(box: Any) -> Annotation | None:
 
 
 def path_str(keypath: tuple) -> str:
-    """``(DictKey('params'), DictKey('Dense_0'), ...)`` -> ``'params/Dense_0/...'``."""
-    parts = []
-    for k in keypath:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
+    """``(DictKey('params'), DictKey('Dense_0'), ...)`` -> ``'params/Dense_0/...'``; the root is ``''``."""
+    return keypath_str(keypath)
 
 
 def map_with_annotations(fn: Callable[[str, Any, Annotation | None], Any], tree: Any) -> Any:

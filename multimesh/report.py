@@ -7,19 +7,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .fmt import format_bytes
 from .layout import LeafLayout
 
 __all__ = ["ShardingReport", "replicated_but_shardable"]
 
 LARGE_BYTES = 1 << 20  # tensors from 1 MiB up are worth sharding
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
 
 
 def _mesh(leaf: LeafLayout) -> str:
@@ -61,7 +54,7 @@ class ShardingReport:
     @property
     def warnings(self) -> list[str]:
         return [
-            f"{leaf.path or '<root>'} ({_bytes(leaf.nbytes)}, shape {leaf.shape}) is replicated on "
+            f"{leaf.path or '<root>'} ({format_bytes(leaf.nbytes)}, shape {leaf.shape}) is replicated on "
             f"every device of its mesh although a mesh axis divides it; give it a logical spec or a rule"
             for leaf in replicated_but_shardable(self.leaves, self.threshold)
         ]
@@ -75,7 +68,7 @@ class ShardingReport:
                 "-" if leaf.logical is None else str(tuple(leaf.logical)),
                 str(leaf.spec),
                 _mesh(leaf),
-                _bytes(leaf.bytes_per_device),
+                format_bytes(leaf.bytes_per_device),
             )
             for leaf in self.leaves
         ]
@@ -90,11 +83,11 @@ class ShardingReport:
         out = [self.title, line(header), line(tuple("-" * w for w in widths))]
         out += [line(r) for r in rows]
         out.append(
-            f"total {_bytes(self.total_bytes)} in {len(rows)} arrays; "
-            f"at most {_bytes(most)} on one of {len(per_device)} devices"
+            f"total {format_bytes(self.total_bytes)} in {len(rows)} arrays; "
+            f"at most {format_bytes(most)} on one of {len(per_device)} devices"
         )
         out += [f"warning: {w}" for w in self.warnings]
         return "\n".join(out)
 
     def __repr__(self) -> str:
-        return f"ShardingReport({len(self.leaves)} arrays, {_bytes(self.total_bytes)})"
+        return f"ShardingReport({len(self.leaves)} arrays, {format_bytes(self.total_bytes)})"

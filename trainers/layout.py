@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 
+from multimesh.fmt import device_span
 from multimesh.jax import microbatch, parallelize, register_task
 from trainers.config import LayoutConfig, PipelineConfig
 
@@ -123,13 +124,6 @@ def build_layout(cfg: LayoutConfig, devices: Any = None) -> Layout:
     return Layout(tuple(devices[:need]), dict(cfg.mesh), tuple(cfg.rule_pairs()), cfg.pipeline)
 
 
-def _device_span(sharding: Any) -> str:
-    ids = sorted(d.id for d in sharding.device_set)
-    if len(ids) > 1 and ids == list(range(ids[0], ids[-1] + 1)):
-        return f"{ids[0]}-{ids[-1]}"
-    return ",".join(map(str, ids))
-
-
 def sharding_rows(step_fn: Any, prefix: str = "params/") -> list[tuple[str, str, str, str, str]]:
     """``(path, shape, PartitionSpec, mesh, devices)`` of every leaf whose path starts with ``prefix``
     (default: the model parameters, not the optimizer state that mirrors them)."""
@@ -137,7 +131,7 @@ def sharding_rows(step_fn: Any, prefix: str = "params/") -> list[tuple[str, str,
     for leaf in step_fn.param_layout.leaves:
         if leaf.path.startswith(prefix):
             mesh = "x".join(f"{k}={v}" for k, v in leaf.sharding.mesh.shape.items())
-            rows.append((leaf.path, str(tuple(leaf.shape)), str(leaf.spec), mesh, _device_span(leaf.sharding)))
+            rows.append((leaf.path, str(tuple(leaf.shape)), str(leaf.spec), mesh, device_span(sorted(d.id for d in leaf.sharding.device_set))))
     return rows
 
 

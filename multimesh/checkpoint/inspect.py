@@ -16,6 +16,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ..fmt import format_bytes
 from . import ondisk
 from .errors import CheckpointCorruptError
 from .tree import sharding_str
@@ -34,16 +35,6 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: S
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
-def human_size(n: int) -> str:
-    """``1.5 MiB``-style size."""
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"  # pragma: no cover
-
-
 def _when(t: float | None) -> str:
     if t is None:
         return "?"
@@ -58,7 +49,7 @@ def list_steps(directory: str) -> str:
     rows = []
     for e in entries:
         status = "complete" if e.complete else "partial (ignored)"
-        rows.append([str(e.step), status, _when(e.time), human_size(e.size), os.path.basename(e.path)])
+        rows.append([str(e.step), status, _when(e.time), format_bytes(e.size), os.path.basename(e.path)])
     complete = [e.step for e in entries if e.complete]
     table = format_table(["step", "status", "time (UTC)", "size", "directory"], rows, right=(0, 3))
     latest = f"latest complete step: {complete[-1]}" if complete else "no complete step"
@@ -74,7 +65,7 @@ def describe_step(directory: str, step: int | None) -> str:
     entry = next((e for e in ondisk.scan(directory) if e.step == info.step and e.complete), None)
     lines = [f"checkpoint step {info.step} in {info.path}"]
     if entry is not None:
-        lines.append(f"  committed {_when(entry.time)} UTC, {human_size(entry.size)} on disk")
+        lines.append(f"  committed {_when(entry.time)} UTC, {format_bytes(entry.size)} on disk")
     v = info.versions
     lines.append(
         f"  written by multimesh {v.get('multimesh', '?')}, jax {v.get('jax', '?')}, "
@@ -87,7 +78,7 @@ def describe_step(directory: str, step: int | None) -> str:
         lines.append("  (none: no leaf has a NamedSharding)")
     lines.append("")
     total = sum(r.nbytes for r in info.leaves)
-    lines.append(f"tree: {len(info.leaves)} leaves, {human_size(total)}")
+    lines.append(f"tree: {len(info.leaves)} leaves, {format_bytes(total)}")
     rows = [[r.path, str(r.shape), r.dtype, sharding_str(r.sharding), r.checksum or "-"]
             for r in info.leaves]
     lines.append(format_table(["path", "shape", "dtype", "saved sharding", "checksum"], rows))

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
 
+from ..fmt import device_span, keypath_str
 from .errors import CheckpointMismatchError
 
 PyTree = Any
@@ -16,20 +17,8 @@ PyTree = Any
 
 # --------------------------------------------------------------------- paths
 def path_str(keypath: tuple) -> str:
-    """``/``-joined readable path of a JAX key path (``opt/0/mu/w``)."""
-    parts = []
-    for k in keypath:
-        if isinstance(k, jax.tree_util.DictKey):
-            parts.append(str(k.key))
-        elif isinstance(k, jax.tree_util.GetAttrKey):
-            parts.append(k.name)
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            parts.append(str(k.idx))
-        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
-            parts.append(str(k.key))
-        else:
-            parts.append(str(k))
-    return "/".join(parts) or "<root>"
+    """``/``-joined readable path of a JAX key path (``opt/0/mu/w``); the root is ``<root>``."""
+    return keypath_str(keypath, root="<root>")
 
 
 def leaves_with_paths(tree: PyTree) -> list[tuple[str, Any]]:
@@ -88,7 +77,7 @@ class MeshRecord:
 
     def describe(self) -> str:
         axes = " x ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
-        return f"{axes or '()'} on devices {_ranges(self.device_ids)}"
+        return f"{axes or '()'} on devices {device_span(self.device_ids, empty="[]")}"
 
 
 def spec_str(spec: list | None) -> str:
@@ -113,16 +102,7 @@ def sharding_str(rec: dict) -> str:
         return f"mesh{rec['mesh']} {spec_str(rec.get('spec'))}"
     if kind == "single_device":
         return f"device {rec.get('device')}"
-    return f"{kind} on devices {_ranges(rec.get('devices', []))}"
-
-
-def _ranges(ids) -> str:
-    ids = list(ids)
-    if not ids:
-        return "[]"
-    if ids == list(range(ids[0], ids[0] + len(ids))):
-        return f"{ids[0]}" if len(ids) == 1 else f"{ids[0]}-{ids[-1]}"
-    return ",".join(str(i) for i in ids)
+    return f"{kind} on devices {device_span(rec.get('devices', []), empty='[]')}"
 
 
 def _spec_json(spec) -> list:

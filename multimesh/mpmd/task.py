@@ -27,6 +27,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.sharding import Mesh
 
+from ..fmt import device_span
 from ..rules import MeshAxes, Rules, identity_rules
 from ..scope import Scope, use_scope
 from .transfer import reshard_to
@@ -61,8 +62,7 @@ class Placement:
         return frozenset(self.mesh.devices.flat)
 
     def describe(self) -> str:
-        ids = sorted(d.id for d in self.mesh.devices.flat)
-        span = f"{ids[0]}-{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 1 else ",".join(map(str, ids))
+        span = device_span(sorted(d.id for d in self.mesh.devices.flat))
         return f"{self.name} on {dict(self.mesh.shape)} devices [{span}]"
 
     def __repr__(self) -> str:
