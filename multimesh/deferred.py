@@ -3,26 +3,26 @@
 Under MPMD the whole step is traced once, before the partitioner decides
 where glue and implicit tasks run. A logical `with_sharding_constraint`
 traced then binds `logical_constraint_p`, which carries the logical spec; when
-a segment is compiled on its submesh, `eval_with_scope` resolves it with that
-placement's rules. It is the identity everywhere else (one-device lowering,
-differentiation: the constraint applies to tangents and cotangents alike).
+a segment is compiled on its submesh, `resolve_deferred` resolves it with the
+rules in scope there (that placement's). It is the identity everywhere else
+(one-device lowering, differentiation: the constraint applies to tangents and
+cotangents alike).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
-from jax.extend.core import ClosedJaxpr, Primitive
+from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec
 
-from .interpret import bind_equation, interpret
-from .scope import Scope, use_scope
+from .interpret import bind_equation
 
-__all__ = ["logical_constraint_p", "deferring", "is_deferring", "eval_with_scope"]
+__all__ = ["deferring", "is_deferring", "logical_constraint_p", "resolve_deferred"]
 
 logical_constraint_p = Primitive("logical_constraint")
 logical_constraint_p.def_impl(lambda x, *, spec: x)
@@ -56,14 +56,11 @@ def is_deferring() -> bool:
     return _DEFER.get()
 
 
-def eval_with_scope(closed: ClosedJaxpr, scope: Scope, *args: Any) -> Sequence[Any]:
-    """Evaluate ``closed`` (under a trace: re-trace it), resolving deferred constraints with ``scope``."""
+def resolve_deferred(eqn: Any, ins: list) -> list:
+    """An `interpret` rule: a deferred constraint is resolved with the rules in scope; the rest as is."""
     from .constraints import with_sharding_constraint
 
-    def resolve(eqn: Any, ins: list) -> list:
-        if eqn.primitive is logical_constraint_p:
-            return [with_sharding_constraint(ins[0], PartitionSpec(*eqn.params["spec"]))]
-        return bind_equation(eqn, ins)
+    if eqn.primitive is logical_constraint_p:
+        return [with_sharding_constraint(ins[0], PartitionSpec(*eqn.params["spec"]))]
+    return bind_equation(eqn, ins)
 
-    with use_scope(scope):
-        return interpret(closed.jaxpr, closed.consts, args, resolve)

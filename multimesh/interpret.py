@@ -3,7 +3,8 @@
 Two passes re-trace a step's jaxpr with a twist on some equations: the MPMD
 planner inlines nested jit calls (`mpmd.plan.inline_calls`), and a segment
 resolves deferred logical constraints with its submesh's rules
-(`deferred.eval_with_scope`). Both walk the jaxpr here.
+(`deferred.resolve_deferred`, through `mpmd.programs.run_program`). Both walk
+the jaxpr here.
 """
 
 from __future__ import annotations

@@ -111,6 +111,51 @@ def test_two_stage_pipeline_follows_schedule(schedule, n_mb):
             assert leaf.sharding.device_set == set(m.devices.flat)
 
 
+_LOWERINGS: list[int] = []  # counts programs lowered for XLA while a test listens
+
+
+def _on_event_duration(event, duration, **kwargs):
+    if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" and _LOWERINGS:
+        _LOWERINGS[-1] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event_duration)
+
+
+def programs_compiled(fn, *args):
+    """The number of programs JAX lowers (then compiles, or loads from the cache) while ``fn(*args)`` runs."""
+    _LOWERINGS.append(0)
+    try:
+        jax.block_until_ready(fn(*args))
+    finally:
+        count = _LOWERINGS.pop()
+    return count
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_stage_programs_compile_once_whatever_the_microbatch_count(schedule):
+    compiled, executions = {}, {}
+    for n_mb in (2, 4, 8):
+        meshes = stage_meshes([4, 4], two_by_two)
+        stages = [task(layer, f"stage{i}", mesh=m) for i, m in enumerate(meshes)]
+        fn, init, get_batch = parallelize(train_step(chain_loss(stages), B // n_mb, schedule),
+                                          init_params=init_layers(2), get_input_batch=make_batch)
+        state, batch = init(), get_batch()
+        compiled[n_mb] = programs_compiled(fn, state, batch)
+        executions[n_mb] = fn.stats.executions
+        assert len(fn.runtime.programs) == compiled[n_mb]
+        # every microbatch's forward (backward) on a stage is one program, called n_mb times
+        for stage in ("stage0", "stage1"):
+            for kind in ("F", "B"):
+                progs = {p.index for p in fn.runtime.programs for k in p.segments
+                         if fn.plan.segments[k].label.startswith(f"{stage}:{kind}[")}
+                calls = sum(fn.plan.segments[k].label.startswith(f"{stage}:{kind}[")
+                            for p in fn.runtime.programs for k in p.segments)
+                assert calls == n_mb and len(progs) <= 2, (stage, kind, progs)  # the first backward has no sum
+    assert compiled[2] == compiled[4] == compiled[8], compiled
+    assert executions[2] < executions[4] < executions[8]
+
+
 def test_four_stage_1f1b_bounds_live_activations():
     meshes = stage_meshes([2, 2, 2, 2], lambda n: {"data": 1, "model": 2})
     stages = [task(layer, f"stage{i}", mesh=m) for i, m in enumerate(meshes)]

@@ -145,12 +145,15 @@ def microbatch(
         for i in reversed(range(n)):
             with jax.named_scope(f"microbatch_{i}"):  # the slicing too: it belongs to this microbatch
                 mb_args = list(args)
+                # A dynamic slice at a literal offset: the segments of every microbatch then differ only
+                # in that literal, which the runtime passes as an argument (one program per stage).
                 mb_args[argnum] = jax.tree.unflatten(
-                    treedef, [jax.lax.slice_in_dim(x, i * size, (i + 1) * size, axis=dim) for x in leaves])
+                    treedef, [jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=dim) for x in leaves])
                 results[i] = fun(*mb_args)
         total = results[0]
-        for r in results[1:]:
-            total = jax.tree.map(jax.numpy.add, total, r)
+        for i, r in enumerate(results[1:], 1):
+            with jax.named_scope(f"microbatch_{i}"):  # the sum is part of microbatch i's work
+                total = jax.tree.map(jax.numpy.add, total, r)
         return total
 
     return wrapped

@@ -4,15 +4,18 @@ Each segment holding pipeline work (a `Unit`: microbatch m, forward or
 backward, logical stage l) becomes the schedule's `Action` (l, m, F|B), and
 its rank in ``schedule.order`` is its priority. Glue segments take the
 priority of their earliest pipeline consumer (they run just before it) or,
-with none, of their latest pipeline producer (they run just after it: the
-addition of a microbatch's gradient right after its backward pass). A list
+with none, of their latest pipeline producer: just after it when the glue
+belongs to a microbatch (adding its gradient to the sum, which `microbatch`
+and reverse mode do inside the microbatch's scope), else after the whole
+schedule (the optimizer update). A list
 scheduler then runs, at every step, the ready segment of lowest priority, so
 the executed order is the schedule's wherever the data dependencies allow it
 (tests check that it is exactly the schedule's).
 
-Finally, glue is fused with the next unit of work on the same submesh (or the
-previous one) into one `jax.jit`: fewer dispatches, and each unit still starts
-as soon as its predecessor on another stage is done.
+Finally, glue inside a microbatch is fused with a unit of that microbatch on
+the same submesh into one `jax.jit`: fewer dispatches, each unit still starts
+as soon as its predecessor on another stage is done, and every microbatch's
+units stay one program (see `_fuse`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Sequence
 
 from jax.extend.core import Literal
 
+from .implicit import microbatch_of
 from .microbatch import Pipeline
 from .plan import Segment
 from .schedules import Schedule
@@ -119,8 +123,8 @@ def _priorities(segments: Sequence[Segment], schedule: Schedule) -> tuple[list[f
             out.append(float(own[i]))
         elif down[i] < math.inf:
             out.append(down[i] - 0.5)
-        elif up[i] > -math.inf:
-            out.append(up[i] + 0.5)
+        elif up[i] > -math.inf:  # right after its producer inside a microbatch, else after the schedule
+            out.append(up[i] + 0.5 + (len(rank) if _microbatch(segments[i]) is None else 0))
         else:
             out.append(-1.0)
     return out, deps
@@ -145,38 +149,76 @@ def _list_schedule(segments: Sequence[Segment], priority: Sequence[float], deps:
     return order
 
 
+def _microbatch(seg: Segment) -> int | None:
+    if seg.unit is not None:
+        return seg.unit.microbatch
+    found = {microbatch_of(e.source_info.name_stack) for e in seg.eqns}
+    return found.pop() if len(found) == 1 else None
+
+
 def _fuse(order: Sequence[Segment]) -> list[Segment]:
-    """Merge each run of glue into the pipeline unit it precedes on the same submesh, else the one before."""
-    fused: list[Segment] = []
-    pending: Segment | None = None
+    """Merge glue into units: fewer dispatches, while every microbatch's units stay one program.
 
-    def copy(seg: Segment) -> Segment:
-        return Segment(seg.index, seg.placement, list(seg.eqns), unit=seg.unit, action=seg.action, stage=seg.stage)
+    Glue inside a microbatch (its slicing, its loss) joins the next segment on
+    its submesh when that is a unit of its microbatch and nothing in between
+    reads its results, else the previous one when that is such a unit and
+    nothing in between writes its inputs. What is left, and glue outside the
+    microbatches (the optimizer, sums over microbatches), joins the glue just
+    before it on its submesh when it has the same microbatch. Glue outside the
+    microbatches never joins a unit: there it would make the first or the last
+    microbatch's program differ from the others' (`programs.group_programs`).
+    """
+    out = [Segment(s.index, s.placement, list(s.eqns), unit=s.unit, action=s.action, stage=s.stage) for s in order]
+    made = [{v for e in s.eqns for v in e.outvars} for s in out]
+    read = [{v for e in s.eqns for v in e.invars if not isinstance(v, Literal)} for s in out]
+    mb = [_microbatch(s) for s in out]
+    gone = [False] * len(out)
 
-    def flush() -> None:
-        if pending is None:
-            return
-        if fused and fused[-1].placement == pending.placement:
-            fused[-1].eqns.extend(pending.eqns)
+    def neighbour(i: int, step: int, unit: bool = False) -> int | None:
+        """The next (step 1) or previous (-1) segment on ``i``'s submesh; with ``unit``, unit of work."""
+        j = i + step
+        while 0 <= j < len(out) and (gone[j] or out[j].placement != out[i].placement
+                                     or (unit and out[j].action is None)):
+            j += step
+        return j if 0 <= j < len(out) else None
+
+    def merge(i: int, j: int) -> None:
+        """Glue ``i`` into segment ``j``, keeping program order inside it."""
+        if j > i:
+            out[j].eqns[:0] = out[i].eqns
         else:
-            fused.append(pending)
+            out[j].eqns.extend(out[i].eqns)
+        read[j] |= read[i]
+        made[j] |= made[i]
+        read[i], made[i], gone[i] = set(), set(), True
 
-    for seg in order:
-        if pending is not None and pending.placement == seg.placement:
-            pending.eqns.extend(seg.eqns)
-            if seg.action is not None:
-                pending.unit, pending.action, pending.stage = seg.unit, seg.action, seg.stage
-                fused.append(pending)
-                pending = None
+    def joins(i: int, j: int | None) -> bool:
+        """Whether glue ``i`` may join segment ``j``: a unit of its microbatch, or glue of the same one."""
+        if j is None:
+            return False
+        if out[j].action is None:
+            return mb[j] == mb[i]
+        return mb[i] is not None and out[j].unit.microbatch == mb[i]
+
+    def later_ok(i: int, j: int) -> bool:  # nothing between reads what i makes
+        return not any(read[k] & made[i] for k in range(i + 1, j))
+
+    def earlier_ok(i: int, j: int) -> bool:  # nothing between makes what i reads
+        return not any(made[k] & read[i] for k in range(j + 1, i))
+
+    glue = [i for i, s in enumerate(out) if s.action is None]
+    for i in reversed(glue):
+        if mb[i] is not None and joins(i, j := neighbour(i, 1, unit=True)) and later_ok(i, j):
+            merge(i, j)
+    for i in glue:
+        if gone[i]:
             continue
-        flush()
-        pending = None
-        if seg.action is None:
-            pending = copy(seg)
-        else:
-            fused.append(copy(seg))
-    flush()
-    return fused
+        j = neighbour(i, -1, unit=True) if mb[i] is not None else None
+        if not (joins(i, j) and earlier_ok(i, j)):
+            j = neighbour(i, -1)
+        if joins(i, j) and earlier_ok(i, j):
+            merge(i, j)
+    return [s for s, g in zip(out, gone) if not g]
 
 
 def schedule_segments(segments: list[Segment], pipelines: Sequence[Pipeline]) -> tuple[list[Segment], Schedule | None]:

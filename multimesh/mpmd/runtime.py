@@ -17,7 +17,6 @@ read) are alive on each stage at once.
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,11 +24,13 @@ from typing import Any
 
 import jax
 from jax.extend.core import Literal, Var
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
-from ..deferred import eval_with_scope
+from ..deferred import resolve_deferred
+from ..scope import use_scope
 from .implicit import is_backprop, microbatch_of
 from .plan import Plan, Segment
+from .programs import Program, group_programs, run_program
 from .transfer import reshard_to
 
 __all__ = ["ReshardError", "RunStats", "Runtime"]
@@ -69,9 +70,13 @@ class Runtime:
         self.sync_every = sync_every
         self.stats = RunStats()
         self._free_after = _lifetimes(plan)
-        donate = _donations(plan, donated)
-        self._fns = [jax.jit(functools.partial(eval_with_scope, seg.closed_jaxpr(), seg.placement.scope),
-                             donate_argnums=donate[seg.index]) for seg in plan.segments]
+        self.programs = group_programs(plan.segments, _donations(plan, donated))
+        self._calls: list[tuple[Any, list]] = [None] * len(plan.segments)  # type: ignore[list-item]
+        for program in self.programs:
+            fn = _compile(program)
+            replicated = NamedSharding(program.placement.mesh, PartitionSpec())
+            for k in program.segments:
+                self._calls[k] = (fn, [jax.device_put(v, replicated) for v in program.literal_values(k)])
         self._stash = _stashed_activations(plan.segments)
         self._stage_at = {s.placement.devices: s.stage for s in plan.segments if s.stage is not None}
 
@@ -121,12 +126,12 @@ class Runtime:
         for v, x in plan.consts.items():
             hold((v, None), x)
         last = None
-        for seg, fn in zip(plan.segments, self._fns):
+        for seg, (fn, literals) in zip(plan.segments, self._calls):
             here = seg.placement.devices
             for v in seg.invars:
                 if (v, here) not in held:
                     hold((v, here), self._move(v, held[(v, self._home(v))], seg))
-            outs = fn(*[held[(v, here)] for v in seg.invars])
+            outs = fn(*[held[(v, here)] for v in seg.invars], *literals)
             for v, x in zip(seg.outvars, outs):
                 hold((v, here), x)
             stats.executions += 1
@@ -143,6 +148,18 @@ class Runtime:
 
 
 _GONE = object()
+
+
+def _compile(program: Program) -> Any:
+    """The program as one `jax.jit` on its submesh, deferred constraints resolved with its rules."""
+    run = run_program(program, resolve_deferred)
+
+    def segment(*args: Any) -> list:
+        with use_scope(program.placement.scope):
+            return run(*args)
+
+    segment.__name__ = f"{program.placement.name}_program{program.index}"
+    return jax.jit(segment, donate_argnums=program.donate)
 
 
 def _uses(plan: Plan) -> dict[Var, dict[frozenset, list[int]]]:
