@@ -10,6 +10,7 @@ otherwise the leaf is replicated.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .metadata import Annotation, map_with_annotations
-from .rules import PathRules, RuleError
+from .rules import Dropped, PathRules, RuleError
 from .scope import Scope
 
 __all__ = ["LeafLayout", "Layout", "derive_layout", "constrained_inputs"]
@@ -111,10 +112,10 @@ def derive_layout(
                 raise RuleError(f"{e} (a PartitionSpec in param_rules names mesh axes; give a tuple of logical "
                                 f"names, e.g. {tuple(ann.spec)}, to have the rules resolve them)") from None
         else:
-            spec = where.spec(ann.spec, shape, path=label)
-            if exact and ann.spec is not None:
-                _check_exact(ann.spec, spec, shape, where, label)
-            sharding = NamedSharding(where.mesh, spec)
+            resolved = where.rules.resolution(ann.spec, where.axis_sizes, shape, path=label)
+            if exact and resolved.dropped:
+                _check_exact(ann.spec, resolved.dropped[0], shape, where, label)
+            sharding = NamedSharding(where.mesh, resolved.spec)
         records.append(LeafLayout(path, shape, dtype, ann.spec, ann.source, sharding))
         return sharding
 
@@ -122,18 +123,15 @@ def derive_layout(
     return Layout(shardings, tuple(records))
 
 
-def _check_exact(logical: tuple, spec: PartitionSpec, shape: tuple, scope: Scope, label: str) -> None:
-    """Raise if divisibility made the rules drop a mesh axis from a dimension."""
-    wanted = scope.spec(logical)  # without a shape: no divisibility skips
-    for d, (want, got) in enumerate(zip(wanted, spec)):
-        if want != got:
-            axes = (want,) if isinstance(want, str) else tuple(want)
-            size = int(np.prod([scope.axis_sizes[a] for a in axes]))
-            raise RuleError(
-                f"dimension {d} ({logical[d]!r}) of the {label} has size {shape[d]}, which does not "
-                f"divide over mesh axes {axes} (total size {size}); make it a multiple of {size} "
-                f"or use fewer devices on those axes"
-            )
+def _check_exact(logical: tuple, dropped: Dropped, shape: tuple, scope: Scope, label: str) -> None:
+    """Raise because divisibility made the rules drop mesh axes from dimension ``dropped.dim``."""
+    d, axes = dropped.dim, dropped.wanted
+    size = math.prod(scope.axis_sizes[a] for a in axes)
+    raise RuleError(
+        f"dimension {d} ({logical[d]!r}) of the {label} has size {shape[d]}, which does not "
+        f"divide over mesh axes {axes} (total size {size}); make it a multiple of {size} "
+        f"or use fewer devices on those axes"
+    )
 
 
 def constrained_inputs(closed_jaxpr: jax.extend.core.ClosedJaxpr) -> dict[int, PartitionSpec]:

@@ -65,6 +65,9 @@ __all__ = [
     "Rules",
     "PathRules",
     "RuleError",
+    "Dropped",
+    "Resolution",
+    "resolution",
     "resolve",
     "standard_rules",
 ]
@@ -170,6 +173,40 @@ class Rules:
         """Resolve a logical spec to a `PartitionSpec` (see the module docstring)."""
         return resolve(spec, self, axis_sizes, shape, path=path)
 
+    def resolution(
+        self,
+        spec: LogicalSpec | None,
+        axis_sizes: Mapping[str, int],
+        shape: Sequence[int] | None = None,
+        *,
+        path: str | None = None,
+    ) -> Resolution:
+        """`resolve`, and the mesh axes that divisibility dropped (see `resolution`)."""
+        return resolution(spec, self, axis_sizes, shape, path=path)
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """Mesh axes that a dimension's rules named but its size did not let it have.
+
+    ``axes``: those the dimension did not get. ``wanted``: every mesh axis its
+    applicable rules gave it, applied or dropped, in rule order (what the
+    dimension would hold if its size divided; its product is the size to divide).
+    """
+
+    dim: int
+    axes: tuple[str, ...]
+    wanted: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """What `resolution` found: the `PartitionSpec`, and one `Dropped` per dimension
+    (in dimension order) from which divisibility kept mesh axes (never in strict mode: there it is an error)."""
+
+    spec: PartitionSpec
+    dropped: tuple[Dropped, ...] = ()
+
 
 def resolve(
     spec: LogicalSpec | None,
@@ -189,12 +226,32 @@ def resolve(
       shape: the array's shape; without it, divisibility is not checked.
       path: the array's path, named in error messages.
       strict: override ``rules.strict``.
+
+    `resolution` takes the same arguments and also says which mesh axes
+    divisibility dropped.
+    """
+    return resolution(spec, rules, axis_sizes, shape, path=path, strict=strict).spec
+
+
+def resolution(
+    spec: LogicalSpec | None,
+    rules: Rules | Iterable[tuple[str, MeshAxes]],
+    axis_sizes: Mapping[str, int],
+    shape: Sequence[int] | None = None,
+    *,
+    path: str | None = None,
+    strict: bool | None = None,
+) -> Resolution:
+    """`resolve`, with the mesh axes that a dimension's size made the rules skip (`Resolution.dropped`).
+
+    A dimension that nothing was dropped from is not listed; without ``shape``
+    nothing is ever dropped.
     """
     rules = Rules(rules) if not isinstance(rules, Rules) else rules
     strict = rules.strict if strict is None else strict
     rules.check_mesh(axis_sizes)
     if spec is None:
-        return PartitionSpec()
+        return Resolution(PartitionSpec())
     if isinstance(spec, PartitionSpec):
         spec = tuple(spec)
     spec = tuple(spec)
@@ -232,6 +289,8 @@ def resolve(
             )
 
     assigned: list[list[str]] = [[] for _ in spec]
+    wanted: list[list[str]] = [[] for _ in spec]  # assigned or dropped, in rule order
+    dropped: set[int] = set()
     closed: set[tuple[int, str]] = set()
     used: set[str] = set()
     for name, axes in rules:
@@ -244,6 +303,7 @@ def resolve(
         axes_t = _as_axes(axes)
         if used.intersection(axes_t):
             continue
+        wanted[d].extend(a for a in axes_t if a not in wanted[d])
         if shape is not None:
             size = shape[d]
             factor = math.prod(axis_sizes[a] for a in assigned[d] + list(axes_t))
@@ -254,6 +314,7 @@ def resolve(
                         f"with shape {tuple(shape)} is not divisible by mesh axes {axes_t} "
                         f"(total size {factor}); pad the dimension, change the mesh, or drop the rule"
                     )
+                dropped.add(d)
                 continue
         assigned[d].extend(axes_t)
         used.update(axes_t)
@@ -268,7 +329,10 @@ def resolve(
             out.append(axes[0])
         else:
             out.append(tuple(axes))
-    return PartitionSpec(*out)
+    lost = tuple(
+        Dropped(d, tuple(a for a in wanted[d] if a not in assigned[d]), tuple(wanted[d])) for d in sorted(dropped)
+    )
+    return Resolution(PartitionSpec(*out), lost)
 
 
 def check_physical(

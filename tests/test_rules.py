@@ -24,11 +24,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from multimesh.rules import (
+    Dropped,
     PathRules,
+    Resolution,
     RuleError,
     Rules,
     check_physical,
     identity_rules,
+    resolution,
     resolve,
     standard_rules,
 )
@@ -362,6 +365,55 @@ class TestStrict:
 # ---------------------------------------------------------------------------
 # Errors in every mode.
 # ---------------------------------------------------------------------------
+
+
+class TestDropped:
+    """`resolution` reports the mesh axes that divisibility kept off each dimension."""
+
+    def test_nothing_dropped(self):
+        res = resolution(("batch", "embed"), DOC_RULES, DOC_MESH, (16, 8))
+        assert res.spec == P(("data", "fsdp"), None) and res.dropped == ()
+        assert resolution(("batch",), DOC_RULES, DOC_MESH).dropped == ()  # no shape, no divisibility
+        assert resolution(None, DOC_RULES, DOC_MESH, (3,)) == Resolution(P())
+
+    def test_fallback_reports_the_skipped_rule(self):
+        # 4 does not divide 6: data is dropped, fsdp (the fallback) applies.
+        res = resolution(("batch", None), DOC_RULES, DOC_MESH, (6, 3))
+        assert res.spec == P("fsdp", None)
+        assert res.dropped == (Dropped(0, ("data",), ("data", "fsdp")),)
+
+    def test_stacked_product(self):
+        # 4 | 12 but 4*2 does not: fsdp dropped, the dimension wanted (data, fsdp).
+        res = resolution(("batch",), [("batch", "data"), ("batch", "fsdp")], DOC_MESH, (12,))
+        assert res.dropped == (Dropped(0, ("fsdp",), ("data", "fsdp")),)
+        res = resolution(("batch",), [("batch", "fsdp"), ("batch", "data")], DOC_MESH, (6,))
+        assert res.dropped == (Dropped(0, ("data",), ("fsdp", "data")),)  # rule order
+
+    def test_one_entry_per_dimension_in_dimension_order(self):
+        rules = [("mlp", "model"), ("embed", "data"), ("embed", "fsdp")]
+        res = resolution(("embed", "mlp"), rules, DOC_MESH, (2, 3))
+        assert res.spec == P("fsdp", None)
+        assert res.dropped == (Dropped(0, ("data",), ("data", "fsdp")), Dropped(1, ("model",), ("model",)))
+
+    def test_axis_taken_elsewhere_is_not_dropped(self):
+        res = resolution(("a", "b"), [("a", "x"), ("b", "x")], {"x": 2}, (4, 4))
+        assert res.spec == P("x", None) and res.dropped == ()
+
+    def test_tuple_rule_and_duplicates(self):
+        rules = [("batch", ("data", "fsdp")), ("batch", "data")]
+        res = resolution(("batch",), rules, DOC_MESH, (4,))
+        assert res.spec == P("data")
+        assert res.dropped == (Dropped(0, ("fsdp",), ("data", "fsdp")),)
+
+    def test_spec_and_method_agree_with_resolve(self):
+        r = Rules(DOC_RULES)
+        for spec, shape in [(("batch", "embed"), (16, 8)), (("batch", None), (6, 3)), (("mlp",), (3,))]:
+            assert r.resolution(spec, DOC_MESH, shape) == resolution(spec, DOC_RULES, DOC_MESH, shape)
+            assert r.resolution(spec, DOC_MESH, shape).spec == resolve(spec, DOC_RULES, DOC_MESH, shape)
+
+    def test_strict_raises_instead(self):
+        with pytest.raises(RuleError, match="not divisible"):
+            resolution(("batch",), DOC_RULES, DOC_MESH, (6,), strict=True)
 
 
 class TestErrors:
