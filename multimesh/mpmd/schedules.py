@@ -2,7 +2,9 @@
 
 A pipeline of ``S`` *stages* (device groups, i.e. task submeshes) processes ``M``
 *microbatches*.  Each unit of work is an :class:`Action`: the forward (``"F"``)
-or backward (``"B"``) pass of one microbatch on one stage.  A :class:`Schedule`
+or backward (``"B"``) pass of one microbatch on one stage, or, in a schedule
+that splits the backward (zero-bubble schedules), its input-gradient
+(``"B"``) and weight-gradient (``"W"``) halves.  A :class:`Schedule`
 fixes, for every stage, the order in which that stage runs its actions, and
 from it derives a global order (a valid topological order of the dependency
 DAG), a simulated timeline, the bubble fraction and the peak number of live
@@ -26,6 +28,22 @@ Worked example::
     ...                 s.action(0, 2, "F")]
     True
 
+Zero bubble (ZB-H1): the backward is split into ``B`` (input gradient, which
+the previous stage waits for) and ``W`` (weight gradient, which nobody waits
+for); ``W`` passes fill what were bubbles, with 1F1B's activation memory::
+
+    >>> z = get_schedule("zb-h1", num_stages=3, num_microbatches=4)
+    >>> z.split_backward
+    True
+    >>> print(z.render())               # F, B and W one slot each
+    stage 0 | F0 F1 F2 .  .  B0 W0 F3 B1 W1 .  B2 W2 .  B3 W3
+    stage 1 | .  F0 F1 .  B0 W0 F2 B1 W1 F3 B2 W2 .  B3 W3 .
+    stage 2 | .  .  F0 B0 W0 F1 B1 W1 F2 B2 W2 F3 B3 W3 .  .
+    >>> z.peak_live_activations         # as 1F1B: min(S - s, M)
+    {0: 3, 1: 2, 2: 1}
+    >>> round(z.bubble_fraction, 4)     # 2(S-1)/(3M+2(S-1)) = 4/16, 1F1B: 6/18
+    0.25
+
 Conventions
 -----------
 * ``num_stages`` (``S``) is always the number of **physical** stages (device
@@ -39,16 +57,34 @@ Conventions
   the device group that runs it.
 * Dependencies: ``F(l, m)`` after ``F(l-1, m)``; ``B(l, m)`` after ``F(l, m)``
   and after ``B(l+1, m)`` (the last logical stage's backward only needs its own
-  forward).
+  forward); ``W(l, m)`` after ``B(l, m)``.
+* Split backward (:attr:`Schedule.split_backward`, the zero-bubble schedules):
+  ``B`` is then only the input-gradient pass (on the critical path: stage
+  ``l-1`` waits for it) and ``W`` (weight gradient) the rest of the same
+  (stage, microbatch)'s backward; every ``B`` has its ``W``.  Schedules without
+  a split (GPipe, 1F1B, interleaved) have no ``W`` actions and ``B`` is the
+  whole backward.  An explicit order (:meth:`Schedule.from_order`,
+  :meth:`Schedule.from_per_stage_order`) is split iff it holds a ``W``
+  action, unless ``split_backward=`` says otherwise.
 * Time model (:meth:`Schedule.simulate`): a forward of a whole stage takes
   ``forward_time`` (default 1), a backward ``backward_time`` (default 2, the
   usual "backward costs twice the forward"); with ``V`` chunks each action costs
   ``1/V`` of that.  A stage runs its actions in its own order, each as soon as
   the stage is free and its dependencies have finished (plus ``comm_time`` when
   the dependency ran on another stage).  For GPipe and 1F1B the resulting
-  bubble fraction equals ``(S-1)/(M+S-1)`` whatever the F/B cost ratio.
+  bubble fraction equals ``(S-1)/(M+S-1)`` whatever the F/B cost ratio.  In a
+  split schedule ``B`` and ``W`` each cost ``backward_time / 2`` (the whole
+  backward still costs ``backward_time``); with the default costs
+  (F = B = W = 1) ZB-H1's bubble is ``2(S-1)/(3M+2(S-1))`` and ZB-H2's
+  ``(S-1)/(3M+S-1)`` for ``M >= S``.
+* Live activations (:attr:`Schedule.peak_live_activations`): a microbatch's
+  activations on a stage are live from its ``F`` until its backward has run:
+  until ``B`` without a split, until ``W`` with one (``W`` still reads the
+  stashed forward inputs).
 * ``forward_only=True`` (inference) gives only ``F`` actions; then nothing is
-  stashed for a backward pass and the peak live activations are 0.
+  stashed for a backward pass and the peak live activations are 0.  There is
+  no backward to split either: a forward-only schedule has
+  ``split_backward=False`` (the zero-bubble schedules then equal 1F1B's).
 """
 
 from __future__ import annotations
@@ -65,12 +101,15 @@ __all__ = [
     "OneFOneB",
     "Schedule",
     "Timeline",
+    "ZeroBubbleH1",
+    "ZeroBubbleH2",
     "get_schedule",
 ]
 
-Kind = Literal["F", "B"]
+Kind = Literal["F", "B", "W"]
 FORWARD: Kind = "F"
 BACKWARD: Kind = "B"
+WEIGHT: Kind = "W"
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -80,7 +119,9 @@ class Action:
     Attributes:
       stage: logical pipeline stage (``chunk * num_stages + device_group``).
       microbatch: microbatch index, ``0 <= microbatch < num_microbatches``.
-      kind: ``"F"`` (forward) or ``"B"`` (backward).
+      kind: ``"F"`` (forward), ``"B"`` (backward; in a split-backward schedule
+        only its input-gradient pass) or ``"W"`` (weight-gradient pass, split
+        schedules only).
       chunk: virtual-stage index within the device group (0 unless
         interleaved); always ``stage // num_stages``.
     """
@@ -91,8 +132,8 @@ class Action:
     chunk: int = 0
 
     def __post_init__(self) -> None:
-        if self.kind not in (FORWARD, BACKWARD):
-            raise ValueError(f"Action kind must be 'F' or 'B', got {self.kind!r}")
+        if self.kind not in (FORWARD, BACKWARD, WEIGHT):
+            raise ValueError(f"Action kind must be 'F', 'B' or 'W', got {self.kind!r}")
         for field in ("stage", "microbatch", "chunk"):
             v = getattr(self, field)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -104,7 +145,8 @@ class Action:
 
     @property
     def label(self) -> str:
-        """Short cell label: ``F3`` (chunk 0) or ``F3.1`` (microbatch 3, chunk 1)."""
+        """Short cell label: ``F3``/``B3``/``W3`` (chunk 0) or ``F3.1`` (microbatch
+        3, chunk 1)."""
         base = f"{self.kind}{self.microbatch}"
         return base if self.chunk == 0 else f"{base}.{self.chunk}"
 
@@ -144,6 +186,10 @@ class Timeline:
         return self.spans[action][1]
 
 
+def _has_weight_actions(actions: Iterable[object]) -> bool:
+    return any(isinstance(a, Action) and a.kind == WEIGHT for a in actions)
+
+
 def _check_count(what: str, value: object) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{what} must be a positive int, got {value!r}")
@@ -165,6 +211,9 @@ class Schedule:
       num_chunks: virtual stages per device group, ``V`` (1 unless interleaved).
       num_logical_stages: ``S * V``.
       forward_only: only forward actions (inference).
+      split_backward: the backward is split into ``B`` (input gradient) and
+        ``W`` (weight gradient) actions (zero-bubble schedules); always False
+        when ``forward_only``.
     """
 
     name: str = "custom"
@@ -176,8 +225,9 @@ class Schedule:
         *,
         num_chunks: int = 1,
         forward_only: bool = False,
+        split_backward: bool = False,
     ) -> None:
-        self._init_common(num_stages, num_microbatches, num_chunks, forward_only)
+        self._init_common(num_stages, num_microbatches, num_chunks, forward_only, split_backward)
         per_stage = self._build_per_stage_order()
         self._set_per_stage(per_stage)
         self._order = self._derive_order()
@@ -186,12 +236,19 @@ class Schedule:
     # ------------------------------------------------------------------ set-up
 
     def _init_common(
-        self, num_stages: int, num_microbatches: int, num_chunks: int, forward_only: bool
+        self,
+        num_stages: int,
+        num_microbatches: int,
+        num_chunks: int,
+        forward_only: bool,
+        split_backward: bool,
     ) -> None:
         self._num_stages = _check_count("num_stages", num_stages)
         self._num_microbatches = _check_count("num_microbatches", num_microbatches)
         self._num_chunks = _check_count("num_chunks", num_chunks)
         self._forward_only = bool(forward_only)
+        # nothing to split without a backward pass
+        self._split = bool(split_backward) and not self._forward_only
         self._cache: dict[object, object] = {}
 
     def _build_per_stage_order(self) -> dict[int, list[Action]]:
@@ -222,7 +279,7 @@ class Schedule:
 
     def _derive_order(self) -> tuple[Action, ...]:
         """Global order: the default-cost timeline sorted by (start, stage)."""
-        tl = self._simulate_raw(1.0, 2.0, 0.0)
+        tl = self._simulate_raw(*self._action_costs(1.0, 2.0), 0.0)
         return tuple(
             sorted(
                 tl.spans,
@@ -239,14 +296,23 @@ class Schedule:
         *,
         num_chunks: int = 1,
         forward_only: bool = False,
+        split_backward: bool | None = None,
         name: str = "custom",
     ) -> Schedule:
         """A schedule with an explicit global order; each stage runs its actions
-        in the order they appear.  Raises ``ValueError`` if the order is invalid."""
-        self = cls.__new__(Schedule)
-        self._init_common(num_stages, num_microbatches, num_chunks, forward_only)
-        self.name = name
+        in the order they appear.  Raises ``ValueError`` if the order is invalid.
+
+        ``split_backward=None`` (the default) infers the split from the order:
+        it is a split-backward schedule iff it holds a ``W`` action (then every
+        ``B`` needs its ``W``).  Pass True/False to insist: ``False`` rejects
+        ``W`` actions, ``True`` requires them.
+        """
         order = tuple(order)
+        if split_backward is None:
+            split_backward = _has_weight_actions(order)
+        self = cls.__new__(Schedule)
+        self._init_common(num_stages, num_microbatches, num_chunks, forward_only, split_backward)
+        self.name = name
         for a in order:
             if not isinstance(a, Action):
                 raise ValueError(f"expected Action, got {a!r}")
@@ -268,12 +334,21 @@ class Schedule:
         *,
         num_chunks: int = 1,
         forward_only: bool = False,
+        split_backward: bool | None = None,
         name: str = "custom",
     ) -> Schedule:
         """A schedule from each stage's own order; the global order is derived.
-        Raises ``ValueError`` if the per-stage orders are incomplete or deadlock."""
+        Raises ``ValueError`` if the per-stage orders are incomplete or deadlock.
+
+        ``split_backward``: as for :meth:`from_order` (``None`` infers it from
+        the presence of ``W`` actions).
+        """
+        if split_backward is None:
+            split_backward = _has_weight_actions(
+                a for acts in per_stage_order.values() for a in acts
+            )
         self = cls.__new__(Schedule)
-        self._init_common(num_stages, num_microbatches, num_chunks, forward_only)
+        self._init_common(num_stages, num_microbatches, num_chunks, forward_only, split_backward)
         self.name = name
         self._set_per_stage(per_stage_order)
         self._check_complete([a for acts in self._per_stage.values() for a in acts])
@@ -304,6 +379,13 @@ class Schedule:
         return self._forward_only
 
     @property
+    def split_backward(self) -> bool:
+        """True if the backward is split into ``B`` (input gradient) and ``W``
+        (weight gradient) actions; False for GPipe/1F1B/interleaved and for
+        every forward-only schedule."""
+        return self._split
+
+    @property
     def order(self) -> list[Action]:
         """Every action once, in a valid global (topological) order."""
         return list(self._order)
@@ -324,7 +406,8 @@ class Schedule:
         return action.stage % self._num_stages
 
     def action(self, stage: int, microbatch: int, kind: Kind) -> Action:
-        """The :class:`Action` for logical ``stage`` (chunk filled in)."""
+        """The :class:`Action` for logical ``stage`` (chunk filled in); ``kind``
+        is ``"F"``, ``"B"`` or ``"W"``."""
         return Action(stage, microbatch, kind, stage // self._num_stages)
 
     def dependencies(self, action: Action) -> tuple[Action, ...]:
@@ -333,14 +416,19 @@ class Schedule:
         last = self.num_logical_stages - 1
         if action.kind == FORWARD:
             return (self.action(l - 1, m, FORWARD),) if l > 0 else ()
+        if action.kind == WEIGHT:
+            return (self.action(l, m, BACKWARD),)
         deps = [self.action(l, m, FORWARD)]
         if l < last:
             deps.append(self.action(l + 1, m, BACKWARD))
         return tuple(deps)
 
     def expected_actions(self) -> list[Action]:
-        """All actions a complete schedule must contain."""
+        """All actions a complete schedule must contain (``W`` ones only when
+        :attr:`split_backward`)."""
         kinds: tuple[Kind, ...] = (FORWARD,) if self._forward_only else (FORWARD, BACKWARD)
+        if self._split:
+            kinds += (WEIGHT,)
         return [
             self.action(l, m, k)
             for k in kinds
@@ -367,8 +455,14 @@ class Schedule:
                 f"(expected chunk {a.stage // self._num_stages} with "
                 f"{self._num_stages} stages)"
             )
-        if self._forward_only and a.kind == BACKWARD:
+        if self._forward_only and a.kind != FORWARD:
             raise ValueError(f"{a}: backward action in a forward-only schedule")
+        if a.kind == WEIGHT and not self._split:
+            raise ValueError(
+                f"{a}: weight-gradient (W) action in a schedule without a split backward "
+                f"(split_backward=False, where B is the whole backward); W actions need "
+                f"split_backward=True"
+            )
 
     def _check_complete(self, actions: Sequence[Action]) -> None:
         seen: dict[Action, int] = {}
@@ -377,10 +471,18 @@ class Schedule:
         dup = [str(a) for a, n in seen.items() if n > 1]
         if dup:
             raise ValueError(f"actions scheduled more than once: {', '.join(dup[:10])}")
-        missing = [str(a) for a in self.expected_actions() if a not in seen]
+        missing = [a for a in self.expected_actions() if a not in seen]
         if missing:
             more = f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""
-            raise ValueError(f"actions missing from schedule: {', '.join(missing[:10])}{more}")
+            why = (
+                "; a split-backward schedule (split_backward=True, e.g. one with W "
+                "actions) needs a W after every B"
+                if any(a.kind == WEIGHT for a in missing)
+                else ""
+            )
+            raise ValueError(
+                f"actions missing from schedule: {', '.join(map(str, missing[:10]))}{more}{why}"
+            )
 
     def validate(self) -> None:
         """Check completeness and dependencies; raise ``ValueError`` if broken.
@@ -408,13 +510,24 @@ class Schedule:
 
     # ------------------------------------------------------------- simulation
 
-    def _simulate_raw(self, f_cost: float, b_cost: float, comm_time: float) -> Timeline:
-        """List-schedule each stage's order with per-action costs."""
-        if f_cost <= 0 or b_cost <= 0 or comm_time < 0:
+    def _action_costs(self, forward: float, backward: float) -> tuple[float, float, float]:
+        """Per-action ``(F, B, W)`` costs from a stage-chunk's forward/backward
+        cost: a split backward costs half for ``B`` and half for ``W``."""
+        if self._split:
+            return forward, backward / 2, backward / 2
+        return forward, backward, backward
+
+    def _simulate_raw(
+        self, f_cost: float, b_cost: float, w_cost: float, comm_time: float
+    ) -> Timeline:
+        """List-schedule each stage's order with per-action costs (``w_cost`` is
+        only used by ``W`` actions)."""
+        if f_cost <= 0 or b_cost <= 0 or w_cost <= 0 or comm_time < 0:
             raise ValueError(
                 f"costs must be positive and comm_time non-negative, got "
                 f"forward={f_cost}, backward={b_cost}, comm={comm_time}"
             )
+        cost_of = {FORWARD: f_cost, BACKWARD: b_cost, WEIGHT: w_cost}
         queues = self._per_stage
         pos = {s: 0 for s in queues}
         free = {s: 0.0 for s in queues}
@@ -433,7 +546,7 @@ class Schedule:
                     for d in deps:
                         lat = comm_time if self.physical_stage(d) != s else 0.0
                         t = max(t, spans[d][1] + lat)
-                    cost = f_cost if a.kind == FORWARD else b_cost
+                    cost = cost_of[a.kind]
                     spans[a] = (t, t + cost)
                     free[s] = t + cost
                     busy[s] += cost
@@ -460,14 +573,15 @@ class Schedule:
 
         ``forward_time``/``backward_time`` are the cost of a whole stage's
         forward/backward for one microbatch; each of the ``V`` chunks of an
-        interleaved stage costs ``1/V`` of it.  ``comm_time`` is added on
+        interleaved stage costs ``1/V`` of it.  With :attr:`split_backward`,
+        ``B`` and ``W`` each cost half the backward.  ``comm_time`` is added on
         every cross-stage dependency.
         """
         key = ("sim", forward_time, backward_time, comm_time)
         if key not in self._cache:
             v = self._num_chunks
             self._cache[key] = self._simulate_raw(
-                forward_time / v, backward_time / v, comm_time
+                *self._action_costs(forward_time / v, backward_time / v), comm_time
             )
         return self._cache[key]  # type: ignore[return-value]
 
@@ -491,24 +605,32 @@ class Schedule:
 
     @property
     def bubble_fraction(self) -> float:
-        """Bubble fraction with the default costs (F = 1, B = 2, no comm)."""
+        """Bubble fraction with the default costs (F = 1, B = 2, no comm; split:
+        F = B = W = 1)."""
         return self.bubble()
 
     @property
     def peak_live_activations(self) -> dict[int, int]:
         """Physical stage -> peak number of (logical stage, microbatch) pairs whose
-        forward has run on it and whose backward has not.
+        forward has run on it and whose backward has not finished.
 
+        The backward finishes with ``B``, or with ``W`` in a split-backward
+        schedule (``W`` still reads the stashed forward inputs, so a
+        microbatch's activations stay live from its ``F`` until its ``W``).
         For interleaved schedules each pair holds one chunk's activations
         (``1/V`` of the stage's layers).  Forward-only schedules keep nothing
         for a backward pass: 0 everywhere.
         """
+        release = WEIGHT if self._split else BACKWARD
         out: dict[int, int] = {}
         for s, acts in self._per_stage.items():
             live = peak = 0
             if not self._forward_only:
                 for a in acts:
-                    live += 1 if a.kind == FORWARD else -1
+                    if a.kind == FORWARD:
+                        live += 1
+                    elif a.kind == release:
+                        live -= 1
                     peak = max(peak, live)
             out[s] = peak
         return out
@@ -518,12 +640,14 @@ class Schedule:
     def render(self, backward_slots: int = 1) -> str:
         """Text diagram: one row per physical stage, one column per time slot.
 
-        Every action takes one slot (a backward ``backward_slots``); cells show
-        ``F3``/``B3`` (``F3.1`` = chunk 1) or ``.`` when the stage is idle.
+        Every action takes one slot (a backward ``backward_slots``; in a split
+        schedule ``B`` and ``W`` each ``backward_slots``); cells show
+        ``F3``/``B3``/``W3`` (``F3.1`` = chunk 1) or ``.`` when the stage is idle.
         """
         if not isinstance(backward_slots, int) or backward_slots < 1:
             raise ValueError(f"backward_slots must be a positive int, got {backward_slots!r}")
-        tl = self._simulate_raw(1.0, float(backward_slots), 0.0)
+        slots = float(backward_slots)
+        tl = self._simulate_raw(1.0, slots, slots, 0.0)
         width = int(round(tl.makespan))
         grid = [["."] * width for _ in range(self._num_stages)]
         for a, (start, end) in tl.spans.items():
@@ -540,9 +664,10 @@ class Schedule:
     def _describe(self) -> str:
         extra = f", num_chunks={self._num_chunks}" if self._num_chunks > 1 else ""
         fo = ", forward_only=True" if self._forward_only else ""
+        split = ", split_backward=True" if self._split and type(self) is Schedule else ""
         return (
             f"num_stages={self._num_stages}, num_microbatches={self._num_microbatches}"
-            f"{extra}{fo}"
+            f"{extra}{fo}{split}"
         )
 
     def __repr__(self) -> str:
@@ -564,11 +689,14 @@ class Schedule:
             and self._num_microbatches == other._num_microbatches
             and self._num_chunks == other._num_chunks
             and self._forward_only == other._forward_only
+            and self._split == other._split
             and self._order == other._order
         )
 
     def __hash__(self) -> int:
-        return hash((self._num_stages, self._num_microbatches, self._num_chunks, self._order))
+        return hash(
+            (self._num_stages, self._num_microbatches, self._num_chunks, self._split, self._order)
+        )
 
 
 # ---------------------------------------------------------------- schedules
@@ -713,12 +841,169 @@ class Interleaved1F1B(Schedule):
         return out
 
 
+def _zero_bubble_order(num_stages: int, num_microbatches: int, caps: Sequence[int]) -> dict[int, list[Action]]:
+    """Per-stage orders of a zero-bubble schedule with at most ``caps[s]`` live
+    microbatches on stage ``s``.
+
+    A list scheduler in unit time steps (F = B = W = 1, the default costs of a
+    split schedule): at every step each idle stage runs, in this priority,
+
+    1. its next ``B`` if ready (input gradients are on the critical path:
+       the previous stage waits for them);
+    2. else its next ``F`` if ready and fewer than ``caps[s]`` microbatches
+       are live on it (forwarded, ``W`` not yet run);
+    3. else its oldest pending ``W`` (weight gradients fill what would be
+       bubbles, and free a live slot for the next ``F``);
+
+    and otherwise idles.  ``F`` and ``B`` run in microbatch order.  It cannot
+    deadlock: the last stage's ``B`` only needs its own ``F``, and a stage
+    whose live slots are full either holds a pending ``W`` or waits for a
+    ``B`` that the stages after it will deliver.
+    """
+    S, M = num_stages, num_microbatches
+    end: dict[tuple[Kind, int, int], int] = {}  # (kind, stage, microbatch) -> end step
+    next_f = [0] * S
+    next_b = [0] * S
+    pending_w: list[list[int]] = [[] for _ in range(S)]
+    live = [0] * S
+    out: dict[int, list[Action]] = {s: [] for s in range(S)}
+    total = 3 * S * M
+    t = 0
+
+    def done(kind: Kind, s: int, m: int) -> bool:  # finished before step t
+        return (kind, s, m) in end and end[(kind, s, m)] <= t
+
+    while len(end) < total:
+        finished: dict[tuple[Kind, int, int], int] = {}
+        for s in range(S):
+            m = next_b[s]
+            if m < next_f[s] and done(FORWARD, s, m) and (s == S - 1 or done(BACKWARD, s + 1, m)):
+                kind: Kind = BACKWARD
+                next_b[s] += 1
+                pending_w[s].append(m)
+            elif (
+                next_f[s] < M
+                and live[s] < caps[s]
+                and (s == 0 or done(FORWARD, s - 1, next_f[s]))
+            ):
+                kind, m = FORWARD, next_f[s]
+                next_f[s] += 1
+                live[s] += 1
+            elif pending_w[s]:
+                kind, m = WEIGHT, pending_w[s].pop(0)
+                live[s] -= 1
+            else:
+                continue
+            out[s].append(Action(s, m, kind))
+            finished[(kind, s, m)] = t + 1
+        end.update(finished)
+        t += 1
+        if t > 2 * total + S:  # unreachable (see above); never loop forever
+            raise RuntimeError(f"zero-bubble construction stalled for caps={list(caps)}")
+    return out
+
+
+class _ZeroBubble(Schedule):
+    """Shared construction of the zero-bubble schedules (see subclasses)."""
+
+    def __init__(self, num_stages: int, num_microbatches: int, *, forward_only: bool = False):
+        super().__init__(
+            num_stages, num_microbatches, forward_only=forward_only, split_backward=True
+        )
+
+    def _live_cap(self, stage: int) -> int:
+        raise NotImplementedError
+
+    def _build_per_stage_order(self) -> dict[int, list[Action]]:
+        S, M = self.num_stages, self.num_microbatches
+        if self.forward_only:  # as 1F1B forward-only
+            return {s: [Action(s, m, FORWARD) for m in range(M)] for s in range(S)}
+        return _zero_bubble_order(S, M, [min(self._live_cap(s), M) for s in range(S)])
+
+
+class ZeroBubbleH1(_ZeroBubble):
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B with the
+    backward split into ``B`` (input gradient) and ``W`` (weight gradient).
+
+    Stage ``s`` warms up like 1F1B (``min(S-s, M)`` forwards before its first
+    ``B``), runs each ``B`` as soon as it can (``B`` ahead of ``W``: the
+    previous stage waits for it) and defers ``W`` into what 1F1B leaves as
+    bubbles, never holding more live microbatches than 1F1B: peak live
+    activations ``min(S-s, M)`` on stage ``s``, counted until ``W``.  Built by
+    a list scheduler at unit costs (``B`` first, then ``F`` within the cap,
+    else the oldest pending ``W``).
+
+    Bubble, default costs (F = B = W = 1): ``2(S-1)/(3M + 2(S-1))`` for every
+    ``M``, against 1F1B's ``3(S-1)/(3M + 3(S-1))``: each stage idles
+    ``(S-1)(F+B)`` instead of ``(S-1)(F+B+W)``.  This is the least any
+    schedule can do under the per-stage memory bound: the last stage may hold
+    one microbatch, so it must run ``F B W`` back to back, and the last ``B``
+    then still crosses ``S-1`` stages.  (The paper's ``(S-1)(F+B-W)`` needs
+    later stages to keep more microbatches between their ``B`` and ``W`` than
+    1F1B keeps; here ``W`` keeps a microbatch's activations live, so that
+    memory is :class:`ZeroBubbleH2`'s trade.)
+
+    Example::
+
+        >>> s = ZeroBubbleH1(2, 3)
+        >>> print(s.render())
+        stage 0 | F0 F1 .  B0 W0 F2 B1 W1 .  B2 W2
+        stage 1 | .  F0 B0 W0 F1 B1 W1 F2 B2 W2 .
+        >>> s.peak_live_activations, round(s.bubble_fraction, 4)   # 2/11
+        ({0: 2, 1: 1}, 0.1818)
+    """
+
+    name = "zb-h1"
+
+    def _live_cap(self, stage: int) -> int:
+        return self.num_stages - stage
+
+
+class ZeroBubbleH2(_ZeroBubble):
+    """ZB-H2 (after Qi et al. 2023): more warm-up forwards, more memory, (almost)
+    no bubble.
+
+    Same construction as :class:`ZeroBubbleH1` with a larger live-microbatch
+    cap: stage ``s`` keeps up to ``2S-1-s`` microbatches live, so its peak
+    live activations are exactly ``min(2S-1-s, M)`` (stage 0: ``2S-1``, as
+    the paper's H2; the last stage: ``S`` instead of 1).  Stage ``s`` fills
+    its warm-up bubble with ``min(2(S-s)-1, M)`` forwards before its first
+    ``B`` and the drain with deferred ``W``.
+
+    This is a documented variant of the paper's H2, which bounds stage ``s``
+    by ``2(S-s)-1`` microbatches counting only the weight-gradient stash
+    after ``B``; here ``W`` keeps a microbatch's activations live, and with
+    that accounting the paper's per-stage bound gives no better bubble than
+    H1 (its last stage could hold one microbatch), hence ``2S-1-s``.
+
+    Bubble, default costs (F = B = W = 1): ``(S-1)/(3M + S-1)`` for ``M >= S``
+    (each stage idles ``S-1`` forward times: the least possible, as the
+    last stage cannot start earlier); never above :class:`ZeroBubbleH1`'s.
+
+    Example::
+
+        >>> s = ZeroBubbleH2(2, 3)
+        >>> print(s.render())
+        stage 0 | F0 F1 F2 B0 W0 B1 W1 .  B2 W2
+        stage 1 | .  F0 B0 F1 B1 W0 F2 B2 W1 W2
+        >>> s.peak_live_activations, round(s.bubble_fraction, 4)   # 1/10
+        ({0: 3, 1: 2}, 0.1)
+    """
+
+    name = "zb-h2"
+
+    def _live_cap(self, stage: int) -> int:
+        return 2 * self.num_stages - 1 - stage
+
+
 # ------------------------------------------------------------------ factory
 
 _REGISTRY: dict[str, type[Schedule]] = {
     "gpipe": GPipe,
     "1f1b": OneFOneB,
     "interleaved": Interleaved1F1B,
+    "zb-h1": ZeroBubbleH1,
+    "zb-h2": ZeroBubbleH2,
 }
 _ALIASES: dict[str, str] = {
     "one_f_one_b": "1f1b",
@@ -726,8 +1011,23 @@ _ALIASES: dict[str, str] = {
     "pipedream_flush": "1f1b",
     "interleaved_1f1b": "interleaved",
     "interleaved1f1b": "interleaved",
+    "zero-bubble": "zb-h1",
+    "zero-bubble-h1": "zb-h1",
+    "zbh1": "zb-h1",
+    "zero-bubble-h2": "zb-h2",  # NVIDIA MultiMesh's name
+    "zbh2": "zb-h2",
 }
 KNOWN_SCHEDULES: tuple[str, ...] = tuple(_REGISTRY) + tuple(_ALIASES)
+
+
+def _normalise_name(name: str) -> str:
+    return name.strip().lower().replace("-", "_").replace(" ", "_")
+
+
+_LOOKUP: dict[str, str] = {
+    **{_normalise_name(k): k for k in _REGISTRY},
+    **{_normalise_name(a): k for a, k in _ALIASES.items()},
+}
 
 
 def get_schedule(
@@ -740,7 +1040,9 @@ def get_schedule(
 
     Args:
       name_or_obj: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` (alias
-        ``"interleaved_1f1b"``; case-insensitive, ``-``/space read as ``_``),
+        ``"interleaved_1f1b"``), ``"zb-h1"`` (aliases ``"zero-bubble"``,
+        ``"zero-bubble-h1"``, ``"zbh1"``), ``"zb-h2"`` (alias
+        ``"zero-bubble-h2"``); case-insensitive, ``-``/space read as ``_``;
         a :class:`Schedule` subclass, or a :class:`Schedule` instance (checked
         against ``num_stages``/``num_microbatches`` and any ``kwargs``).
       num_stages: physical stages (device groups).
@@ -779,9 +1081,8 @@ def get_schedule(
     if isinstance(name_or_obj, type) and issubclass(name_or_obj, Schedule):
         cls = name_or_obj
     elif isinstance(name_or_obj, str):
-        key = name_or_obj.strip().lower().replace("-", "_").replace(" ", "_")
-        key = _ALIASES.get(key, key)
-        if key not in _REGISTRY:
+        key = _LOOKUP.get(_normalise_name(name_or_obj))
+        if key is None:
             raise ValueError(
                 f"unknown pipeline schedule {name_or_obj!r}; known schedules: "
                 f"{', '.join(KNOWN_SCHEDULES)} (or a Schedule instance)"
