@@ -210,6 +210,20 @@ def test_bfloat16_compute_keeps_float32_parameters(tmp_path, reference_curve):
     assert got != f32  # the compute did run in bfloat16
 
 
+def test_pipeline_layout_runs_on_the_devices_it_is_given(tmp_path):
+    """Stages go on the layout's own devices (register_task is handed them), not on a prefix of jax.devices()."""
+    cfg = small("pipeline", tmp_path, "layout.mesh={data: 2}")
+    devices = jax.devices()[::-1]
+    layout = build_layout(cfg.layout, devices)
+    assert layout.devices == tuple(devices[:4])
+    batch = {"tokens": np.zeros((cfg.data.batch_size, cfg.data.seq_len + 1), np.int32)}
+    with layout.tasks(cfg.model.num_layers):
+        program = build_program(cfg, layout, batch, batch)
+    rows = {path: dev for path, _, _, _, dev in sharding_rows(program.step)}
+    assert rows["params/params/embed/embedding"] == "6-7" and rows["params/params/head/output/kernel"] == "4-5"
+    assert {rows[f"params/params/layers_{i}/mlp/wo/kernel"] for i in range(4)} == {"6-7", "4-5"}
+
+
 # -- golden sharding tables -------------------------------------------------------------------
 
 

@@ -6,9 +6,9 @@ the logical-axis rules.
 
 Pipeline: the same model and step. ``register_task`` places the modules by
 name: ``embed`` and the first blocks on stage 0, ..., the last blocks and
-``head`` on the last stage (blocks split evenly); stage ``s`` runs on devices
-``[s*n, (s+1)*n)`` (``n`` = the size of ``layout.mesh``, its shape and axes),
-with the same rules. ``microbatch`` wraps the loss so that the global batch
+``head`` on the last stage (blocks split evenly); stage ``s`` runs on the
+layout's devices ``[s*n, (s+1)*n)`` (``n`` = the size of ``layout.mesh``, its
+shape and axes), with the same rules. ``microbatch`` wraps the loss so that the global batch
 runs as ``microbatches`` microbatches in ``schedule`` order.
 """
 
@@ -79,11 +79,8 @@ class Layout:
             yield
             return
         stages, per_stage = self.pipeline.stages, math.prod(self.mesh.values())
-        if self.devices != tuple(jax.devices()[: len(self.devices)]):
-            raise ValueError("a pipeline layout runs on the first devices of jax.devices() (register_task "
-                             "places stages by device index); do not pass other devices")
 
-        def placement(match: Any, backprop: bool) -> tuple[tuple[int, int], str]:
+        def placement(match: Any, backprop: bool) -> tuple[tuple, str]:
             name = match.group(0)
             if name == "embed":
                 s = 0
@@ -91,7 +88,7 @@ class Layout:
                 s = stages - 1
             else:
                 s = stage_of_layer(int(match.group(1)), num_layers, stages)
-            return (s * per_stage, (s + 1) * per_stage), f"stage{s}"
+            return self.devices[s * per_stage:(s + 1) * per_stage], f"stage{s}"
 
         with register_task(STAGE_MODULES, callback=placement, dims=tuple(self.mesh.values()),
                            device_axes=tuple(self.mesh), logical_axes=self.rules):

@@ -13,6 +13,9 @@ recomputed.
     register_task(r"layers_(\\d+)", dims=(2, 2), device_axes=("data", "model"),
                   callback=lambda m, backprop: ((0, 4), "first") if int(m[1]) < 2 else ((4, 8), "second"))
 
+A callback may also name the devices themselves: ``(devices, name)`` with
+``devices`` a sequence or array of `jax.Device`s (e.g. ``my_devices[4:8]``).
+
 Registrations are global until `clear_tasks()` (or the ``with`` block of the
 handle `register_task` returns, or of `task_scope()`) ends them.
 """
@@ -31,6 +34,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from ..fmt import device_span
 from ..rules import MeshAxes
 from .task import Placement, make_placement
 
@@ -47,7 +51,7 @@ __all__ = [
     "task_scope",
 ]
 
-Callback = Callable[[re.Match, bool], "tuple[tuple[int, int], str] | None"]
+Callback = Callable[[re.Match, bool], "tuple[tuple[int, int] | Sequence[jax.Device] | np.ndarray, str] | None"]
 
 
 @dataclass(eq=False)
@@ -75,26 +79,33 @@ class Registration:
         got = self.callback(match, backprop)
         if got is None:
             return None
+        who = f"register_task({self.pattern.pattern!r})"
         try:
-            (start, stop), name = got
+            where, name = got
         except (TypeError, ValueError):
             raise ValueError(
-                f"register_task({self.pattern.pattern!r}): callback must return ((start, stop), name) or None, "
+                f"{who}: callback must return ((start, stop), name), (devices, name) or None, "
                 f"got {got!r} for {match.group(0)!r}"
             ) from None
-        devices = jax.devices()[start:stop]
-        if len(devices) != stop - start:
-            raise ValueError(
-                f"register_task({self.pattern.pattern!r}): callback placed {match.group(0)!r} on devices "
-                f"{start}..{stop - 1}, but only {len(jax.devices())} devices exist"
-            )
-        if self.dims is not None:
-            if math.prod(self.dims) != len(devices):
+        if _is_index_range(where):
+            start, stop = (int(i) for i in where)
+            devices = np.asarray(jax.devices()[start:stop], dtype=object)
+            if len(devices) != stop - start:
                 raise ValueError(
-                    f"register_task({self.pattern.pattern!r}): dims={self.dims} needs {math.prod(self.dims)} "
-                    f"devices, but the callback gave {match.group(0)!r} devices {start}..{stop - 1} ({len(devices)})"
+                    f"{who}: callback placed {match.group(0)!r} on devices "
+                    f"{start}..{stop - 1}, but only {len(jax.devices())} devices exist"
                 )
-            devices = np.asarray(devices, dtype=object).reshape(self.dims)
+            what = f"devices {start}..{stop - 1}"
+        else:
+            devices = _device_array(where, f"{who}: callback for {match.group(0)!r}")
+            what = f"devices {device_span(d.id for d in devices.flat)}"
+        if self.dims is not None:
+            if math.prod(self.dims) != devices.size:
+                raise ValueError(
+                    f"{who}: dims={self.dims} needs {math.prod(self.dims)} "
+                    f"devices, but the callback gave {match.group(0)!r} {what} ({devices.size})"
+                )
+            devices = devices.reshape(self.dims)
         return _shared_placement(name, devices, self.device_axes, self.logical_axes)
 
     def remove(self) -> None:
@@ -112,6 +123,34 @@ class Registration:
     def __repr__(self) -> str:
         where = self.placement.describe() if self.placement is not None else f"callback {self.callback!r}"
         return f"Registration({self.pattern.pattern!r} -> {where})"
+
+
+def _is_index_range(where: Any) -> bool:
+    """Whether a callback's placement is a ``(start, stop)`` pair of device indices (not devices)."""
+    try:
+        items = list(where)
+    except TypeError:
+        return False
+    return len(items) == 2 and all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in items)
+
+
+def _device_array(where: Any, who: str) -> np.ndarray:
+    """``where`` as an object array of distinct `jax.Device`s, or a ValueError that starts with ``who``."""
+    try:
+        devices = np.asarray(where, dtype=object)
+    except (TypeError, ValueError):
+        devices = np.asarray([where], dtype=object)  # ragged: reported below
+    bad = [d for d in devices.flat if not isinstance(d, jax.Device)]
+    if devices.ndim == 0 or devices.size == 0 or bad:
+        why = f": {bad[0]!r} is a {type(bad[0]).__name__}, not a jax device" if bad else ""
+        raise ValueError(
+            f"{who} returned {where!r} where a (start, stop) pair of device indices or a non-empty "
+            f"sequence/array of jax devices belongs{why}"
+        )
+    ids = [d.id for d in devices.flat]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{who} returned devices {ids}, which name a device more than once")
+    return devices
 
 
 _placements: dict[tuple, Placement] = {}
@@ -151,7 +190,9 @@ def register_task(
       callback: ``callback(match, backprop) -> ((start, stop), name)`` (or None:
         not a task): the match runs on ``jax.devices()[start:stop]`` shaped ``dims``
         with axes ``device_axes`` and rules ``logical_axes``; ``backprop`` says
-        whether the equation belongs to the backward pass.
+        whether the equation belongs to the backward pass. The callback may
+        return ``(devices, name)`` instead, ``devices`` a sequence or array of
+        `jax.Device`s (reshaped to ``dims`` when given, else used as shaped).
       dims: the submesh shape for callback placements (default 1-D).
 
     Returns:
