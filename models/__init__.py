@@ -1,6 +1,5 @@
 """Example models written with logical axis names (see ``models.transformer``)."""
 
-from .mlp import MLP, AttentionBlock
 from .transformer import (
     Attention,
     Block,
@@ -20,8 +19,6 @@ from .transformer import (
 )
 
 __all__ = [
-    "MLP",
-    "AttentionBlock",
     "Attention",
     "Block",
     "Embed",

@@ -13,8 +13,6 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from models import (
-    MLP,
-    AttentionBlock,
     Block,
     Embed,
     Head,
@@ -234,27 +232,3 @@ def test_config_validation():
         TransformerConfig.from_dict({"layers": 3})
     with pytest.raises(ValueError):
         Transformer(TINY).init(jax.random.key(0), jnp.zeros((1, TINY.max_len + 1), jnp.int32))
-
-
-def test_mlp_and_attention_block_metadata():
-    x = jnp.ones((2, 4, 16))
-    mlp_vars = jax.eval_shape(lambda: MLP(hidden=32).init(jax.random.key(0), x))
-    specs = nn.get_partition_spec(mlp_vars)["params"]
-    assert specs == {"wi": {"kernel": P("embed", "mlp"), "bias": P("mlp")},
-                     "wo": {"kernel": P("mlp", "embed"), "bias": P("embed")}}
-    attn_vars = jax.eval_shape(lambda: AttentionBlock(num_heads=2, head_dim=8).init(jax.random.key(0), x))
-    specs = nn.get_partition_spec(attn_vars)["params"]
-    assert specs["query"]["kernel"] == P("embed", "heads", "kv")
-    assert specs["out"]["kernel"] == P("heads", "kv", "embed")
-    assert specs["norm_scale"] == P("norm")
-    for box in _boxes(attn_vars) + _boxes(mlp_vars):
-        assert isinstance(box, nn.LogicallyPartitioned) and len(box.names) == box.value.ndim
-
-    @jax.jit
-    def run(x):
-        y = MLP(hidden=32, activation="gelu").init_with_output(jax.random.key(0), x)[0]
-        z = AttentionBlock(num_heads=2, head_dim=8).init_with_output(jax.random.key(1), x)[0]
-        return y, z
-
-    y, z = run(x)
-    assert y.shape == x.shape and z.shape == x.shape
