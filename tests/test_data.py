@@ -1,4 +1,4 @@
-"""The text data pipeline: corpus, determinism, resume, process sharding, splits, baseline."""
+"""The text data pipeline: corpus, determinism, resume, row ranges, splits, baseline."""
 
 from __future__ import annotations
 
@@ -127,20 +127,15 @@ def test_resume_from_saved_position(train_tokens):
         _ds(train_tokens, seed=4).load_state_dict(state)
 
 
-@pytest.mark.parametrize("count", [2, 4, 8])
-def test_process_sharding_partitions_global_batch(train_tokens, count):
-    full = _ds(train_tokens, seed=1)
-    shards = [_ds(train_tokens, seed=1, process_index=p, process_count=count) for p in range(count)]
+def test_row_ranges_partition_the_global_batch(train_tokens):
+    """What a process reads (``rows_at``, see trainers.feed) are rows of the one global batch."""
+    ds = _ds(train_tokens, seed=1)
     for step in range(3):
-        parts = [next(s)["tokens"] for s in shards]
-        assert all(p.shape == (BATCH // count, SEQ + 1) for p in parts)
-        np.testing.assert_array_equal(np.concatenate(parts), next(full)["tokens"])
-    # The position is global: resume a 1-process run on `count` processes.
-    resumed = _ds(train_tokens, seed=1, process_index=count - 1, process_count=count)
-    resumed.load_state_dict(full.state_dict())
-    np.testing.assert_array_equal(next(resumed)["tokens"], next(full)["tokens"][-(BATCH // count):])
-    with pytest.raises(ValueError):
-        _ds(train_tokens, process_index=0, process_count=3)
+        whole = ds.batch_at(step)["tokens"]
+        assert whole.shape == (BATCH, SEQ + 1)
+        parts = [ds.rows_at(step, lo, lo + 2)["tokens"] for lo in range(0, BATCH, 2)]
+        np.testing.assert_array_equal(np.concatenate(parts), whole)
+    assert ds.step == 0
 
 
 def test_train_val_disjoint(corpus):

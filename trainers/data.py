@@ -27,9 +27,9 @@ Batches
     from ``numpy.random.default_rng([seed, epoch])``, a random start offset in
     ``[0, seq_len)`` and a permutation of the windows; step ``s`` of an epoch
     takes windows ``perm[s*B:(s+1)*B]`` (``B`` = global ``batch_size``; the
-    remainder of an epoch is dropped). Process ``p`` of ``P`` receives rows
-    ``p*B/P .. (p+1)*B/P - 1`` of the global batch. Batches are dicts
-    ``{'tokens': int32 [B/P, seq_len + 1]}``.
+    remainder of an epoch is dropped). Batches are dicts
+    ``{'tokens': int32 [B, seq_len + 1]}``; :meth:`TextDataset.rows_at` reads
+    some rows only (a process's share, see ``trainers.feed``).
 
 Position
     The only state is the global step, a pure function of which is every
@@ -208,39 +208,33 @@ class DataConfig:
 
 
 class TextDataset:
-    """Deterministic, resumable, process-sharded batches of token windows.
+    """Deterministic, resumable batches of token windows.
 
     Args:
       tokens: 1-D byte tokens (e.g. the training split).
       seq_len: model sequence length; windows hold ``seq_len + 1`` tokens.
       batch_size: the *global* batch size (all processes together).
       seed: seeds the per-epoch offset and permutation.
-      process_index, process_count: this process's slice of each global batch.
       shuffle: ``False`` gives windows in order from offset 0 every epoch
         (for validation).
 
-    Iterating yields ``{'tokens': int32 [batch_size // process_count, seq_len + 1]}``
-    forever, advancing :attr:`step`; :meth:`batch_at` is the same batch for any
-    step without touching the position.
+    Iterating yields ``{'tokens': int32 [batch_size, seq_len + 1]}`` forever,
+    advancing :attr:`step`; :meth:`batch_at` is the same batch for any step
+    without touching the position. With several processes, each reads only
+    its rows (:meth:`rows_at`, through ``trainers.feed.Feed``).
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, *, seed: int = 0,
-                 process_index: int = 0, process_count: int = 1, shuffle: bool = True) -> None:
+                 shuffle: bool = True) -> None:
         tokens = np.asarray(tokens)
         if tokens.ndim != 1:
             raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
         if seq_len <= 0 or batch_size <= 0:
             raise ValueError(f"seq_len and batch_size must be positive, got {seq_len}, {batch_size}")
-        if process_count <= 0 or not 0 <= process_index < process_count:
-            raise ValueError(f"bad process_index={process_index} for process_count={process_count}")
-        if batch_size % process_count:
-            raise ValueError(f"batch_size={batch_size} is not divisible by process_count={process_count}")
         self.tokens = tokens
         self.seq_len = int(seq_len)
         self.batch_size = int(batch_size)
         self.seed = int(seed)
-        self.process_index = int(process_index)
-        self.process_count = int(process_count)
         self.shuffle = bool(shuffle)
         # Windows that fit for any start offset in [0, seq_len).
         self.num_windows = max(0, (len(tokens) - 1 - (self.seq_len - 1 if shuffle else 0)) // self.seq_len)
@@ -253,11 +247,6 @@ class TextDataset:
         self.step = 0
         self._epoch_cache: tuple[int, int, np.ndarray] | None = None
         self._span = np.arange(self.seq_len + 1)
-
-    @property
-    def local_batch_size(self) -> int:
-        """Rows per process: ``batch_size // process_count``."""
-        return self.batch_size // self.process_count
 
     @property
     def epoch(self) -> int:
@@ -289,14 +278,9 @@ class TextDataset:
         starts = self.global_window_starts(step)[start:stop]
         return {"tokens": self.tokens[starts[:, None] + self._span].astype(np.int32)}
 
-    def global_batch_at(self, step: int) -> dict[str, np.ndarray]:
-        """The whole global batch of ``step`` (all processes' rows)."""
-        return self.rows_at(step, 0, self.batch_size)
-
     def batch_at(self, step: int) -> dict[str, np.ndarray]:
-        """This process's rows of global batch ``step``."""
-        lb = self.local_batch_size
-        return self.rows_at(step, self.process_index * lb, (self.process_index + 1) * lb)
+        """The whole (global) batch of ``step``."""
+        return self.rows_at(step, 0, self.batch_size)
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self
@@ -335,27 +319,24 @@ class TextDataset:
         self.step = step
 
 
-def make_datasets(config: DataConfig | None = None, *, process_index: int = 0,
-                  process_count: int = 1, **overrides: Any) -> tuple[TextDataset, TextDataset, float]:
+def make_datasets(config: DataConfig | None = None, **overrides: Any) -> tuple[TextDataset, TextDataset, float]:
     """Load the corpus and build ``(train, validation, unigram_baseline_nats)``.
 
     ``overrides`` replace fields of ``config``. Validation is unshuffled; its
-    batch size is capped to fit its split (kept divisible by ``process_count``).
+    batch size is capped to fit its split.
     """
     config = dataclasses.replace(config or DataConfig(), **overrides)
     tokens = load_corpus(config.paths, config.max_bytes)
     train_tokens, val_tokens = train_val_split(tokens, config.val_fraction)
-    train = TextDataset(train_tokens, config.seq_len, config.batch_size, seed=config.seed,
-                        process_index=process_index, process_count=process_count)
+    train = TextDataset(train_tokens, config.seq_len, config.batch_size, seed=config.seed)
     val_windows = (len(val_tokens) - 1) // config.seq_len
-    val_bs = min(config.batch_size, val_windows) // process_count * process_count
+    val_bs = min(config.batch_size, val_windows)
     if val_bs == 0:
         raise ValueError(
-            f"validation split ({len(val_tokens)} tokens) is too small for seq_len={config.seq_len} "
-            f"and {process_count} processes; raise max_bytes or val_fraction"
+            f"validation split ({len(val_tokens)} tokens) is too small for seq_len={config.seq_len}; "
+            f"raise max_bytes or val_fraction"
         )
-    val = TextDataset(val_tokens, config.seq_len, val_bs, seed=config.seed, shuffle=False,
-                      process_index=process_index, process_count=process_count)
+    val = TextDataset(val_tokens, config.seq_len, val_bs, seed=config.seed, shuffle=False)
     return train, val, unigram_entropy(train_tokens, val_tokens)
 
 

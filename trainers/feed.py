@@ -38,8 +38,6 @@ class Feed:
     """The batches of ``dataset`` as the input of ``fun`` (a function built by ``parallelize``)."""
 
     def __init__(self, dataset: TextDataset, fun: Any):
-        if dataset.process_count != 1:
-            raise ValueError("a Feed reads rows of the global batch: build the dataset with process_count=1")
         self.dataset = dataset
         self.shape = (dataset.batch_size, dataset.seq_len + 1)
         self.sharding = fun.batch_shardings["tokens"] if jax.process_count() > 1 else None
@@ -48,7 +46,7 @@ class Feed:
     def at(self, step: int) -> dict[str, Any]:
         """The global batch of ``step``, without moving the dataset's position."""
         if self.sharding is None:
-            return self.dataset.global_batch_at(step)
+            return self.dataset.batch_at(step)
         rows = self.dataset.rows_at(step, *self.rows)["tokens"]
         return {"tokens": jax.make_array_from_process_local_data(self.sharding, np.asarray(rows), self.shape)}
 
