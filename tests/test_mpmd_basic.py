@@ -75,11 +75,54 @@ def test_backward_does_not_recompute_forward():
     assert not any("tanh" in p for p in kinds["bwd"])  # the residuals carry the activations
 
 
-def test_plan_is_printable():
-    _, init, batch, step = build(2)
+@pytest.mark.parametrize("n_stages", [2, 4])
+def test_plan_structure(n_stages):
+    """Segments per submesh in execution order, their device sets, and every value that crosses submeshes."""
+    stages, init, batch, step = build(n_stages)
     fn, _, _ = parallelize(step, init_params=init, get_input_batch=batch)
-    text = str(fn.plan)
-    assert "stage0" in text and "stage1" in text and "reshard" in text
+    plan, n, per = fn.plan, n_stages, 8 // n_stages
+    devs = jax.devices()
+
+    # One submesh per stage: the task's own mesh (devices, shape, axis names).
+    assert [p.name for p in plan.placements] == [f"stage{i}" for i in range(n)]
+    for i, p in enumerate(plan.placements):
+        assert p.devices == frozenset(devs[i * per:(i + 1) * per])
+        assert p.mesh == stages[i].placement.mesh
+    # Forward down the stages, the last stage's forward and backward together, backward up the stages,
+    # then the optimizer updates of stages 1.. (stage 0's runs in its backward segment).
+    labels = ([f"stage{i}:fwd" for i in range(n - 1)] + [f"stage{n - 1}:fwd+bwd"]
+              + [f"stage{i}:bwd" for i in reversed(range(n - 1))] + [f"stage{i}:glue" for i in range(1, n)])
+    assert [s.label for s in plan.segments] == labels
+    assert [s.index for s in plan.segments] == list(range(len(labels)))
+    for s in plan.segments:
+        stage = int(s.label.split(":")[0].removeprefix("stage"))
+        assert s.placement is plan.placements[stage]
+        # a valid execution order: every input is a step input or made by an earlier segment
+        assert all(plan.producer.get(v, -1) < s.index for v in s.invars)
+
+    # Transfers: the activations ([8, 16] float32) down the pipeline and their cotangents back up,
+    # one segment to the next; then adam's two bias corrections (scalars), computed once on stage 0,
+    # to every other stage's update.
+    last_bwd = 2 * n - 2
+    want = [(k, k + 1, (8, 16)) for k in range(last_bwd)]
+    want += [(last_bwd, glue, ()) for glue in range(last_bwd + 1, len(labels)) for _ in range(2)]
+    transfers = plan.transfers()
+    assert [(src, dst, tuple(aval.shape)) for _, src, dst, aval, _ in transfers] == want
+    for _, src, dst, aval, nbytes in transfers:
+        assert aval.dtype == np.float32
+        assert nbytes == int(np.prod(aval.shape)) * 4  # 512 B an activation, 4 B a scalar
+        assert plan.segments[src].placement.devices.isdisjoint(plan.segments[dst].placement.devices)
+    total = 512 * len(want[:last_bwd]) + 4 * len(want[last_bwd:])
+    assert sum(t[4] for t in transfers) == total
+
+    # The printed plan says the same.
+    text = str(plan).splitlines()
+    assert text[0] == f"MPMD plan: {len(labels)} segments on {n} submeshes"
+    assert text[1:1 + n] == [f"  submesh {p.describe()}" for p in plan.placements]
+    assert text[1] == f"  submesh stage0 on {dict(stages[0].placement.mesh.shape)} devices [0-{per - 1}]"
+    assert sum("<- reshard float32[8,16]" in line and "(512 B)" in line for line in text) == last_bwd
+    assert sum("<- reshard float32[] " in line and "(4 B)" in line for line in text) == 2 * (n - 1)
+    assert text[-1] == f"  total resharded per step: {total} B"
 
 
 def test_overlapping_tasks_are_rejected():
