@@ -6,11 +6,13 @@ test session (never with stored numbers). The runs use a small model (the
 layout configs' model with ``d_model=32``, short sequences, a small corpus);
 the golden sharding tables use the configs exactly as shipped.
 
-Regenerate the golden tables with ``MULTIMESH_UPDATE_GOLDEN=1 pytest tests/test_trainer.py -k golden``.
+Regenerate the golden tables with ``MULTIMESH_UPDATE_GOLDEN=1 pytest tests/test_trainer.py -k golden``:
+each test whose table changed rewrites its file and fails; review the diff, then run again without it.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import os
@@ -245,15 +247,43 @@ def golden_table(name: str) -> str:
 
 @pytest.mark.parametrize("name", ["tiny", *LAYOUTS])
 def test_golden_sharding_table(name):
-    path = GOLDEN / f"sharding_{name}.txt"
+    """The table equals its golden file. With MULTIMESH_UPDATE_GOLDEN=1 a table that differs is written
+    to the file and the test still fails (so that no run passes on a golden file it has just written)."""
+    check_golden(name, GOLDEN / f"sharding_{name}.txt", UPDATE_GOLDEN)
+
+
+def check_golden(name: str, path: Path, update: bool) -> None:
     table = golden_table(name)
-    if UPDATE_GOLDEN:
+    old = path.read_text() if path.exists() else None
+    if table == old:
+        return
+    diff = "".join(difflib.unified_diff((old or "").splitlines(keepends=True), table.splitlines(keepends=True),
+                                        f"{path.name} (golden)", f"{path.name} (now)"))
+    if update:
         path.parent.mkdir(exist_ok=True)
         path.write_text(table)
-        return
-    assert path.exists(), f"no golden file {path}; run with MULTIMESH_UPDATE_GOLDEN=1"
-    assert table == path.read_text(), (
-        f"the sharding of config {name!r} changed; if intended, regenerate with MULTIMESH_UPDATE_GOLDEN=1\n{table}")
+        pytest.fail(f"MULTIMESH_UPDATE_GOLDEN=1: {'rewrote' if old is not None else 'wrote'} {path}; review the "
+                    f"change (git diff) and run again without MULTIMESH_UPDATE_GOLDEN\n{diff}")
+    assert old is not None, f"no golden file {path}; write it with MULTIMESH_UPDATE_GOLDEN=1"
+    pytest.fail(f"the sharding of config {name!r} changed; if intended, regenerate with MULTIMESH_UPDATE_GOLDEN=1\n"
+                f"{diff}")
+
+
+def test_golden_update_mode_rewrites_and_still_fails(tmp_path):
+    """Update mode passes only on an unchanged file; a changed or missing one is written and the test fails."""
+    table = golden_table("tiny")
+    path = tmp_path / "sharding_tiny.txt"
+    with pytest.raises(pytest.fail.Exception, match="MULTIMESH_UPDATE_GOLDEN=1: wrote"):
+        check_golden("tiny", path, update=True)
+    assert path.read_text() == table
+    check_golden("tiny", path, update=True)  # unchanged: nothing to do
+    check_golden("tiny", path, update=False)
+    path.write_text(table.replace("P(", "Q(", 1))
+    with pytest.raises(pytest.fail.Exception, match=r"(?sm)config 'tiny' changed.*^-.*Q\(.*^\+.*P\("):
+        check_golden("tiny", path, update=False)
+    with pytest.raises(pytest.fail.Exception, match=r"MULTIMESH_UPDATE_GOLDEN=1: rewrote .*run again without"):
+        check_golden("tiny", path, update=True)
+    assert path.read_text() == table
 
 
 def test_golden_tables_make_sense():
