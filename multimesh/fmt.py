@@ -26,7 +26,7 @@ def device_span(ids: Iterable[int], *, empty: str = "") -> str:
     return ",".join(map(str, ids))
 
 
-def format_bytes(n: int | float, *, unit: str | None = None, digits: int = 1, exact_below: int = 0) -> str:
+def format_bytes(n: float, *, unit: str | None = None, digits: int = 1, exact_below: int = 0) -> str:
     """A byte count for people: ``"123 B"``, ``"1.5 KiB"``, ``"2.0 MiB"``.
 
     Args:

@@ -60,13 +60,13 @@ from typing import Any, Union
 from jax.sharding import PartitionSpec
 
 __all__ = [
+    "Dropped",
     "LogicalSpec",
     "MeshAxes",
-    "Rules",
     "PathRules",
-    "RuleError",
-    "Dropped",
     "Resolution",
+    "RuleError",
+    "Rules",
     "resolution",
     "resolve",
     "standard_rules",

@@ -64,13 +64,13 @@ def test_devices_form_lists_and_arrays():
 
 
 @pytest.mark.parametrize("got, message", [
-    ((["cpu:0", "cpu:1"], "s"), r"callback for 'layers_3' returned \['cpu:0', 'cpu:1'\] where a \(start, stop\) "
-                                r"pair of device indices or a non-empty sequence/array of jax devices belongs: "
-                                r"'cpu:0' is a str, not a jax device"),
+    ((["cpu:0", "cpu:1"], "s"), (r"callback for 'layers_3' returned \['cpu:0', 'cpu:1'\] where a \(start, stop\) "
+                                 r"pair of device indices or a non-empty sequence/array of jax devices belongs: "
+                                 r"'cpu:0' is a str, not a jax device")),
     (([], "s"), re.escape(f"register_task({REGEX!r}): callback for 'layers_3' returned [] where")),
     ((0, "s"), r"callback for 'layers_3' returned 0 where"),
-    ((1, 2, 3), r"callback must return \(\(start, stop\), name\), \(devices, name\) or None, got \(1, 2, 3\) "
-                r"for 'layers_3'"),
+    ((1, 2, 3), (r"callback must return \(\(start, stop\), name\), \(devices, name\) or None, "
+                 r"got \(1, 2, 3\) for 'layers_3'")),
     (((0, 99), "s"), r"placed 'layers_3' on devices 0..98, but only 8 devices exist"),
 ])
 def test_bad_callback_results_name_the_regex_and_the_match(got, message):
@@ -121,7 +121,9 @@ def test_devices_from_a_callback_end_to_end():
         return {"x": jax.random.normal(jax.random.key(1), (8, 16)), "y": jax.random.normal(jax.random.key(2), (8, 16))}
 
     def step(state, b):
-        loss = lambda p: jnp.mean((model.apply(p, b["x"]) - b["y"]) ** 2)  # noqa: E731
+        def loss(p):
+            return jnp.mean((model.apply(p, b["x"]) - b["y"]) ** 2)
+
         value, grads = jax.value_and_grad(loss)(state["p"])
         updates, opt = tx.update(grads, state["o"], state["p"])
         return value, grads, {"p": optax.apply_updates(state["p"], updates), "o": opt}

@@ -128,7 +128,8 @@ def sharding_rows(step_fn: Any, prefix: str = "params/") -> list[tuple[str, str,
     for leaf in step_fn.param_layout.leaves:
         if leaf.path.startswith(prefix):
             mesh = "x".join(f"{k}={v}" for k, v in leaf.sharding.mesh.shape.items())
-            rows.append((leaf.path, str(tuple(leaf.shape)), str(leaf.spec), mesh, device_span(sorted(d.id for d in leaf.sharding.device_set))))
+            devices = device_span(sorted(d.id for d in leaf.sharding.device_set))
+            rows.append((leaf.path, str(tuple(leaf.shape)), str(leaf.spec), mesh, devices))
     return rows
 
 
