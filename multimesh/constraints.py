@@ -8,7 +8,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from .deferred import is_deferring, logical_constraint_p
+from .deferred import logical_constraint_p
 from .rules import _as_axes
 from .scope import Scope, current_scope
 
@@ -66,12 +66,12 @@ def with_sharding_constraint(x: Any, shardings: Any) -> Any:
     """
     scope = current_scope()
     if scope is None:
-        if is_deferring() and not _has_named_sharding(shardings):  # MPMD: resolved where it runs
-            return _per_leaf(x, shardings, lambda leaf, s: logical_constraint_p.bind(leaf, spec=tuple(s)))
         if _no_mesh_in_context() and not _has_named_sharding(shardings):
             return x
         return jax.lax.with_sharding_constraint(x, shardings)
     manual = _manual_axes()
+    if scope.defer and not manual and not _has_named_sharding(shardings):  # resolved where it runs
+        return _per_leaf(x, shardings, lambda leaf, s: logical_constraint_p.bind(leaf, spec=tuple(s)))
     if manual and manual >= set(scope.mesh.axis_names):
         return x  # fully manual: nothing left for the compiler to place
 

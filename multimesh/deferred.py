@@ -1,19 +1,16 @@
 """Logical sharding constraints whose rules are not known yet when traced.
 
-Under MPMD the whole step is traced once, before the partitioner decides
-where glue and implicit tasks run. A logical `with_sharding_constraint`
-traced then binds `logical_constraint_p`, which carries the logical spec; when
-a segment is compiled on its submesh, `resolve_deferred` resolves it with the
-rules in scope there (that placement's). It is the identity everywhere else
+`parallelize` traces the step once, before it knows where glue and implicit
+tasks run. A logical `with_sharding_constraint` traced under its deferring
+scope (`Scope.defer`) binds `logical_constraint_p`, which carries the logical
+spec; when a segment is compiled on its submesh, `resolve_deferred` resolves
+it with the rules in scope there (that placement's). It is the identity everywhere else
 (one-device lowering, differentiation: the constraint applies to tangents and
 cotangents alike).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
 from typing import Any
 
 from jax.extend.core import Primitive
@@ -22,7 +19,7 @@ from jax.sharding import PartitionSpec
 
 from .interpret import bind_equation
 
-__all__ = ["deferring", "is_deferring", "logical_constraint_p", "resolve_deferred"]
+__all__ = ["logical_constraint_p", "resolve_deferred"]
 
 logical_constraint_p = Primitive("logical_constraint")
 logical_constraint_p.def_impl(lambda x, *, spec: x)
@@ -39,21 +36,6 @@ def _batch(args, dims, *, spec):
 
 
 batching.primitive_batchers[logical_constraint_p] = _batch
-
-_DEFER: contextvars.ContextVar[bool] = contextvars.ContextVar("multimesh_defer_constraints", default=False)
-
-
-@contextlib.contextmanager
-def deferring() -> Iterator[None]:
-    token = _DEFER.set(True)
-    try:
-        yield
-    finally:
-        _DEFER.reset(token)
-
-
-def is_deferring() -> bool:
-    return _DEFER.get()
 
 
 def resolve_deferred(eqn: Any, ins: list) -> list:

@@ -67,7 +67,7 @@ def derive_layout(
     scope: Scope | Callable[[int], Scope],
     *,
     path_rules: PathRules | None = None,
-    constraints: Mapping[int, PartitionSpec] | None = None,
+    constraints: Mapping[int, PartitionSpec | tuple] | None = None,
     default: tuple | None = None,
     exact: bool = False,
     what: str = "parameter",
@@ -98,7 +98,8 @@ def derive_layout(
             if matched is not None:
                 ann = Annotation(matched, "path rule", physical=isinstance(matched, PartitionSpec))
             elif index in constraints:
-                ann = Annotation(constraints[index], "constraint in fun", physical=True)
+                spec = constraints[index]
+                ann = Annotation(spec, "constraint in fun", physical=isinstance(spec, PartitionSpec))
             elif default is not None and shape:
                 ann = Annotation(tuple(default)[: len(shape)], "default")
             else:
@@ -134,8 +135,12 @@ def _check_exact(logical: tuple, dropped: Dropped, shape: tuple, scope: Scope, l
     )
 
 
-def constrained_inputs(closed_jaxpr: jax.extend.core.ClosedJaxpr) -> dict[int, PartitionSpec]:
+def constrained_inputs(closed_jaxpr: jax.extend.core.ClosedJaxpr) -> dict[int, PartitionSpec | tuple]:
     """Input index -> spec of the first `with_sharding_constraint` applied directly to it.
+
+    A resolved constraint gives its `PartitionSpec` (mesh axes); a deferred one
+    (`Scope.defer`) its logical spec, a tuple, for the rules of the submesh
+    where the input lands.
 
     Follows inputs into nested calls (jit, remat, custom derivatives) whose
     operands line up with their inner jaxpr's inputs.
@@ -144,11 +149,11 @@ def constrained_inputs(closed_jaxpr: jax.extend.core.ClosedJaxpr) -> dict[int, P
 
     def walk(jaxpr, owner: dict) -> None:
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "sharding_constraint":
+            if eqn.primitive.name in ("sharding_constraint", "logical_constraint"):
                 var = eqn.invars[0]
                 if var in owner and owner[var] not in found:
-                    sharding = eqn.params.get("sharding")
-                    spec = getattr(sharding, "spec", None)
+                    spec = eqn.params["spec"] if eqn.primitive.name == "logical_constraint" \
+                        else getattr(eqn.params.get("sharding"), "spec", None)
                     if spec is not None:
                         found[owner[var]] = spec
                 continue

@@ -16,7 +16,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from .deferred import deferring
 from .layout import constrained_inputs, derive_layout
 from .meshes import MeshLike, build_mesh
 from .rules import MeshAxes, PathRules, Rules
@@ -109,14 +108,12 @@ def parallelize(
             abstract_batch = jax.eval_shape(get_input_batch)
         else:
             abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)), initial_batch)
-    with tracing(scope):
+    # Traced once, logical constraints deferred: only the plan knows where glue runs.
+    with tracing(scope.deferring()), collect_pipelines() as pipelines:
         traced = _trace(fun, abstract_params, abstract_batch)
     closed, out_shape = traced if traced is not None else (None, None)
 
     if closed is not None and has_tasks(closed.jaxpr):
-        # Glue outside tasks takes its placement from the plan, not from here.
-        with tracing(None), deferring(), collect_pipelines() as pipelines:
-            closed, out_shape = _trace(fun, abstract_params, abstract_batch)
         closed = inline_calls(closed)
         sharded = build_mpmd(fun, closed, out_shape, abstract_params, abstract_batch, path_rules=path_rules,
                              batch_spec=batch_spec, constraints=constrained_inputs(closed), pipelines=pipelines,

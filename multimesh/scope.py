@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -30,6 +31,10 @@ class Scope:
     mesh: Mesh
     rules: Rules = field(default_factory=Rules)
     name: str | None = None
+    #: Logical constraints traced under this scope are kept (`deferred.logical_constraint_p`) and
+    #: resolved where the equation finally runs: `parallelize` traces a step so, before it knows
+    #: which submesh each piece runs on. A task's own scope resolves at once.
+    defer: bool = False
 
     def __post_init__(self):
         rules = Rules(self.rules)
@@ -52,6 +57,10 @@ class Scope:
     def physical(self, spec: PartitionSpec, shape: Sequence[int] | None = None, *, path: str | None = None) -> NamedSharding:
         """A `PartitionSpec` of mesh axes, validated against this mesh."""
         return NamedSharding(self.mesh, check_physical(spec, self.axis_sizes, shape, path=path))
+
+    def deferring(self) -> Scope:
+        """This scope with logical constraints deferred (see ``defer``)."""
+        return dataclasses.replace(self, defer=True)
 
     def __repr__(self) -> str:
         who = f"{self.name!r}, " if self.name else ""
