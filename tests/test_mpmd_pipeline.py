@@ -22,6 +22,7 @@ from multimesh.jax import (
     with_sharding_constraint,
 )
 from multimesh.jax import flax as mmflax
+from multimesh.mpmd.schedules import get_schedule
 
 pytestmark = pytest.mark.devices(8)
 
@@ -77,7 +78,7 @@ def check_against_reference(step, init, batch=make_batch, steps=3, **options):
 
 
 def pipeline_actions(fn):
-    return [label.split(":", 1)[1] for label in fn.stats.executed if ":F[" in label or ":B[" in label]
+    return [label.split(":", 1)[1] for label in fn.stats.executed if any(f":{k}[" in label for k in "FBW")]
 
 
 def chain_loss(stages):
@@ -163,6 +164,33 @@ def test_four_stage_1f1b_bounds_live_activations():
     assert pipeline_actions(fn) == [str(a) for a in fn.plan.schedule.order]
     assert fn.stats.peak_live_activations == {0: 4, 1: 3, 2: 2, 3: 1}  # min(S - s, M), S = M = 4
     assert "OneFOneB" in str(fn.plan) and "stage 3 |" in str(fn.plan)  # the plan prints its schedule
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zero-bubble-h2"])
+@pytest.mark.parametrize("n_stages", [2, 4])
+def test_zero_bubble_splits_the_backward_and_matches_one_device(schedule, n_stages):
+    if n_stages == 2:
+        meshes = stage_meshes([4, 4], two_by_two)
+    else:
+        meshes = stage_meshes([2, 2, 2, 2], lambda n: {"data": 1, "model": 2})
+    stages = [task(layer, f"stage{i}", mesh=m) for i, m in enumerate(meshes)]
+    fn, _ = check_against_reference(train_step(chain_loss(stages), 4, schedule), init_layers(n_stages))
+    sched = fn.plan.schedule
+    assert sched.split_backward and sched.num_stages == n_stages and sched.num_microbatches == 4
+    executed = pipeline_actions(fn)
+    # the schedule's order exactly; stage 0 sends no input gradient, so it runs W alone (no B)
+    assert executed == [str(a) for a in sched.order if not (a.kind == "B" and a.stage == 0)]
+    assert sum(a.startswith("W[") for a in executed) == n_stages * 4
+    assert fn.stats.peak_live_activations == sched.peak_live_activations
+    assert sched.bubble_fraction < get_schedule("1f1b", n_stages, 4).bubble_fraction
+    # B and W are each one program per stage however many microbatches (the first W adds no sum)
+    kinds = {}
+    for p in fn.runtime.programs:
+        for k in p.segments:
+            label = fn.plan.segments[k].label
+            if ":B[" in label or ":W[" in label:
+                kinds.setdefault(label.split("[")[0] + label.split(":")[1][0], set()).add(p.index)
+    assert all(len(progs) <= 2 for progs in kinds.values()), kinds
 
 
 def test_microbatch_of_value_and_grad_sums_both():

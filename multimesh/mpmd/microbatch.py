@@ -40,6 +40,13 @@ class Pipeline:
     num_stages: int | None
     interleave: int | None
 
+    @property
+    def split_backward(self) -> bool:
+        """Whether the schedule splits each backward pass into input and weight gradients (zero-bubble)."""
+        if isinstance(self.schedule, Schedule):
+            return self.schedule.split_backward
+        return self.build(self.num_stages or 1, forward_only=False).split_backward
+
     def build(self, num_stages: int, *, forward_only: bool) -> Schedule:
         if self.num_stages is not None and self.num_stages != num_stages:
             raise ValueError(

@@ -28,8 +28,9 @@ from jax.extend.core import Literal
 
 from .implicit import microbatch_of
 from .microbatch import Pipeline
-from .plan import Segment
 from .schedules import Schedule
+from .segment import Segment
+from .split import split_backward
 from .task import Placement
 
 __all__ = ["schedule_segments", "stage_layout"]
@@ -226,6 +227,8 @@ def schedule_segments(segments: list[Segment], pipelines: Sequence[Pipeline]) ->
     schedule = _schedule_for(segments, pipelines)
     if schedule is None:
         return segments, None
+    if schedule.split_backward:
+        segments = split_backward(segments, schedule)
     priority, deps = _priorities(segments, schedule)
     return _fuse(_list_schedule(segments, priority, deps)), schedule
 

@@ -20,7 +20,7 @@ segments to follow the schedule.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -30,10 +30,14 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from ..interpret import bind_equation, interpret
 from .implicit import implicit_placement, is_backprop, microbatch_of
-from .schedules import Action, Schedule
+from .microbatch import Pipeline
+from .order import schedule_segments
+from .schedules import Schedule
+from .segment import Segment, Unit
+from .split import inline_backward_tasks
 from .task import Placement, task_call_p
 
-__all__ = ["Plan", "Segment", "Unit", "has_tasks", "inline_calls", "partition"]
+__all__ = ["Plan", "has_tasks", "inline_calls", "partition"]
 
 
 def has_tasks(jaxpr: Jaxpr) -> bool:
@@ -46,43 +50,6 @@ def has_tasks(jaxpr: Jaxpr) -> bool:
             if isinstance(inner, Jaxpr) and has_tasks(inner):
                 return True
     return False
-
-
-@dataclass(frozen=True)
-class Unit:
-    """Pipeline work: microbatch ``microbatch``'s forward or backward pass through its ``run``-th stage."""
-
-    microbatch: int
-    backward: bool
-    run: int
-
-
-@dataclass
-class Segment:
-    """A run of equations on one placement, compiled as one `jax.jit`."""
-
-    index: int
-    placement: Placement
-    eqns: list = field(default_factory=list)
-    invars: list[Var] = field(default_factory=list)
-    outvars: list[Var] = field(default_factory=list)
-    unit: Unit | None = None
-    action: Action | None = None
-    stage: int | None = None
-
-    @property
-    def label(self) -> str:
-        if self.action is not None:
-            return f"{self.placement.name}:{self.action}"
-        kinds = [e.params["kind"] for e in self.eqns if e.primitive is task_call_p]
-        what = "+".join(dict.fromkeys(kinds)) if kinds else "glue"
-        if self.unit is not None:
-            what += f"[mb {self.unit.microbatch}{' bwd' if self.unit.backward else ''}]"
-        return f"{self.placement.name}:{what}"
-
-    def closed_jaxpr(self) -> ClosedJaxpr:
-        jaxpr = Jaxpr(constvars=[], invars=list(self.invars), outvars=list(self.outvars), eqns=list(self.eqns))
-        return ClosedJaxpr(jaxpr, [])
 
 
 def _nbytes(v: Var) -> int:
@@ -180,9 +147,10 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
     return jax.make_jaxpr(lambda *a: _eval_inlined(closed.jaxpr, closed.consts, *a))(*avals)
 
 
-def _initial_colours(eqns: Sequence) -> list[Placement | None]:
-    return [e.params["placement"] if e.primitive is task_call_p else implicit_placement(e.source_info.name_stack)
-            for e in eqns]
+def _initial_colours(eqns: Sequence, placed: dict[int, Placement]) -> list[Placement | None]:
+    """A task's placement, an implicit task's (by scope), an inlined task body's (``placed``), else None."""
+    return [e.params["placement"] if e.primitive is task_call_p
+            else placed.get(id(e)) or implicit_placement(e.source_info.name_stack) for e in eqns]
 
 
 def _units(eqns: Sequence, colour: Sequence[Placement | None]) -> list[Unit | None]:
@@ -294,16 +262,18 @@ def finish(jaxpr: Jaxpr, consts: dict, segments: list[Segment], schedule: Schedu
     return Plan(jaxpr, segments, input_placement, producer, consts, schedule)
 
 
-def partition(closed: ClosedJaxpr, pipelines: Sequence = ()) -> Plan:
+def partition(closed: ClosedJaxpr, pipelines: Sequence[Pipeline] = ()) -> Plan:
     """The plan of a step whose nested calls are already inlined (`inline_calls`).
 
     ``pipelines`` are the `microbatch` calls seen while tracing; their schedule
     orders the segments.
     """
-    from .order import schedule_segments
-
     eqns = closed.jaxpr.eqns
-    colour = _initial_colours(eqns)
+    consts = dict(zip(closed.jaxpr.constvars, closed.consts))
+    placed: dict[int, Placement] = {}
+    if any(p.split_backward for p in pipelines):  # zero-bubble: a task's backward splits into B and W
+        eqns, consts, placed = inline_backward_tasks(eqns, consts)
+    colour = _initial_colours(eqns, placed)
     tasks = [c for c in colour if c is not None]
     if not tasks:
         raise ValueError("partition() needs a function that calls at least one task")
@@ -311,7 +281,7 @@ def partition(closed: ClosedJaxpr, pipelines: Sequence = ()) -> Plan:
     units = _units(eqns, colour)
     segments = _group(eqns, _propagate(eqns, colour), units)
     segments, schedule = schedule_segments(segments, pipelines)
-    return finish(closed.jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts)), segments, schedule)
+    return finish(closed.jaxpr, consts, segments, schedule)
 
 
 def _check_overlaps(placements: Sequence[Placement]) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
 from ..interpret import bind_equation, interpret
-from .plan import Segment
+from .segment import Segment
 from .task import Placement
 
 __all__ = ["Program", "group_programs", "run_program"]

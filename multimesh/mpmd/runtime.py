@@ -29,8 +29,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..deferred import resolve_deferred
 from ..scope import use_scope
 from .implicit import is_backprop, microbatch_of
-from .plan import Plan, Segment
+from .plan import Plan
 from .programs import Program, group_programs, run_program
+from .segment import Segment
 from .transfer import reshard_to
 
 __all__ = ["ReshardError", "RunStats", "Runtime"]

@@ -1,0 +1,49 @@
+"""Pipeline units and segments: the pieces of a step that the MPMD plan orders and compiles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jax.extend.core import ClosedJaxpr, Jaxpr, Var
+
+from .schedules import Action
+from .task import Placement, task_call_p
+
+__all__ = ["Segment", "Unit"]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Pipeline work: microbatch ``microbatch``'s forward or backward pass through its ``run``-th stage."""
+
+    microbatch: int
+    backward: bool
+    run: int
+
+
+@dataclass
+class Segment:
+    """A run of equations on one placement, compiled as one `jax.jit`."""
+
+    index: int
+    placement: Placement
+    eqns: list = field(default_factory=list)
+    invars: list[Var] = field(default_factory=list)
+    outvars: list[Var] = field(default_factory=list)
+    unit: Unit | None = None
+    action: Action | None = None
+    stage: int | None = None
+
+    @property
+    def label(self) -> str:
+        if self.action is not None:
+            return f"{self.placement.name}:{self.action}"
+        kinds = [e.params["kind"] for e in self.eqns if e.primitive is task_call_p]
+        what = "+".join(dict.fromkeys(kinds)) if kinds else "glue"
+        if self.unit is not None:
+            what += f"[mb {self.unit.microbatch}{' bwd' if self.unit.backward else ''}]"
+        return f"{self.placement.name}:{what}"
+
+    def closed_jaxpr(self) -> ClosedJaxpr:
+        jaxpr = Jaxpr(constvars=[], invars=list(self.invars), outvars=list(self.outvars), eqns=list(self.eqns))
+        return ClosedJaxpr(jaxpr, [])
