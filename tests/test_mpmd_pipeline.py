@@ -509,7 +509,7 @@ def test_a_value_that_cannot_be_moved_names_the_task(monkeypatch):
     def refuse(x, *a, **k):
         raise RuntimeError("device_put across processes is not supported")
 
-    monkeypatch.setattr(runtime, "reshard_to", refuse)
+    monkeypatch.setattr(runtime, "move", refuse)
     with pytest.raises(runtime.ReshardError,
                        match=r"cannot move float32\[8,16\] from segment \[\d+\] stage0:F\[s0,m0\] .* to task "
                              r"'stage1' .*device_put across processes is not supported"):

@@ -32,7 +32,7 @@ from .implicit import is_backprop, microbatch_of
 from .plan import Plan
 from .programs import Program, group_programs, run_program
 from .segment import Segment
-from .transfer import reshard_to
+from .transfer import move, target_on
 
 __all__ = ["ReshardError", "RunStats", "Runtime"]
 
@@ -61,6 +61,20 @@ class RunStats:
 Key = tuple  # (var, devices of the copy; None for a step input as given)
 
 
+@dataclass
+class _Step:
+    """One segment's execution, worked out once: what to copy in, call, keep and free."""
+
+    segment: Segment
+    fn: Any
+    literals: list
+    inputs: list[tuple[Var, Key]]  # step inputs to place here (a copy only when not already here)
+    copies: list[tuple[Var, Key, Key]]  # produced on another submesh: (value, original, copy here)
+    args: list[Key]
+    outs: list[Key]
+    frees: list[Key]
+
+
 class Runtime:
     """Compiles each segment of a plan and executes the plan."""
 
@@ -70,77 +84,108 @@ class Runtime:
         self.input_shardings = input_shardings
         self.sync_every = sync_every
         self.stats = RunStats()
-        self._free_after = _lifetimes(plan)
         self.programs = group_programs(plan.segments, _donations(plan, donated))
-        self._calls: list[tuple[Any, list]] = [None] * len(plan.segments)  # type: ignore[list-item]
+        calls: list[tuple[Any, list]] = [None] * len(plan.segments)  # type: ignore[list-item]
         for program in self.programs:
             fn = _compile(program)
             replicated = NamedSharding(program.placement.mesh, PartitionSpec())
             for k in program.segments:
-                self._calls[k] = (fn, [jax.device_put(v, replicated) for v in program.literal_values(k)])
-        self._stash = _stashed_activations(plan.segments)
-        self._stage_at = {s.placement.devices: s.stage for s in plan.segments if s.stage is not None}
+                calls[k] = (fn, [jax.device_put(v, replicated) for v in program.literal_values(k)])
+        self._steps = _steps(plan, calls)
+        stash = _stashed_activations(plan.segments)
+        stage_at = {s.placement.devices: s.stage for s in plan.segments if s.stage is not None}
+        self._stash = {}  # key -> (stage, (microbatch, chunk)) for copies of stashed forward activations
+        for step in self._steps:
+            for key in step.outs + [c for _, _, c in step.copies]:
+                if key[0] in stash and key[1] in stage_at:
+                    self._stash[key] = (stage_at[key[1]], stash[key[0]])
+        self._targets: dict[Key, NamedSharding] = {}  # where a copy goes, learnt from its first original
 
     def _home(self, v: Var) -> frozenset | None:
         k = self.plan.producer.get(v)
         return None if k is None else self.plan.segments[k].placement.devices
 
-    def _move(self, v: Var, x: Any, seg: Segment) -> Any:
+    def _reshard_error(self, v: Var, x: Any, seg: Segment, e: Exception) -> ReshardError:
+        k = self.plan.producer.get(v)
+        origin = "the step's input" if k is None else f"segment [{k}] {self.plan.segments[k].label}"
+        where = getattr(x, "sharding", None)
+        return ReshardError(
+            f"cannot move {v.aval.str_short()} from {origin} ({where}) to task {seg.placement.name!r} "
+            f"({seg.placement.describe()}), needed by segment [{seg.index}] {seg.label}: {e}. Values move "
+            f"between submeshes with jax.device_put, which needs both sides in this process; across "
+            f"processes, keep each pipeline stage's devices within one process"
+        )
+
+    def _place_input(self, v: Var, x: Any, seg: Segment) -> Any:
+        """A step input on ``seg``'s submesh: as given when it is there, else its sharding there."""
         if isinstance(x, jax.Array) and x.sharding.device_set <= seg.placement.devices:
             return x
-        target = self.input_shardings.get(v) if v not in self.plan.producer else None
+        target = self.input_shardings.get(v)
+        if target is None or not target.device_set <= seg.placement.devices:
+            target = target_on(x, seg.placement.mesh)
         try:
-            if target is not None and target.device_set <= seg.placement.devices:
-                moved = jax.device_put(x, target)
-            else:
-                moved = reshard_to(x, seg.placement.mesh)
+            (moved,) = move([x], [target])
         except Exception as e:
-            k = self.plan.producer.get(v)
-            origin = "the step's input" if k is None else f"segment [{k}] {self.plan.segments[k].label}"
-            where = getattr(x, "sharding", None)
-            raise ReshardError(
-                f"cannot move {v.aval.str_short()} from {origin} ({where}) to task {seg.placement.name!r} "
-                f"({seg.placement.describe()}), needed by segment [{seg.index}] {seg.label}: {e}. Values move "
-                f"between submeshes with jax.device_put, which needs both sides in this process; across "
-                f"processes, keep each pipeline stage's devices within one process"
-            ) from e
+            raise self._reshard_error(v, x, seg, e) from e
         self.stats.transfers += 1
         self.stats.bytes_moved += moved.nbytes
         return moved
 
+    def _copy(self, step: _Step, held: dict[Key, Any]) -> None:
+        """Copy the values ``step`` reads from other submeshes, in one `jax.device_put`."""
+        xs, targets = [], []
+        for v, src, dst in step.copies:
+            x = held[src]
+            if dst not in self._targets:
+                self._targets[dst] = target_on(x, step.segment.placement.mesh)
+            xs.append(x)
+            targets.append(self._targets[dst])
+        try:
+            moved = move(xs, targets)
+        except Exception as e:
+            for (v, _, _), x, t in zip(step.copies, xs, targets):  # name the value that cannot move
+                try:
+                    move([x], [t])
+                except Exception as one:
+                    raise self._reshard_error(v, x, step.segment, one) from one
+            raise self._reshard_error(step.copies[0][0], xs[0], step.segment, e) from e
+        for (_, _, dst), x in zip(step.copies, moved):
+            held[dst] = x
+            self.stats.bytes_moved += x.nbytes
+        self.stats.transfers += len(moved)
+
     def __call__(self, flat_inputs: Sequence[Any]) -> list:
         plan, stats = self.plan, RunStats()
         self.stats = stats
-        held: dict[Key, Any] = {}
+        held: dict[Key, Any] = dict(zip(((v, None) for v in plan.jaxpr.invars), flat_inputs))
+        held.update(((v, None), x) for v, x in plan.consts.items())
         live: dict[int, Counter] = {}
+        peak = stats.peak_live_activations
 
-        def hold(key: Key, x: Any, delta: int = 1) -> None:
-            if delta > 0:
-                held[key] = x
-            elif held.pop(key, _GONE) is _GONE:
-                return
-            if key[0] in self._stash and key[1] in self._stage_at:
-                live.setdefault(self._stage_at[key[1]], Counter())[self._stash[key[0]]] += delta
+        def count(keys: Sequence[Key], delta: int) -> None:
+            for key in keys:
+                if key in self._stash:
+                    stage, label = self._stash[key]
+                    c = live.setdefault(stage, Counter())
+                    c[label] += delta
+                    if c[label] == 0:
+                        del c[label]
+                    peak[stage] = max(peak.get(stage, 0), len(c))
 
-        for v, x in zip(plan.jaxpr.invars, flat_inputs):
-            hold((v, None), x)
-        for v, x in plan.consts.items():
-            hold((v, None), x)
         last = None
-        for seg, (fn, literals) in zip(plan.segments, self._calls):
-            here = seg.placement.devices
-            for v in seg.invars:
-                if (v, here) not in held:
-                    hold((v, here), self._move(v, held[(v, self._home(v))], seg))
-            outs = fn(*[held[(v, here)] for v in seg.invars], *literals)
-            for v, x in zip(seg.outvars, outs):
-                hold((v, here), x)
+        for step in self._steps:
+            seg = step.segment
+            for v, key in step.inputs:
+                held[key] = self._place_input(v, held[(v, None)], seg)
+            if step.copies:
+                self._copy(step, held)
+                count([c for _, _, c in step.copies], 1)
+            outs = step.fn(*[held[k] for k in step.args], *step.literals)
+            held.update(zip(step.outs, outs))
+            count(step.outs, 1)
             stats.executions += 1
             stats.executed.append(seg.label)
-            for stage, c in live.items():
-                stats.peak_live_activations[stage] = max(stats.peak_live_activations.get(stage, 0), len(+c))
-            for key in self._free_after[seg.index]:
-                hold(key, None, -1)
+            count([k for k in step.frees if held.pop(k, _GONE) is not _GONE], -1)
             if outs:
                 last = outs[0]
             if self.sync_every and stats.executions % self.sync_every == 0 and last is not None:
@@ -161,6 +206,28 @@ def _compile(program: Program) -> Any:
 
     segment.__name__ = f"{program.placement.name}_program{program.index}"
     return jax.jit(segment, donate_argnums=program.donate)
+
+
+def _steps(plan: Plan, calls: Sequence[tuple[Any, list]]) -> list[_Step]:
+    """Each segment's `_Step`: which copies it makes (its submesh's first use of a value from elsewhere)."""
+    free_after = _lifetimes(plan)
+    steps, copied = [], set()
+    for seg, (fn, literals) in zip(plan.segments, calls):
+        here = seg.placement.devices
+        inputs, copies = [], []
+        for v in seg.invars:
+            k = plan.producer.get(v)
+            home = None if k is None else plan.segments[k].placement.devices
+            if home == here or (v, here) in copied:
+                continue
+            copied.add((v, here))
+            if home is None:
+                inputs.append((v, (v, here)))
+            else:
+                copies.append((v, (v, home), (v, here)))
+        steps.append(_Step(seg, fn, literals, inputs, copies, [(v, here) for v in seg.invars],
+                           [(v, here) for v in seg.outvars], free_after[seg.index]))
+    return steps
 
 
 def _uses(plan: Plan) -> dict[Var, dict[frozenset, list[int]]]:

@@ -10,17 +10,24 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["reshard_to"]
+__all__ = ["move", "reshard_to", "target_on"]
 
 
-def reshard_to(x: Any, mesh: Mesh, spec: PartitionSpec | None = None) -> jax.Array:
+def target_on(x: Any, mesh: Mesh) -> NamedSharding:
+    """``x``'s sharding on ``mesh``: its `PartitionSpec` where the mesh can hold it, else replicated."""
+    sharding = getattr(x, "sharding", None)
+    spec = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
+    return NamedSharding(mesh, spec if _fits(spec, mesh, np.shape(x)) else PartitionSpec())
+
+
+def move(xs: Sequence[Any], targets: Sequence[NamedSharding]) -> list[jax.Array]:
+    """Every ``xs[i]`` onto ``targets[i]``, in one `jax.device_put` (the runtime's only transfer)."""
+    return jax.device_put(list(xs), list(targets))
+
+
+def reshard_to(x: Any, mesh: Mesh) -> jax.Array:
     """Move ``x`` onto ``mesh``, keeping its `PartitionSpec` where the mesh can hold it, else replicated."""
-    if spec is None:
-        sharding = getattr(x, "sharding", None)
-        spec = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
-        if not _fits(spec, mesh, np.shape(x)):
-            spec = PartitionSpec()
-    return jax.device_put(x, NamedSharding(mesh, spec))
+    return jax.device_put(x, target_on(x, mesh))
 
 
 def _fits(spec: PartitionSpec, mesh: Mesh, shape: Sequence[int]) -> bool:
