@@ -31,8 +31,7 @@ from helpers import MLP
 
 from multimesh.checkpoint import CheckpointManager, to_json_safe
 from multimesh.checkpoint.tree import leaves_with_paths
-from multimesh.jax import build_mesh, parallelize
-from multimesh.mpmd import task
+from multimesh.jax import build_mesh, parallelize, task
 
 pytestmark = pytest.mark.devices(8)
 

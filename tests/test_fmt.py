@@ -3,7 +3,7 @@
 import jax
 import pytest
 
-from multimesh.fmt import device_span, format_bytes, keypath_str
+from multimesh.core.fmt import device_span, format_bytes, keypath_str
 
 
 def test_device_span():

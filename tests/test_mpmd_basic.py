@@ -8,9 +8,8 @@ import pytest
 from helpers import check_mpmd_against_reference
 from jax.sharding import PartitionSpec as P
 
-from multimesh.jax import build_mesh, parallelize, with_sharding_constraint
-from multimesh.mpmd import task
-from multimesh.mpmd.task import task_call_p
+from multimesh.jax import build_mesh, parallelize, task, with_sharding_constraint
+from multimesh.trace.task import task_call_p
 
 pytestmark = pytest.mark.devices(8)
 

@@ -9,6 +9,7 @@ import pytest
 from helpers import check_mpmd_against_reference
 from jax.sharding import PartitionSpec as P
 
+from multimesh.core.schedules import get_schedule
 from multimesh.jax import (
     build_mesh,
     clear_tasks,
@@ -22,7 +23,6 @@ from multimesh.jax import (
     with_sharding_constraint,
 )
 from multimesh.jax import flax as mmflax
-from multimesh.mpmd.schedules import get_schedule
 
 pytestmark = pytest.mark.devices(8)
 
@@ -499,7 +499,7 @@ def test_parallelize_step_with_registered_tasks():
 
 
 def test_a_value_that_cannot_be_moved_names_the_task(monkeypatch):
-    from multimesh.mpmd import runtime
+    from multimesh.run import runtime
 
     stages = _two_stages()
     fn, init_p, get_b = parallelize(train_step(chain_loss(stages), 8, "gpipe"), init_params=init_layers(2),

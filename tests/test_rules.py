@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from multimesh.rules import (
+from multimesh.core.placement import Scope, current_scope, use_scope
+from multimesh.core.rules import (
     Dropped,
     PathRules,
     Resolution,
@@ -35,7 +36,6 @@ from multimesh.rules import (
     resolve,
     standard_rules,
 )
-from multimesh.scope import Scope, current_scope, use_scope
 
 U = P.UNCONSTRAINED
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from multimesh.mpmd import schedules as sched_mod
-from multimesh.mpmd.schedules import (
+from multimesh.core import schedules as sched_mod
+from multimesh.core.schedules import (
     KNOWN_SCHEDULES,
     Action,
     GPipe,

@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from models.transformer import TransformerConfig
-from multimesh.rules import Rules
+from multimesh.core.rules import Rules
 from trainers.data import DataConfig
 
 __all__ = [

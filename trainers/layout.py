@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from multimesh.fmt import device_span
+from multimesh.core.fmt import device_span
 from multimesh.jax import microbatch, parallelize, register_task
 from trainers.config import LayoutConfig, PipelineConfig
 

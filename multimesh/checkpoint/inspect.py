@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ..fmt import format_bytes
+from ..core.fmt import format_bytes
 from . import ondisk
 from .errors import CheckpointCorruptError
 from .tree import sharding_str

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
 
-from ..fmt import device_span, keypath_str
+from ..core.fmt import device_span, keypath_str
 from .errors import CheckpointMismatchError
 
 PyTree = Any

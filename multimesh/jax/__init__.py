@@ -3,26 +3,24 @@
     from multimesh.jax import parallelize, task, with_sharding_constraint
 """
 
-from ..constraints import shard_map, with_sharding_constraint
-from ..meshes import build_mesh, place_mesh, slice_mesh
-from ..mpmd import (
+from ..core.meshes import build_mesh, place_mesh, slice_mesh
+from ..core.report import ShardingReport
+from ..core.rules import PathRules, RuleError, Rules, resolve, standard_rules
+from ..core.schedules import (
     GPipe,
     Interleaved1F1B,
     OneFOneB,
     Schedule,
-    clear_tasks,
+    ZeroBubbleH1,
+    ZeroBubbleH2,
     get_schedule,
-    ignore_transforms,
-    microbatch,
-    register_task,
-    registered_tasks,
-    task,
-    task_scope,
 )
-from ..mpmd.function import MPMDFunction
-from ..parallelize import ShardedFunction, parallelize
-from ..report import ShardingReport
-from ..rules import PathRules, RuleError, Rules, resolve, standard_rules
+from ..run.mpmd import MPMDFunction
+from ..run.parallelize import ShardedFunction, parallelize
+from ..trace.constraints import shard_map, with_sharding_constraint
+from ..trace.implicit import clear_tasks, register_task, registered_tasks, task_scope
+from ..trace.microbatch import microbatch
+from ..trace.task import ignore_transforms, task
 
 __all__ = [
     "GPipe",
@@ -35,6 +33,8 @@ __all__ = [
     "Schedule",
     "ShardedFunction",
     "ShardingReport",
+    "ZeroBubbleH1",
+    "ZeroBubbleH2",
     "build_mesh",
     "clear_tasks",
     "get_schedule",

@@ -6,8 +6,8 @@ metadata ``out_sharding`` / ``sharding_names`` / ``sharding``) annotations
 are read by the same rule engine as everything else.
 """
 
-from ...metadata import Annotation, is_box, read_box
-from .step import parallelize_step, shard_axes
-from .task import task
+from ...core.metadata import Annotation, is_box, read_box
+from ...flax.step import parallelize_step, shard_axes
+from ...flax.task import task
 
 __all__ = ["Annotation", "is_box", "parallelize_step", "read_box", "shard_axes", "task"]

@@ -8,7 +8,7 @@ import jax
 
 from .metadata import path_str
 
-__all__ = ["tree_differences", "check_same_structure"]
+__all__ = ["check_same_structure", "tree_differences"]
 
 
 def _leaves_by_path(tree: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ microbatch activations per stage.  Everything here is pure Python; no JAX.
 
 Worked example::
 
-    >>> from multimesh.mpmd.schedules import get_schedule
+    >>> from multimesh.core.schedules import get_schedule
     >>> s = get_schedule("1f1b", num_stages=3, num_microbatches=4)
     >>> [str(a) for a in s.per_stage_order[2][:4]]   # last stage: F/B alternate
     ['F[s2,m0]', 'B[s2,m0]', 'F[s2,m1]', 'B[s2,m1]']

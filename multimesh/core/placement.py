@@ -12,6 +12,7 @@ import contextvars
 import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .rules import LogicalSpec, Rules, check_physical

@@ -20,10 +20,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .metadata import Annotation, map_with_annotations
+from .placement import Scope
 from .rules import Dropped, PathRules, RuleError
-from .scope import Scope
 
-__all__ = ["LeafLayout", "Layout", "derive_layout", "constrained_inputs"]
+__all__ = ["Layout", "LeafLayout", "constrained_inputs", "derive_layout"]
 
 
 @dataclass(frozen=True)

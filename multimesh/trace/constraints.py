@@ -8,11 +8,12 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ..core.placement import Scope, current_scope
+from ..core.rules import _as_axes
 from .deferred import logical_constraint_p
-from .rules import _as_axes
-from .scope import Scope, current_scope
+from .interpret import bind_equation
 
-__all__ = ["with_sharding_constraint", "shard_map", "logical_spec_to_mesh"]
+__all__ = ["logical_spec_to_mesh", "resolve_deferred", "shard_map", "with_sharding_constraint"]
 
 
 def _manual_axes() -> frozenset[str]:
@@ -84,6 +85,13 @@ def with_sharding_constraint(x: Any, shardings: Any) -> Any:
         return jax.lax.with_sharding_constraint(leaf, NamedSharding(scope.mesh, spec))
 
     return _per_leaf(x, shardings, one)
+
+
+def resolve_deferred(eqn: Any, ins: list) -> list:
+    """An `interpret` rule: a deferred constraint is resolved with the rules in scope; the rest as is."""
+    if eqn.primitive is logical_constraint_p:
+        return [with_sharding_constraint(ins[0], PartitionSpec(*eqn.params["spec"]))]
+    return bind_equation(eqn, ins)
 
 
 def _per_leaf(x: Any, shardings: Any, one: Callable) -> Any:

@@ -14,8 +14,8 @@ from flax import nnx
 from flax.training.train_state import TrainState
 from jax.sharding import Mesh, NamedSharding
 
-from ...parallelize import parallelize
-from ...rules import MeshAxes, Rules, standard_rules
+from ..core.rules import MeshAxes, Rules, standard_rules
+from ..run.parallelize import parallelize
 
 __all__ = ["parallelize_step", "shard_axes"]
 

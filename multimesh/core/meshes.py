@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-__all__ = ["build_mesh", "slice_mesh", "place_mesh", "mesh_devices"]
+__all__ = ["build_mesh", "mesh_devices", "place_mesh", "slice_mesh"]
 
 MeshLike = Mesh | Mapping[str, int] | None
 

@@ -28,14 +28,14 @@ import numpy as np
 from jax._src import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
-from ..interpret import bind_equation, interpret
-from .implicit import implicit_placement, is_backprop, microbatch_of
-from .microbatch import Pipeline
+from ..core.schedules import Schedule
+from ..trace.implicit import implicit_placement, is_backprop, microbatch_of
+from ..trace.interpret import bind_equation, interpret
+from ..trace.microbatch import Pipeline
+from ..trace.task import Placement, task_call_p
 from .order import schedule_segments
-from .schedules import Schedule
 from .segment import Segment, Unit
 from .split import inline_backward_tasks
-from .task import Placement, task_call_p
 
 __all__ = ["Plan", "has_tasks", "inline_calls", "partition"]
 

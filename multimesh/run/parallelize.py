@@ -16,16 +16,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from .layout import constrained_inputs, derive_layout
-from .meshes import MeshLike, build_mesh
-from .rules import MeshAxes, PathRules, Rules
-from .scope import Scope
-from .mpmd.function import build_mpmd
-from .mpmd.microbatch import collect_pipelines
-from .mpmd.plan import has_tasks, inline_calls
+from ..core.layout import constrained_inputs, derive_layout
+from ..core.meshes import MeshLike, build_mesh
+from ..core.placement import Scope
+from ..core.rules import MeshAxes, PathRules, Rules
+from ..plan.partition import has_tasks, inline_calls
+from ..trace.microbatch import collect_pipelines
+from .mpmd import build_mpmd
 from .spmd import ShardedFunction, tracing
 
-__all__ = ["parallelize", "ShardedFunction"]
+__all__ = ["ShardedFunction", "parallelize"]
 
 
 def _check_zero_arg(fn: Any, name: str) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .schedules import KNOWN_SCHEDULES, Schedule, get_schedule
+from ..core.schedules import KNOWN_SCHEDULES, Schedule, get_schedule
 from .task import transforms_ignored
 
 __all__ = ["Pipeline", "collect_pipelines", "microbatch"]

@@ -23,9 +23,9 @@ from typing import Any
 from jax._src import core as jcore
 from jax.extend.core import Literal, Var
 
-from .schedules import WEIGHT, Schedule
+from ..core.schedules import WEIGHT, Schedule
+from ..trace.task import Placement, task_call_p
 from .segment import Segment
-from .task import Placement, task_call_p
 
 __all__ = ["inline_backward_tasks", "split_backward"]
 

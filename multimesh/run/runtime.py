@@ -26,13 +26,13 @@ import jax
 from jax.extend.core import Literal, Var
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..deferred import resolve_deferred
-from ..scope import use_scope
-from .implicit import is_backprop, microbatch_of
-from .plan import Plan
-from .programs import Program, group_programs, run_program
-from .segment import Segment
-from .transfer import move, target_on
+from ..core.placement import use_scope
+from ..core.transfer import move, target_on
+from ..plan.partition import Plan
+from ..plan.programs import Program, group_programs, run_program
+from ..plan.segment import Segment
+from ..trace.constraints import resolve_deferred
+from ..trace.implicit import is_backprop, microbatch_of
 
 __all__ = ["ReshardError", "RunStats", "Runtime"]
 

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec
 
 from .fmt import keypath_str
 
-__all__ = ["Annotation", "is_box", "read_box", "path_str", "map_with_annotations", "unbox"]
+__all__ = ["Annotation", "is_box", "map_with_annotations", "path_str", "read_box", "unbox"]
 
 _NNX_KEYS = ("out_sharding", "sharding_names", "sharding")
 

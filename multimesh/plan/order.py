@@ -26,12 +26,12 @@ from collections.abc import Sequence
 
 from jax.extend.core import Literal
 
-from .implicit import microbatch_of
-from .microbatch import Pipeline
-from .schedules import Schedule
+from ..core.schedules import Schedule
+from ..trace.implicit import microbatch_of
+from ..trace.microbatch import Pipeline
+from ..trace.task import Placement
 from .segment import Segment
 from .split import split_backward
-from .task import Placement
 
 __all__ = ["schedule_segments", "stage_layout"]
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 
-from .schedules import Action
-from .task import Placement, task_call_p
+from ..core.schedules import Action
+from ..trace.task import Placement, task_call_p
 
 __all__ = ["Segment", "Unit"]
 

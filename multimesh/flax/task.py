@@ -18,9 +18,9 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh
 
-from ...mpmd.implicit import register_scope
-from ...mpmd.task import make_placement
-from ...rules import MeshAxes
+from ..core.rules import MeshAxes
+from ..trace.implicit import register_scope
+from ..trace.task import make_placement
 
 __all__ = ["task"]
 

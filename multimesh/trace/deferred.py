@@ -3,8 +3,9 @@
 `parallelize` traces the step once, before it knows where glue and implicit
 tasks run. A logical `with_sharding_constraint` traced under its deferring
 scope (`Scope.defer`) binds `logical_constraint_p`, which carries the logical
-spec; when a segment is compiled on its submesh, `resolve_deferred` resolves
-it with the rules in scope there (that placement's). It is the identity everywhere else
+spec; when a segment is compiled on its submesh,
+`constraints.resolve_deferred` resolves it with the rules in scope there (that
+placement's). It is the identity everywhere else
 (one-device lowering, differentiation: the constraint applies to tangents and
 cotangents alike).
 """
@@ -15,11 +16,8 @@ from typing import Any
 
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
-from jax.sharding import PartitionSpec
 
-from .interpret import bind_equation
-
-__all__ = ["logical_constraint_p", "resolve_deferred"]
+__all__ = ["logical_constraint_p"]
 
 logical_constraint_p = Primitive("logical_constraint")
 logical_constraint_p.def_impl(lambda x, *, spec: x)
@@ -36,13 +34,4 @@ def _batch(args, dims, *, spec):
 
 
 batching.primitive_batchers[logical_constraint_p] = _batch
-
-
-def resolve_deferred(eqn: Any, ins: list) -> list:
-    """An `interpret` rule: a deferred constraint is resolved with the rules in scope; the rest as is."""
-    from .constraints import with_sharding_constraint
-
-    if eqn.primitive is logical_constraint_p:
-        return [with_sharding_constraint(ins[0], PartitionSpec(*eqn.params["spec"]))]
-    return bind_equation(eqn, ins)
 

@@ -10,14 +10,14 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from .layout import Layout
-from .mirror import MirrorIndex
-from .report import ShardingReport
-from .rules import Rules
-from .scope import Scope, use_scope
-from .treecheck import check_same_structure
+from ..core.layout import Layout
+from ..core.mirror import MirrorIndex
+from ..core.placement import Scope, use_scope
+from ..core.report import ShardingReport
+from ..core.rules import Rules
+from ..core.treecheck import check_same_structure
 
-__all__ = ["Parallelized", "ShardedFunction", "tracing", "place_batch"]
+__all__ = ["Parallelized", "ShardedFunction", "place_batch", "tracing"]
 
 
 @contextlib.contextmanager

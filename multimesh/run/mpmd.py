@@ -8,12 +8,12 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from ..layout import Layout, derive_layout
-from ..rules import PathRules
-from ..scope import Scope
-from ..spmd import Parallelized
-from .plan import Plan, partition
+from ..core.layout import Layout, derive_layout
+from ..core.placement import Scope
+from ..core.rules import PathRules
+from ..plan.partition import Plan, partition
 from .runtime import Runtime
+from .spmd import Parallelized
 
 __all__ = ["MPMDFunction", "build_mpmd"]
 

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var
 
-from ..interpret import bind_equation, interpret
+from ..trace.interpret import bind_equation, interpret
+from ..trace.task import Placement
 from .segment import Segment
-from .task import Placement
 
 __all__ = ["Program", "group_programs", "run_program"]
 

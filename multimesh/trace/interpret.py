@@ -1,9 +1,9 @@
 """Evaluate a jaxpr equation by equation, with a per-equation rule (under a trace: re-trace it).
 
 Two passes re-trace a step's jaxpr with a twist on some equations: the MPMD
-planner inlines nested jit calls (`mpmd.plan.inline_calls`), and a segment
+planner inlines nested jit calls (`plan.partition.inline_calls`), and a segment
 resolves deferred logical constraints with its submesh's rules
-(`deferred.resolve_deferred`, through `mpmd.programs.run_program`). Both walk
+(`constraints.resolve_deferred`, through `plan.programs.run_program`). Both walk
 the jaxpr here.
 """
 

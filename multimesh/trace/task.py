@@ -27,10 +27,10 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.sharding import Mesh
 
-from ..fmt import device_span
-from ..rules import MeshAxes, Rules, identity_rules
-from ..scope import Scope, use_scope
-from .transfer import reshard_to
+from ..core.fmt import device_span
+from ..core.placement import Scope, use_scope
+from ..core.rules import MeshAxes, Rules, identity_rules
+from ..core.transfer import reshard_to
 
 __all__ = [
     "DEFAULT_AXIS",

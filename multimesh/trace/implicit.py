@@ -34,8 +34,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from ..fmt import device_span
-from ..rules import MeshAxes
+from ..core.fmt import device_span
+from ..core.rules import MeshAxes
 from .task import Placement, make_placement
 
 __all__ = [

@@ -1,0 +1,1 @@
+"""Execution: the front door (`parallelize`), the SPMD step, the MPMD step and its runtime."""

@@ -1,0 +1,1 @@
+"""What runs while a step is traced: sharding constraints, tasks, implicit tasks, microbatching."""
