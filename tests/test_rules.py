@@ -1,6 +1,6 @@
-"""Tests for the logical-axis rule engine (`multimesh.rules`) and `Scope`.
+"""Tests for the logical-axis rule engine (`multimesh.core.rules`) and `Placement`.
 
-Everything here is pure Python except the `Scope` tests, which build a mesh on
+Everything here is pure Python except the `Placement` tests, which build a mesh on
 the simulated CPU devices of conftest.py.
 
 Tests whose name starts with ``test_BUG_`` document library bugs found while
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from multimesh.core.placement import Scope, current_scope, use_scope
+from multimesh.core.placement import Placement, current_placement, use_placement
 from multimesh.core.rules import (
     Dropped,
     PathRules,
@@ -949,7 +949,7 @@ def test_property_no_shape_is_shape_of_multiples(ss, rules, sizes):
 
 
 # ---------------------------------------------------------------------------
-# Scope.
+# Placement.
 # ---------------------------------------------------------------------------
 
 
@@ -959,10 +959,10 @@ def make_mesh(shape, names):
 
 
 @pytest.mark.devices(8)
-class TestScope:
+class TestPlacement:
     def test_identity_fallback(self):
         mesh = make_mesh((4, 2), ("data", "model"))
-        s = Scope(mesh, Rules([("batch", "data")]))
+        s = Placement(mesh, Rules([("batch", "data")]))
         assert s.spec(("batch", "model")) == P("data", "model")
         # Identity rules for "data" and "model" are appended after the user's.
         assert s.spec(("model", "data")) == P("model", "data")
@@ -970,7 +970,7 @@ class TestScope:
 
     def test_identity_fallback_order(self):
         mesh = make_mesh((4, 2), ("data", "model"))
-        s = Scope(mesh, Rules([("batch", "data")]))
+        s = Placement(mesh, Rules([("batch", "data")]))
         assert s.spec(("data", "model")) == P("data", "model")
         # The user's rule comes first: batch takes data, the "data" name then finds it used.
         assert s.spec(("batch", "data")) == P("data", None)
@@ -979,7 +979,7 @@ class TestScope:
 
     def test_user_rule_for_mesh_axis_name_takes_priority(self):
         mesh = make_mesh((4, 2), ("data", "model"))
-        s = Scope(mesh, Rules([("data", "model")]))
+        s = Placement(mesh, Rules([("data", "model")]))
         assert s.spec(("data",)) == P("model")
         assert ("data", "data") not in s.rules.rules  # no identity rule for a user-named axis
         assert ("model", "model") in s.rules.rules
@@ -988,12 +988,12 @@ class TestScope:
 
     def test_user_none_rule_for_mesh_axis_name(self):
         mesh = make_mesh((8,), ("data",))
-        s = Scope(mesh, Rules([("data", None)]))
+        s = Placement(mesh, Rules([("data", None)]))
         assert s.spec(("data",)) == P(None)
 
     def test_strict_scope_accepts_mesh_axis_names(self):
         mesh = make_mesh((2, 4), ("fsdp", "tensor"))
-        s = Scope(mesh, Rules([("embed", "fsdp")], strict=True))
+        s = Placement(mesh, Rules([("embed", "fsdp")], strict=True))
         assert s.rules.strict
         assert s.spec(("embed", "tensor"), (4, 8)) == P("fsdp", "tensor")
         with pytest.raises(RuleError, match="'mlp'"):
@@ -1003,7 +1003,7 @@ class TestScope:
 
     def test_divisibility_and_sharding(self):
         mesh = make_mesh((4, 2), ("data", "model"))
-        s = Scope(mesh, [("batch", "data"), ("batch", "model")])
+        s = Placement(mesh, [("batch", "data"), ("batch", "model")])
         assert s.spec(("batch",), (8, 3)) == P(("data", "model"))
         assert s.spec(("batch",), (4, 3)) == P("data")
         sh = s.sharding(("batch", None), (8, 3))
@@ -1013,13 +1013,13 @@ class TestScope:
     def test_unknown_axis_in_rule_raises(self):
         mesh = make_mesh((4, 2), ("data", "model"))
         with pytest.raises(RuleError, match=r"'tensor'.*'data'"):
-            Scope(mesh, Rules([("mlp", "tensor")]))
+            Placement(mesh, Rules([("mlp", "tensor")]))
         with pytest.raises(RuleError, match="'pipe'"):
-            Scope(mesh, [("layers", ("data", "pipe"))])
+            Placement(mesh, [("layers", ("data", "pipe"))])
 
     def test_physical(self):
         mesh = make_mesh((4, 2), ("data", "model"))
-        s = Scope(mesh)
+        s = Placement(mesh)
         assert s.physical(P("data", "model"), (8, 2)).spec == P("data", "model")
         with pytest.raises(RuleError, match="twice"):
             s.physical(P("data", "data"))
@@ -1028,21 +1028,21 @@ class TestScope:
         with pytest.raises(RuleError, match="size 2"):
             s.physical(P("data"), (2,))
 
-    def test_default_scope_is_identity(self):
+    def test_default_placement_is_identity(self):
         mesh = make_mesh((2, 2, 2), ("a", "b", "c"))
-        s = Scope(mesh)
+        s = Placement(mesh)
         assert s.rules.rules == (("a", "a"), ("b", "b"), ("c", "c"))
         assert s.spec(("c", None, "a")) == P("c", None, "a")
         assert s.spec(("zz",)) == P(None)
 
-    def test_use_scope(self):
+    def test_use_placement(self):
         mesh = make_mesh((8,), ("data",))
-        s = Scope(mesh, name="t")
-        assert current_scope() is None
-        with use_scope(s) as got:
-            assert got is s and current_scope() is s
-            with use_scope(None):
-                assert current_scope() is None
-            assert current_scope() is s
-        assert current_scope() is None
-        assert "'t'" in repr(s)
+        s = Placement(mesh, name="t")
+        assert current_placement() is None
+        with use_placement(s) as got:
+            assert got is s and current_placement() is s
+            with use_placement(None):
+                assert current_placement() is None
+            assert current_placement() is s
+        assert current_placement() is None
+        assert repr(s).startswith("Placement(t on {'data': 8} devices [0-7], rules=")

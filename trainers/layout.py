@@ -26,7 +26,7 @@ from multimesh.core.fmt import device_span
 from multimesh.jax import microbatch, parallelize, register_task
 from trainers.config import LayoutConfig, PipelineConfig
 
-__all__ = ["Layout", "build_layout", "sharding_rows", "sharding_table", "stage_of_layer"]
+__all__ = ["RunLayout", "build_layout", "sharding_rows", "sharding_table", "stage_of_layer"]
 
 #: Module names placed on pipeline stages: the embedding, each block, the head.
 STAGE_MODULES = r"embed|head|layers_(\d+)"
@@ -38,8 +38,8 @@ def stage_of_layer(layer: int, num_layers: int, stages: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
-    """A resolved layout: the devices it uses, the (per-stage) mesh shape, rules, pipeline."""
+class RunLayout:
+    """How a run is laid out: the devices it uses, the (per-stage) mesh shape, rules, pipeline."""
 
     devices: tuple
     mesh: dict[str, int]
@@ -105,7 +105,7 @@ class Layout:
                            donate=donate, **spmd)
 
 
-def build_layout(cfg: LayoutConfig, devices: Any = None) -> Layout:
+def build_layout(cfg: LayoutConfig, devices: Any = None) -> RunLayout:
     """Resolve ``cfg`` on ``devices`` (default ``jax.devices()``): it uses the first ``cfg.num_devices``."""
     devices = list(jax.devices() if devices is None else devices)
     need = cfg.num_devices
@@ -118,7 +118,7 @@ def build_layout(cfg: LayoutConfig, devices: Any = None) -> Layout:
     if jax.process_count() > 1 and need != len(devices):
         raise ValueError(f"with {jax.process_count()} processes a layout must use all {len(devices)} devices "
                          f"(every process's), but this one uses {need}; change layout.mesh")
-    return Layout(tuple(devices[:need]), dict(cfg.mesh), tuple(cfg.rule_pairs()), cfg.pipeline)
+    return RunLayout(tuple(devices[:need]), dict(cfg.mesh), tuple(cfg.rule_pairs()), cfg.pipeline)
 
 
 def sharding_rows(step_fn: Any, prefix: str = "params/") -> list[tuple[str, str, str, str, str]]:

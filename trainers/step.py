@@ -20,7 +20,7 @@ import optax
 
 from models.transformer import Transformer, next_token_loss
 from trainers.config import Config
-from trainers.layout import Layout
+from trainers.layout import RunLayout
 from trainers.optim import learning_rate_schedule, make_optimizer
 
 __all__ = ["Program", "build_program", "initializers", "loss_sum_over"]
@@ -57,7 +57,7 @@ class Program:
     """
 
     config: Config
-    layout: Layout
+    layout: RunLayout
     model: Transformer
     optimizer: optax.GradientTransformation
     lr_schedule: optax.Schedule
@@ -74,7 +74,7 @@ class Program:
         return f"Program({self.config.name!r}, {self.layout.describe()})"
 
 
-def build_program(cfg: Config, layout: Layout, train_batch: dict[str, np.ndarray],
+def build_program(cfg: Config, layout: RunLayout, train_batch: dict[str, np.ndarray],
                   val_batch: dict[str, np.ndarray]) -> Program:
     """Build and parallelize the steps (for a pipeline: inside ``layout.tasks(...)``)."""
     model = Transformer(cfg.model)

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .metadata import Annotation, map_with_annotations
-from .placement import Scope
+from .placement import Placement
 from .rules import Dropped, PathRules, RuleError
 
 __all__ = ["Layout", "LeafLayout", "constrained_inputs", "derive_layout"]
@@ -64,7 +64,7 @@ class Layout:
 
 def derive_layout(
     abstract: Any,
-    scope: Scope | Callable[[int], Scope],
+    placement: Placement | Callable[[int], Placement],
     *,
     path_rules: PathRules | None = None,
     constraints: Mapping[int, PartitionSpec | tuple] | None = None,
@@ -72,10 +72,10 @@ def derive_layout(
     exact: bool = False,
     what: str = "parameter",
 ) -> Layout:
-    """Shardings for every leaf of ``abstract`` on ``scope.mesh``.
+    """Shardings for every leaf of ``abstract`` on ``placement.mesh``.
 
     ``constraints`` maps flat leaf indices to the specs of constraints found by
-    `constrained_inputs`. ``scope`` may be a function of the flat leaf index
+    `constrained_inputs`. ``placement`` may be a function of the flat leaf index
     (MPMD: each input lives on the submesh of its first consumer). ``exact=True`` makes a logical dimension that a mesh
     axis does not divide an error (batches: silently replicating a batch
     dimension would make data parallelism a lie).
@@ -85,11 +85,11 @@ def derive_layout(
     records: list[LeafLayout] = []
     counter = iter(range(1 << 62))
 
-    scope_for = scope if callable(scope) else (lambda _: scope)
+    placement_for = placement if callable(placement) else (lambda _: placement)
 
     def place(path: str, leaf: Any, ann: Annotation | None) -> NamedSharding:
         index = next(counter)
-        where = scope_for(index)
+        where = placement_for(index)
         shape = tuple(getattr(leaf, "shape", ()))
         dtype = getattr(leaf, "dtype", np.float32)
         label = f"{what} {path!r}" if path else what
@@ -124,10 +124,10 @@ def derive_layout(
     return Layout(shardings, tuple(records))
 
 
-def _check_exact(logical: tuple, dropped: Dropped, shape: tuple, scope: Scope, label: str) -> None:
+def _check_exact(logical: tuple, dropped: Dropped, shape: tuple, placement: Placement, label: str) -> None:
     """Raise because divisibility made the rules drop mesh axes from dimension ``dropped.dim``."""
     d, axes = dropped.dim, dropped.wanted
-    size = math.prod(scope.axis_sizes[a] for a in axes)
+    size = math.prod(placement.axis_sizes[a] for a in axes)
     raise RuleError(
         f"dimension {d} ({logical[d]!r}) of the {label} has size {shape[d]}, which does not "
         f"divide over mesh axes {axes} (total size {size}); make it a multiple of {size} "
@@ -139,7 +139,7 @@ def constrained_inputs(closed_jaxpr: jax.extend.core.ClosedJaxpr) -> dict[int, P
     """Input index -> spec of the first `with_sharding_constraint` applied directly to it.
 
     A resolved constraint gives its `PartitionSpec` (mesh axes); a deferred one
-    (`Scope.defer`) its logical spec, a tuple, for the rules of the submesh
+    (`Placement.defer`) its logical spec, a tuple, for the rules of the submesh
     where the input lands.
 
     Follows inputs into nested calls (jit, remat, custom derivatives) whose

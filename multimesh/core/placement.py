@@ -1,8 +1,11 @@
-"""The placement in scope while a function is traced: a mesh and its rules.
+"""Where a computation runs: a mesh, the rules that resolve logical names on it, a name.
 
-`task` and `parallelize` push a `Scope`; `with_sharding_constraint` and
-`shard_map` read it to resolve logical names. Kept in a `ContextVar`, so
-threads (and Orbax's background threads) do not see each other's scopes.
+A `Placement` is what `parallelize` builds from its mesh and rules, what
+each task runs on, and what a plan's segment is compiled for. While a
+function is traced, the placement in force (`use_placement`) is what
+`with_sharding_constraint` and `shard_map` read to resolve logical names.
+Kept in a `ContextVar`, so threads (and Orbax's background threads) do not
+see each other's.
 """
 
 from __future__ import annotations
@@ -10,31 +13,35 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .fmt import device_span
 from .rules import LogicalSpec, Rules, check_physical
 
-__all__ = ["Scope", "current_scope", "use_scope"]
+__all__ = ["Placement", "current_placement", "use_placement"]
 
 
 @dataclass(frozen=True)
-class Scope:
-    """A mesh, the rules that resolve logical names on it, and who set them.
+class Placement:
+    """A mesh, the rules that resolve logical names on it, and its name (a task's, say).
 
     The effective rules are the user's, followed by an identity rule for each
     mesh axis that the user's rules do not name as a logical name: a spec may
-    always name a mesh axis directly.
+    always name a mesh axis directly. Hashable: a task's placement is a
+    parameter of its primitive.
     """
 
     mesh: Mesh
     rules: Rules = field(default_factory=Rules)
     name: str | None = None
-    #: Logical constraints traced under this scope are kept (`deferred.logical_constraint_p`) and
-    #: resolved where the equation finally runs: `parallelize` traces a step so, before it knows
-    #: which submesh each piece runs on. A task's own scope resolves at once.
+    #: Logical constraints traced under this placement are kept (`deferred.logical_constraint_p`)
+    #: and resolved where the equation finally runs: `parallelize` traces a step so, before it
+    #: knows which submesh each piece runs on. A task's own placement resolves at once.
     defer: bool = False
 
     def __post_init__(self):
@@ -59,27 +66,38 @@ class Scope:
         """A `PartitionSpec` of mesh axes, validated against this mesh."""
         return NamedSharding(self.mesh, check_physical(spec, self.axis_sizes, shape, path=path))
 
-    def deferring(self) -> Scope:
-        """This scope with logical constraints deferred (see ``defer``)."""
+    @functools.cached_property
+    def devices(self) -> frozenset:
+        return frozenset(self.mesh.devices.flat)
+
+    def describe(self) -> str:
+        """``name on {axis: size} devices [ids]``."""
+        span = device_span(sorted(d.id for d in self.mesh.devices.flat))
+        where = f"{dict(self.mesh.shape)} devices [{span}]"
+        return f"{self.name} on {where}" if self.name else where
+
+    def deferring(self) -> Placement:
+        """This placement with logical constraints deferred (see ``defer``)."""
         return dataclasses.replace(self, defer=True)
 
     def __repr__(self) -> str:
-        who = f"{self.name!r}, " if self.name else ""
-        return f"Scope({who}mesh={dict(self.mesh.shape)}, rules={self.rules!r})"
+        return f"Placement({self.describe()}, rules={self.rules!r})"
 
 
-_SCOPE: contextvars.ContextVar[Scope | None] = contextvars.ContextVar("multimesh_scope", default=None)
+_PLACEMENT: contextvars.ContextVar[Placement | None] = contextvars.ContextVar("multimesh_placement", default=None)
 
 
-def current_scope() -> Scope | None:
-    return _SCOPE.get()
+def current_placement() -> Placement | None:
+    return _PLACEMENT.get()
 
 
 @contextlib.contextmanager
-def use_scope(scope: Scope | None) -> Iterator[Scope | None]:
-    token = _SCOPE.set(scope)
+def use_placement(placement: Placement | None) -> Iterator[Placement | None]:
+    """``placement`` in force while tracing, and Flax NNX's eager sharding off: shardings are ours to apply."""
+    token = _PLACEMENT.set(placement)
     try:
-        yield scope
+        with nnx.use_eager_sharding(False):
+            yield placement
     finally:
-        _SCOPE.reset(token)
+        _PLACEMENT.reset(token)
 

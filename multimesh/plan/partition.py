@@ -236,7 +236,7 @@ def _group(eqns: Sequence, colour: Sequence[Placement], units: Sequence[Unit | N
     return segments
 
 
-def finish(jaxpr: Jaxpr, consts: dict, segments: list[Segment], schedule: Schedule | None = None) -> Plan:
+def link_segments(jaxpr: Jaxpr, consts: dict, segments: list[Segment], schedule: Schedule | None = None) -> Plan:
     """Number ``segments`` (in execution order) and work out what flows between them."""
     producer: dict[Var, int] = {}
     input_placement: dict[Var, Placement] = {}
@@ -281,7 +281,7 @@ def partition(closed: ClosedJaxpr, pipelines: Sequence[Pipeline] = ()) -> Plan:
     units = _units(eqns, colour)
     segments = _group(eqns, _propagate(eqns, colour), units)
     segments, schedule = schedule_segments(segments, pipelines)
-    return finish(closed.jaxpr, consts, segments, schedule)
+    return link_segments(closed.jaxpr, consts, segments, schedule)
 
 
 def _check_overlaps(placements: Sequence[Placement]) -> None:

@@ -9,7 +9,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from ..core.layout import Layout, derive_layout
-from ..core.placement import Scope
+from ..core.placement import Placement
 from ..core.rules import PathRules
 from ..plan.partition import Plan, partition
 from .runtime import Runtime
@@ -67,15 +67,15 @@ def build_mpmd(fun: Callable, closed, out_shape: Any, abstract_params: Any, abst
     first = plan.placements[0]
     n_params = len(jax.tree.leaves(abstract_params))
 
-    def scope_of(offset: int) -> Callable[[int], Scope]:
-        def scope(i: int) -> Scope:
-            return plan.input_placement.get(invars[offset + i], first).scope
+    def placement_of(offset: int) -> Callable[[int], Placement]:
+        def placement(i: int) -> Placement:
+            return plan.input_placement.get(invars[offset + i], first)
 
-        return scope
+        return placement
 
-    params = derive_layout(abstract_params, scope_of(0), path_rules=path_rules,
+    params = derive_layout(abstract_params, placement_of(0), path_rules=path_rules,
                            constraints={i: s for i, s in constraints.items() if i < n_params}, what="parameter")
-    batch = derive_layout(abstract_batch, scope_of(n_params), default=batch_spec, exact=True,
+    batch = derive_layout(abstract_batch, placement_of(n_params), default=batch_spec, exact=True,
                           constraints={i - n_params: s for i, s in constraints.items() if i >= n_params}, what="batch")
     return MPMDFunction(fun, plan, params, batch, abstract_params, abstract_batch,
                         jax.tree.structure(out_shape), out_shape, donate)

@@ -18,12 +18,12 @@ import numpy as np
 
 from ..core.layout import constrained_inputs, derive_layout
 from ..core.meshes import MeshLike, build_mesh
-from ..core.placement import Scope
+from ..core.placement import Placement, use_placement
 from ..core.rules import MeshAxes, PathRules, Rules
 from ..plan.partition import has_tasks, inline_calls
 from ..trace.microbatch import collect_pipelines
 from .mpmd import build_mpmd
-from .spmd import ShardedFunction, tracing
+from .spmd import ShardedFunction
 
 __all__ = ["ShardedFunction", "parallelize"]
 
@@ -99,17 +99,17 @@ def parallelize(
         _check_zero_arg(get_input_batch, "get_input_batch")
 
     the_mesh = build_mesh(mesh, devices)
-    scope = Scope(the_mesh, Rules(rules if rules is not None else (), strict=strict))
+    placement = Placement(the_mesh, Rules(rules if rules is not None else (), strict=strict))
     path_rules = PathRules(param_rules) if param_rules is not None else PathRules()
 
-    with tracing(scope):
+    with use_placement(placement):
         abstract_params = jax.eval_shape(init_params)
         if get_input_batch is not None:
             abstract_batch = jax.eval_shape(get_input_batch)
         else:
             abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)), initial_batch)
     # Traced once, logical constraints deferred: only the plan knows where glue runs.
-    with tracing(scope.deferring()), collect_pipelines() as pipelines:
+    with use_placement(placement.deferring()), collect_pipelines() as pipelines:
         traced = _trace(fun, abstract_params, abstract_batch)
     closed, out_shape = traced if traced is not None else (None, None)
 
@@ -123,8 +123,8 @@ def parallelize(
     found = constrained_inputs(closed) if closed is not None else {}
     param_found = {i: s for i, s in found.items() if i < n_params}
     batch_found = {i - n_params: s for i, s in found.items() if i >= n_params}
-    params = derive_layout(abstract_params, scope, path_rules=path_rules, constraints=param_found, what="parameter")
-    batch = derive_layout(abstract_batch, scope, constraints=batch_found, default=batch_spec, exact=True, what="batch")
+    params = derive_layout(abstract_params, placement, path_rules=path_rules, constraints=param_found, what="parameter")
+    batch = derive_layout(abstract_batch, placement, constraints=batch_found, default=batch_spec, exact=True, what="batch")
 
     if rules is None and all(leaf.spec == jax.sharding.PartitionSpec() or not any(leaf.spec) for leaf in params.leaves):
         warnings.warn(
@@ -133,25 +133,25 @@ def parallelize(
             stacklevel=2,
         )
 
-    sharded = ShardedFunction(fun, scope, params, batch, abstract_params, abstract_batch, donate)
-    return _with_initializers(sharded, init_params, get_input_batch, scope)
+    sharded = ShardedFunction(fun, placement, params, batch, abstract_params, abstract_batch, donate)
+    return _with_initializers(sharded, init_params, get_input_batch, placement)
 
 
-def _with_initializers(sharded, init_params: Callable, get_input_batch: Callable | None, scope: Scope | None) -> tuple:
+def _with_initializers(sharded, init_params: Callable, get_input_batch: Callable | None, placement: Placement | None) -> tuple:
     """``(sharded, init, get_batch)``: each initializer creates its arrays directly in their shardings.
 
     Under MPMD the shardings span several submeshes; one `jax.jit` cannot, so
     the abstract output is computed per submesh group and placed there.
     """
-    init = _sharded_maker(init_params, sharded.param_shardings, scope)
+    init = _sharded_maker(init_params, sharded.param_shardings, placement)
     if get_input_batch is None:
         return sharded, init
-    return sharded, init, _sharded_maker(get_input_batch, sharded.batch_shardings, scope)
+    return sharded, init, _sharded_maker(get_input_batch, sharded.batch_shardings, placement)
 
 
-def _sharded_maker(make: Callable, shardings: Any, scope: Scope | None) -> Callable:
+def _sharded_maker(make: Callable, shardings: Any, placement: Placement | None) -> Callable:
     def in_scope():
-        with tracing(scope):
+        with use_placement(placement):
             return make()
 
     flat, treedef = jax.tree.flatten(shardings)
@@ -190,7 +190,7 @@ def _trace(fun: Callable, params: Any, batch: Any):
             return None
     except (TypeError, ValueError):
         pass
-    def traced(p, b):  # a fresh function each time: JAX's trace cache cannot see our scope
+    def traced(p, b):  # a fresh function each time: JAX's trace cache cannot see our placement
         return fun(p, b)
 
     return jax.make_jaxpr(traced, return_shape=True)(params, batch)

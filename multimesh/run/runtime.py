@@ -26,7 +26,7 @@ import jax
 from jax.extend.core import Literal, Var
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..core.placement import use_scope
+from ..core.placement import use_placement
 from ..core.transfer import move, target_on
 from ..plan.partition import Plan
 from ..plan.programs import Program, group_programs, run_program
@@ -201,7 +201,7 @@ def _compile(program: Program) -> Any:
     run = run_program(program, resolve_deferred)
 
     def segment(*args: Any) -> list:
-        with use_scope(program.placement.scope):
+        with use_placement(program.placement):
             return run(*args)
 
     segment.__name__ = f"{program.placement.name}_program{program.index}"

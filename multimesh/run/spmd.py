@@ -2,29 +2,20 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import jax
-from flax import nnx
 from jax.sharding import NamedSharding
 
 from ..core.layout import Layout
 from ..core.mirror import MirrorIndex
-from ..core.placement import Scope, use_scope
+from ..core.placement import Placement, use_placement
 from ..core.report import ShardingReport
 from ..core.rules import Rules
 from ..core.treecheck import check_same_structure
 
-__all__ = ["Parallelized", "ShardedFunction", "place_batch", "tracing"]
-
-
-@contextlib.contextmanager
-def tracing(scope: Scope):
-    """Our scope, with NNX's eager sharding off: shardings are ours to apply."""
-    with use_scope(scope), nnx.use_eager_sharding(False):
-        yield
+__all__ = ["Parallelized", "ShardedFunction", "place_batch"]
 
 
 def place_batch(batch: Any, shardings: Any) -> Any:
@@ -86,13 +77,13 @@ class ShardedFunction(Parallelized):
     ``param_layout``/``batch_layout`` (a record per array), and `report`.
     """
 
-    def __init__(self, fun: Callable, scope: Scope, params: Layout, batch: Layout, abstract_params: Any,
+    def __init__(self, fun: Callable, placement: Placement, params: Layout, batch: Layout, abstract_params: Any,
                  abstract_batch: Any, donate: bool):
         super().__init__(fun, params, batch, abstract_params, abstract_batch)
-        self.scope = scope
+        self.placement = placement
 
         def step(p, b, *args):
-            with tracing(scope):
+            with use_placement(placement):
                 out = fun(p, b, *args)
             return self._mirror.constrain(out)
 
@@ -103,11 +94,11 @@ class ShardedFunction(Parallelized):
 
     @property
     def mesh(self):
-        return self.scope.mesh
+        return self.placement.mesh
 
     @property
     def rules(self) -> Rules:
-        return self.scope.rules
+        return self.placement.rules
 
     def _jit(self, n_extra: int):
         if n_extra not in self._jitted:

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..core.placement import Scope, current_scope
+from ..core.placement import Placement, current_placement
 from ..core.rules import _as_axes
 from .deferred import logical_constraint_p
 from .interpret import bind_equation
@@ -46,12 +46,12 @@ def _drop_axes(spec: PartitionSpec, drop: frozenset[str]) -> PartitionSpec:
     return PartitionSpec(*out)
 
 
-def logical_spec_to_mesh(spec: PartitionSpec, scope: Scope | None = None, shape=None) -> PartitionSpec:
+def logical_spec_to_mesh(spec: PartitionSpec, placement: Placement | None = None, shape=None) -> PartitionSpec:
     """Resolve the logical names of ``spec`` with the rules in scope (identity if none)."""
-    scope = scope or current_scope()
-    if scope is None:
+    placement = placement or current_placement()
+    if placement is None:
         return spec
-    return scope.spec(tuple(spec), shape)
+    return placement.spec(tuple(spec), shape)
 
 
 def with_sharding_constraint(x: Any, shardings: Any) -> Any:
@@ -65,24 +65,24 @@ def with_sharding_constraint(x: Any, shardings: Any) -> Any:
     run on one device, e.g. as the reference) leave ``x`` as it is, as Flax's
     logical constraints do, instead of raising.
     """
-    scope = current_scope()
-    if scope is None:
+    placement = current_placement()
+    if placement is None:
         if _no_mesh_in_context() and not _has_named_sharding(shardings):
             return x
         return jax.lax.with_sharding_constraint(x, shardings)
     manual = _manual_axes()
-    if scope.defer and not manual and not _has_named_sharding(shardings):  # resolved where it runs
+    if placement.defer and not manual and not _has_named_sharding(shardings):  # resolved where it runs
         return _per_leaf(x, shardings, lambda leaf, s: logical_constraint_p.bind(leaf, spec=tuple(s)))
-    if manual and manual >= set(scope.mesh.axis_names):
+    if manual and manual >= set(placement.mesh.axis_names):
         return x  # fully manual: nothing left for the compiler to place
 
     def one(leaf, sharding):
         if isinstance(sharding, NamedSharding) or not isinstance(sharding, PartitionSpec):
             return jax.lax.with_sharding_constraint(leaf, sharding)
-        spec = _drop_axes(scope.spec(tuple(sharding), leaf.shape), manual)
+        spec = _drop_axes(placement.spec(tuple(sharding), leaf.shape), manual)
         if manual:  # inside a partially manual shard_map JAX wants a bare spec
             return jax.lax.with_sharding_constraint(leaf, spec)
-        return jax.lax.with_sharding_constraint(leaf, NamedSharding(scope.mesh, spec))
+        return jax.lax.with_sharding_constraint(leaf, NamedSharding(placement.mesh, spec))
 
     return _per_leaf(x, shardings, one)
 
@@ -136,15 +136,15 @@ def shard_map(
 
     def decorate(fun: Callable) -> Callable:
         def wrapped(*args):
-            scope = current_scope()
-            the_mesh = mesh if mesh is not None else (scope.mesh if scope is not None else None)
+            placement = current_placement()
+            the_mesh = mesh if mesh is not None else (placement.mesh if placement is not None else None)
             names = axis_names
             if auto is not None:
                 if the_mesh is None:
                     raise ValueError("shard_map(auto=...) needs a mesh")
                 names = set(the_mesh.axis_names) - set(auto)
             resolve = lambda tree: jax.tree.map(  # noqa: E731
-                lambda s: logical_spec_to_mesh(s, scope) if isinstance(s, PartitionSpec) else s,
+                lambda s: logical_spec_to_mesh(s, placement) if isinstance(s, PartitionSpec) else s,
                 tree,
                 is_leaf=lambda s: isinstance(s, PartitionSpec) or s is None,
             )

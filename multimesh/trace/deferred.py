@@ -2,17 +2,14 @@
 
 `parallelize` traces the step once, before it knows where glue and implicit
 tasks run. A logical `with_sharding_constraint` traced under its deferring
-scope (`Scope.defer`) binds `logical_constraint_p`, which carries the logical
-spec; when a segment is compiled on its submesh,
-`constraints.resolve_deferred` resolves it with the rules in scope there (that
-placement's). It is the identity everywhere else
-(one-device lowering, differentiation: the constraint applies to tangents and
-cotangents alike).
+placement (`Placement.defer`) binds `logical_constraint_p`, which carries the
+logical spec; when a segment is compiled on its submesh,
+`constraints.resolve_deferred` resolves it with that placement's rules. It is
+the identity everywhere else (one-device lowering, differentiation: the
+constraint applies to tangents and cotangents alike).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir

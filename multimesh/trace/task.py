@@ -17,7 +17,6 @@ import contextlib
 import contextvars
 import functools
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -27,8 +26,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.sharding import Mesh
 
-from ..core.fmt import device_span
-from ..core.placement import Scope, use_scope
+from ..core.placement import Placement, use_placement
 from ..core.rules import MeshAxes, Rules, identity_rules
 from ..core.transfer import reshard_to
 
@@ -43,30 +41,6 @@ __all__ = [
 ]
 
 DEFAULT_AXIS = "devices"
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a task runs: its name, submesh and rules (hashable: a primitive parameter)."""
-
-    name: str
-    mesh: Mesh
-    rules: Rules
-
-    @functools.cached_property
-    def scope(self) -> Scope:
-        return Scope(self.mesh, self.rules, name=self.name)
-
-    @functools.cached_property
-    def devices(self) -> frozenset:
-        return frozenset(self.mesh.devices.flat)
-
-    def describe(self) -> str:
-        span = device_span(sorted(d.id for d in self.mesh.devices.flat))
-        return f"{self.name} on {dict(self.mesh.shape)} devices [{span}]"
-
-    def __repr__(self) -> str:
-        return f"Placement({self.describe()})"
 
 
 # -- the primitive -----------------------------------------------------------------
@@ -105,7 +79,7 @@ def _is_float(x: Any) -> bool:
 
 
 def _bind(placement: Placement, kind: str, fn: Callable[..., list], *flat: Any) -> list:
-    with use_scope(placement.scope):
+    with use_placement(placement):
         closed = jax.make_jaxpr(fn)(*flat)
     return task_call_p.bind(*flat, jaxpr=closed, placement=placement, kind=kind)
 
@@ -179,7 +153,7 @@ def _eager_call(placement: Placement, fun: Callable, args: tuple) -> Any:
         return reshard_to(x, placement.mesh)
 
     def scoped(*a):
-        with use_scope(placement.scope):
+        with use_placement(placement):
             return fun(*a)
 
     return jax.jit(scoped)(*jax.tree.map(put, args))
@@ -212,7 +186,7 @@ def make_placement(
         mesh = Mesh(arr, axes)
     rules = Rules(logical_axes) if logical_axes is not None else identity_rules(mesh.axis_names)
     rules.check_mesh(dict(mesh.shape))
-    return Placement(name, mesh, rules)
+    return Placement(mesh, rules, name=name)
 
 
 def task(
