@@ -246,6 +246,19 @@ def test_get_input_batch_form_returns_three():
     assert_trees_close(state, ref.outputs[-1][1], what="get_input_batch state")
 
 
+def test_an_spmd_step_is_the_plan_with_one_placement():
+    ref = reference("mlp")
+    fun, _ = parallelize(make_train_step(ref.model, TX), init_params=ref.init, initial_batch=ref.batch,
+                         mesh=DP.mesh, rules=DP.rules)
+    plan = fun.plan
+    assert plan.placements == [fun.placement] and len(plan.segments) == 1 and plan.schedule is None
+    assert plan.transfers() == []
+    assert fun.placement.mesh == fun.mesh and not fun.placement.defer
+    # every input the step reads lives on that one placement; the whole step is its one segment
+    assert set(plan.input_placement.values()) == {fun.placement}
+    assert len(plan.segments[0].eqns) == len(plan.jaxpr.eqns) > 0
+
+
 def _batch_forms():
     return ["numpy", "jax_on_device_5", "jax_on_other_mesh"]
 

@@ -135,7 +135,7 @@ def _check_exact(logical: tuple, dropped: Dropped, shape: tuple, placement: Plac
     )
 
 
-def constrained_inputs(closed_jaxpr: jax.extend.core.ClosedJaxpr) -> dict[int, PartitionSpec | tuple]:
+def constrained_inputs(jaxpr: jax.extend.core.Jaxpr) -> dict[int, PartitionSpec | tuple]:
     """Input index -> spec of the first `with_sharding_constraint` applied directly to it.
 
     A resolved constraint gives its `PartitionSpec` (mesh axes); a deferred one
@@ -163,7 +163,6 @@ def constrained_inputs(closed_jaxpr: jax.extend.core.ClosedJaxpr) -> dict[int, P
                     if inner:
                         walk(sub, inner)
 
-    jaxpr = closed_jaxpr.jaxpr
     walk(jaxpr, {v: i for i, v in enumerate(jaxpr.invars)})
     return found
 

@@ -37,7 +37,7 @@ from .order import schedule_segments
 from .segment import Segment, Unit
 from .split import inline_backward_tasks
 
-__all__ = ["Plan", "has_tasks", "inline_calls", "partition"]
+__all__ = ["Plan", "has_tasks", "inline_calls", "make_plan", "partition"]
 
 
 def has_tasks(jaxpr: Jaxpr) -> bool:
@@ -296,3 +296,12 @@ def _check_overlaps(placements: Sequence[Placement]) -> None:
                     f"{sorted(d.id for d in common)} on different meshes. Tasks must run on disjoint "
                     f"device sets, or on exactly the same mesh (same devices, shape and axis names)"
                 )
+
+
+def make_plan(closed: ClosedJaxpr, placement: Placement, pipelines: Sequence[Pipeline] = ()) -> Plan:
+    """The one plan of a traced step: ``placement`` alone (SPMD: one segment), or, when the step calls
+    tasks, its nested calls inlined and the equations partitioned over the tasks' submeshes (MPMD)."""
+    if has_tasks(closed.jaxpr):
+        return partition(inline_calls(closed), pipelines)
+    whole = Segment(0, placement, list(closed.jaxpr.eqns))
+    return link_segments(closed.jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts)), [whole])

@@ -8,14 +8,12 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from ..core.layout import Layout, derive_layout
-from ..core.placement import Placement
-from ..core.rules import PathRules
-from ..plan.partition import Plan, partition
+from ..core.layout import Layout
+from ..plan.partition import Plan
 from .runtime import Runtime
 from .spmd import Parallelized
 
-__all__ = ["MPMDFunction", "build_mpmd"]
+__all__ = ["MPMDFunction"]
 
 
 class MPMDFunction(Parallelized):
@@ -58,24 +56,3 @@ class MPMDFunction(Parallelized):
         stages = ", ".join(p.name for p in self.plan.placements)
         return f"MPMDFunction({name}, {len(self.plan.segments)} segments on [{stages}], {len(self.param_layout.leaves)} params)"
 
-
-def build_mpmd(fun: Callable, closed, out_shape: Any, abstract_params: Any, abstract_batch: Any, *,
-               path_rules: PathRules, batch_spec: tuple, constraints: dict, pipelines=(),
-               donate: bool = False) -> MPMDFunction:
-    plan = partition(closed, pipelines)
-    invars = plan.jaxpr.invars
-    first = plan.placements[0]
-    n_params = len(jax.tree.leaves(abstract_params))
-
-    def placement_of(offset: int) -> Callable[[int], Placement]:
-        def placement(i: int) -> Placement:
-            return plan.input_placement.get(invars[offset + i], first)
-
-        return placement
-
-    params = derive_layout(abstract_params, placement_of(0), path_rules=path_rules,
-                           constraints={i: s for i, s in constraints.items() if i < n_params}, what="parameter")
-    batch = derive_layout(abstract_batch, placement_of(n_params), default=batch_spec, exact=True,
-                          constraints={i - n_params: s for i, s in constraints.items() if i >= n_params}, what="batch")
-    return MPMDFunction(fun, plan, params, batch, abstract_params, abstract_batch,
-                        jax.tree.structure(out_shape), out_shape, donate)

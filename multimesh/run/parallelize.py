@@ -16,13 +16,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..core.layout import constrained_inputs, derive_layout
+from ..core.layout import Layout, constrained_inputs, derive_layout
 from ..core.meshes import MeshLike, build_mesh
 from ..core.placement import Placement, use_placement
 from ..core.rules import MeshAxes, PathRules, Rules
-from ..plan.partition import has_tasks, inline_calls
+from ..plan.partition import Plan, make_plan
 from ..trace.microbatch import collect_pipelines
-from .mpmd import build_mpmd
+from .mpmd import MPMDFunction
 from .spmd import ShardedFunction
 
 __all__ = ["ShardedFunction", "parallelize"]
@@ -112,20 +112,13 @@ def parallelize(
     with use_placement(placement.deferring()), collect_pipelines() as pipelines:
         traced = _trace(fun, abstract_params, abstract_batch)
     closed, out_shape = traced if traced is not None else (None, None)
+    plan = make_plan(closed, placement, pipelines) if closed is not None else None
+    params, batch = _input_layouts(plan, placement, abstract_params, abstract_batch, path_rules, batch_spec)
 
-    if closed is not None and has_tasks(closed.jaxpr):
-        closed = inline_calls(closed)
-        sharded = build_mpmd(fun, closed, out_shape, abstract_params, abstract_batch, path_rules=path_rules,
-                             batch_spec=batch_spec, constraints=constrained_inputs(closed), pipelines=pipelines,
-                             donate=donate)
+    if plan is not None and plan.placements != [placement]:  # tasks: the runtime runs the plan's segments
+        sharded = MPMDFunction(fun, plan, params, batch, abstract_params, abstract_batch,
+                               jax.tree.structure(out_shape), out_shape, donate)
         return _with_initializers(sharded, init_params, get_input_batch, None)
-    n_params = len(jax.tree.leaves(abstract_params))
-    found = constrained_inputs(closed) if closed is not None else {}
-    param_found = {i: s for i, s in found.items() if i < n_params}
-    batch_found = {i - n_params: s for i, s in found.items() if i >= n_params}
-    params = derive_layout(abstract_params, placement, path_rules=path_rules, constraints=param_found, what="parameter")
-    batch = derive_layout(abstract_batch, placement, constraints=batch_found, default=batch_spec, exact=True, what="batch")
-
     if rules is None and all(leaf.spec == jax.sharding.PartitionSpec() or not any(leaf.spec) for leaf in params.leaves):
         warnings.warn(
             f"parallelize: no rules= and no annotation names a mesh axis, so every parameter is replicated "
@@ -133,8 +126,28 @@ def parallelize(
             stacklevel=2,
         )
 
-    sharded = ShardedFunction(fun, placement, params, batch, abstract_params, abstract_batch, donate)
+    sharded = ShardedFunction(fun, placement, params, batch, abstract_params, abstract_batch, donate, plan)
     return _with_initializers(sharded, init_params, get_input_batch, placement)
+
+
+def _input_layouts(plan: Plan | None, placement: Placement, abstract_params: Any, abstract_batch: Any,
+                   path_rules: PathRules, batch_spec: tuple) -> tuple[Layout, Layout]:
+    """Parameter and batch layouts, each input on the placement of its first consumer in the plan (SPMD:
+    the one placement): from its annotations, a path rule, a constraint found in the trace, or the default."""
+    n_params = len(jax.tree.leaves(abstract_params))
+    found = constrained_inputs(plan.jaxpr) if plan is not None else {}
+    invars = plan.jaxpr.invars if plan is not None else []
+
+    def placement_of(offset: int) -> Callable[[int], Placement]:
+        if plan is None:
+            return lambda i: placement
+        return lambda i: plan.input_placement.get(invars[offset + i], plan.placements[0])
+
+    params = derive_layout(abstract_params, placement_of(0), path_rules=path_rules, what="parameter",
+                           constraints={i: s for i, s in found.items() if i < n_params})
+    batch = derive_layout(abstract_batch, placement_of(n_params), default=batch_spec, exact=True, what="batch",
+                          constraints={i - n_params: s for i, s in found.items() if i >= n_params})
+    return params, batch
 
 
 def _with_initializers(sharded, init_params: Callable, get_input_batch: Callable | None, placement: Placement | None) -> tuple:

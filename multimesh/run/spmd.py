@@ -14,6 +14,7 @@ from ..core.placement import Placement, use_placement
 from ..core.report import ShardingReport
 from ..core.rules import Rules
 from ..core.treecheck import check_same_structure
+from ..plan.partition import Plan
 
 __all__ = ["Parallelized", "ShardedFunction", "place_batch"]
 
@@ -72,15 +73,19 @@ class Parallelized:
 class ShardedFunction(Parallelized):
     """The sharded step built by `parallelize` (SPMD: one `jax.jit` on one mesh).
 
-    Call it as ``fun(params, batch, *args)``. Attributes: ``mesh``, ``rules``,
-    ``param_shardings``, ``batch_shardings`` (pytrees like the inputs),
-    ``param_layout``/``batch_layout`` (a record per array), and `report`.
+    Its ``plan`` has one placement and one segment (None when ``fun`` takes
+    more than the parameters and the batch, and was not traced ahead): it is
+    compiled as one `jax.jit` of ``fun`` under that placement. Call it as
+    ``fun(params, batch, *args)``. Attributes: ``placement``, ``mesh``,
+    ``rules``, ``param_shardings``, ``batch_shardings`` (pytrees like the
+    inputs), ``param_layout``/``batch_layout`` (a record per array), `report`.
     """
 
     def __init__(self, fun: Callable, placement: Placement, params: Layout, batch: Layout, abstract_params: Any,
-                 abstract_batch: Any, donate: bool):
+                 abstract_batch: Any, donate: bool, plan: Plan | None = None):
         super().__init__(fun, params, batch, abstract_params, abstract_batch)
         self.placement = placement
+        self.plan = plan
 
         def step(p, b, *args):
             with use_placement(placement):
