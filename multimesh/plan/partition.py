@@ -28,6 +28,7 @@ import numpy as np
 from jax._src import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
+from ..core.fmt import format_bytes
 from ..core.schedules import Schedule
 from ..trace.implicit import implicit_placement, is_backprop, microbatch_of
 from ..trace.interpret import bind_equation, interpret
@@ -108,7 +109,7 @@ class Plan:
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB" if n >= 2**16 else f"{n} B"
+    return format_bytes(n, unit="MiB", digits=2, exact_below=2**16)
 
 
 _INLINED = ("jit", "pjit", "closed_call")

@@ -54,5 +54,6 @@ class MPMDFunction(Parallelized):
     def __repr__(self) -> str:
         name = getattr(self.fun, "__name__", "fun")
         stages = ", ".join(p.name for p in self.plan.placements)
-        return f"MPMDFunction({name}, {len(self.plan.segments)} segments on [{stages}], {len(self.param_layout.leaves)} params)"
+        return (f"MPMDFunction({name}, {len(self.plan.segments)} segments in {len(self.runtime.programs)} programs "
+                f"on [{stages}], {len(self.param_layout.leaves)} params)")
 
