@@ -264,3 +264,66 @@ def test_no_warning_with_rules_or_mesh_axis_annotations():
         fun, _ = _build(Tiny(names=(None, "model"), physical=True), mesh=MESH)
     specs = {p: norm_spec(s.spec) for p, s in leaves_by_path(fun.param_shardings).items()}
     assert specs["params/Dense_0/kernel/value"] == (None, "model"), specs
+
+
+# -- tasks and registrations -----------------------------------------------------------
+
+
+def _double(x):
+    return 2 * x
+
+
+def test_task_devices_repeated_or_unknown_are_refused():
+    from multimesh.jax import task
+
+    d = jax.devices()
+    with pytest.raises(ValueError, match=r"task 'rep': devices \[0\] appear more than once in devices=\[0, 0\]"):
+        task(_double, "rep", devices=[d[0], d[0]])
+    with pytest.raises(ValueError, match=r"task 'ids': device id 99 does not exist; ids are \[0, 1, 2"):
+        task(_double, "ids", devices=[0, 99])
+    with pytest.raises(TypeError, match=r"task 'bad': devices must be jax devices or integer ids, got 'cpu'"):
+        task(_double, "bad", devices=["cpu"])
+
+
+def test_task_integer_device_ids_run_on_those_devices():
+    from multimesh.jax import task
+
+    t = task(_double, "ids", devices=np.array([[4, 5], [6, 7]]), device_axes=("a", "b"))
+    assert t.placement.mesh.devices.tolist() == [[jax.devices()[i] for i in (4, 5)], [jax.devices()[i] for i in (6, 7)]]
+    out = t(jnp.arange(4.0))
+    np.testing.assert_array_equal(np.asarray(out), [0.0, 2.0, 4.0, 6.0])
+    assert out.sharding.device_set == set(jax.devices()[4:])
+
+
+def test_a_task_inside_a_task_on_other_devices_names_both():
+    from multimesh.jax import task
+
+    inner = task(_double, "inner", devices=jax.devices()[4:])
+    outer = task(lambda x: inner(x) + 1, "outer", devices=jax.devices()[:4])
+    with pytest.raises(ValueError, match=r"task 'inner' \(.*devices \[4-7\]\) is called inside task 'outer' "
+                                         r"\(.*devices \[0-3\]\), on other devices"):
+        outer(jnp.ones(4))
+    same = task(lambda x: task(_double, "again", devices=jax.devices()[:4])(x) + 1, "same", devices=jax.devices()[:4])
+    np.testing.assert_array_equal(np.asarray(same(jnp.ones(4))), [3.0] * 4)  # same devices: runs inline
+
+
+def test_register_task_invalid_regex_names_it():
+    from multimesh.jax import register_task
+
+    with pytest.raises(ValueError, match=r"register_task: regex='layers_\(' is not a valid regular expression"):
+        register_task("layers_(", devices=jax.devices()[:4])
+
+
+def test_register_task_matching_nothing_warns_or_raises_under_strict():
+    from multimesh.jax import register_task
+
+    model, tx = MLP(), optax.sgd(0.1)
+    init = make_init(model, tx, mlp_batch()["x"][:2])
+    with register_task(r"no_such_layer_\d+", devices=jax.devices()[:4]):
+        with pytest.warns(UserWarning, match=r"register_task patterns \['no_such_layer_\\\\d\+'\] match no Flax "
+                                             r"module or jax.named_scope of the step, .*names seen are: .*Dense_0"):
+            parallelize(make_train_step(model, tx), init_params=init, initial_batch=mlp_batch(), mesh=MESH,
+                        rules=[("batch", "data")])
+        with pytest.raises(ValueError, match="match no Flax module"):
+            parallelize(make_train_step(model, tx), init_params=init, initial_batch=mlp_batch(), mesh=MESH,
+                        rules=[("batch", "data")], strict=True)

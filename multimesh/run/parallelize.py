@@ -21,6 +21,7 @@ from ..core.meshes import MeshLike, build_mesh
 from ..core.placement import Placement, use_placement
 from ..core.rules import MeshAxes, PathRules, Rules
 from ..plan.partition import Plan, make_plan
+from ..trace.implicit import names_in, registered_tasks
 from ..trace.microbatch import collect_pipelines
 from .mpmd import MPMDFunction
 from .spmd import ShardedFunction
@@ -113,6 +114,8 @@ def parallelize(
         traced = _trace(fun, abstract_params, abstract_batch)
     closed, out_shape = traced if traced is not None else (None, None)
     plan = make_plan(closed, placement, pipelines) if closed is not None else None
+    if plan is not None and plan.placements == [placement] and registered_tasks():
+        _unmatched_registrations(plan, strict)
     params, batch = _input_layouts(plan, placement, abstract_params, abstract_batch, path_rules, batch_spec)
 
     if plan is not None and plan.placements != [placement]:  # tasks: the runtime runs the plan's segments
@@ -128,6 +131,18 @@ def parallelize(
 
     sharded = ShardedFunction(fun, placement, params, batch, abstract_params, abstract_batch, donate, plan)
     return _with_initializers(sharded, init_params, get_input_batch, placement)
+
+
+def _unmatched_registrations(plan: Plan, strict: bool) -> None:
+    """Tasks are registered, yet none matched: say so (strict: raise), naming the patterns and what was seen."""
+    patterns = [r.pattern.pattern for r in registered_tasks()]
+    seen = sorted(n for n in names_in(plan.jaxpr) if not n.startswith("microbatch_"))
+    shown = ", ".join(seen[:20]) + (f", ... ({len(seen)} in all)" if len(seen) > 20 else "")
+    message = (f"parallelize: register_task patterns {patterns} match no Flax module or jax.named_scope of the "
+               f"step, so it runs as one SPMD program; the names seen are: {shown or 'none'}")
+    if strict:
+        raise ValueError(message)
+    warnings.warn(message, stacklevel=3)
 
 
 def _input_layouts(plan: Plan | None, placement: Placement, abstract_params: Any, abstract_batch: Any,

@@ -44,6 +44,7 @@ __all__ = [
     "implicit_placement",
     "is_backprop",
     "microbatch_of",
+    "names_in",
     "register_scope",
     "register_task",
     "registered_tasks",
@@ -198,7 +199,11 @@ def register_task(
     Returns:
       A handle: ``.remove()`` unregisters, and ``with register_task(...):`` scopes it.
     """
-    pattern = re.compile(regex)
+    try:
+        pattern = re.compile(regex)
+    except (re.error, TypeError) as e:
+        raise ValueError(f"register_task: regex={regex!r} is not a valid regular expression ({e}); it is "
+                         f"matched against Flax module names and jax.named_scope names, e.g. r'layers_(\\d+)'") from None
     axes = tuple(device_axes) if device_axes is not None else None
     rules = tuple(logical_axes) if logical_axes is not None else None
     if callback is not None:
@@ -247,6 +252,18 @@ def register_scope(scope_name: str, placement: Placement) -> None:
 
 _WRAPPER = re.compile(r"^(?:[A-Za-z_]\w*\()*([^()]*)\)*$")
 _MICROBATCH = re.compile(r"microbatch_(\d+)")
+
+
+def names_in(jaxpr: Any) -> set[str]:
+    """Every module or named-scope name on the scope stacks of ``jaxpr``'s equations (nested ones too)."""
+    names: set[str] = set()
+    for e in jaxpr.eqns:
+        names.update(scope_names(e.source_info.name_stack))
+        for value in e.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if hasattr(inner, "eqns"):
+                names |= names_in(inner)
+    return names
 
 
 def scope_names(name_stack: Any) -> list[str]:

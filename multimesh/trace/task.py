@@ -26,7 +26,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.sharding import Mesh
 
-from ..core.placement import Placement, use_placement
+from ..core.placement import Placement, current_placement, use_placement
 from ..core.rules import MeshAxes, Rules, identity_rules
 from ..core.transfer import reshard_to
 
@@ -176,7 +176,7 @@ def make_placement(
                     f"task {name!r}: logical_axes= needs axes to map to; give mesh= or devices= with device_axes="
                 )
             devices = jax.devices()
-        arr = np.asarray(devices, dtype=object)
+        arr = _as_devices(name, devices)
         axes = tuple(device_axes) if device_axes is not None else ((DEFAULT_AXIS,) if arr.ndim == 1 else None)
         if axes is None or len(axes) != arr.ndim:
             raise ValueError(
@@ -187,6 +187,40 @@ def make_placement(
     rules = Rules(logical_axes) if logical_axes is not None else identity_rules(mesh.axis_names)
     rules.check_mesh(dict(mesh.shape))
     return Placement(mesh, rules, name=name)
+
+
+def _as_devices(name: str, devices: Any) -> np.ndarray:
+    """``devices`` as an array of jax devices: integer ids are looked up; repeats are refused."""
+    arr = np.asarray(devices, dtype=object)
+    by_id = {d.id: d for d in jax.devices()}
+    flat = []
+    for d in arr.flat:
+        if isinstance(d, (int, np.integer)) and not isinstance(d, bool):
+            if int(d) not in by_id:
+                raise ValueError(f"task {name!r}: device id {int(d)} does not exist; ids are {sorted(by_id)}")
+            d = by_id[int(d)]
+        elif not isinstance(d, jax.Device):
+            raise TypeError(f"task {name!r}: devices must be jax devices or integer ids, got {d!r}")
+        flat.append(d)
+    ids = [d.id for d in flat]
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        raise ValueError(f"task {name!r}: devices {repeated} appear more than once in devices={ids}; "
+                         f"a submesh holds each device once")
+    out = np.empty(arr.shape, dtype=object)
+    out.flat[:] = flat
+    return out
+
+
+def _check_not_nested(placement: Placement) -> None:
+    """A task called while another task's body is traced must run on the same devices."""
+    outer = current_placement()
+    if outer is not None and outer.name is not None and not outer.defer and outer.devices != placement.devices:
+        raise ValueError(
+            f"task {placement.name!r} ({placement.describe()}) is called inside task {outer.name!r} "
+            f"({outer.describe()}), on other devices; a task's body runs on its own submesh. Call "
+            f"{placement.name!r} outside {outer.name!r} (chain the two in the step), or give it the same devices"
+        )
 
 
 def task(
@@ -204,8 +238,9 @@ def task(
       fun: the computation (any pytrees in and out). Without it, a decorator.
       name: shown in plans and errors (default: ``fun.__name__``).
       mesh: the task's `Mesh`; or
-      devices: a numpy array of devices shaped as the submesh (a flat list is
-        1-D), with ``device_axes`` naming each dimension.
+      devices: a numpy array of devices (or integer device ids) shaped as the
+        submesh (a flat list is 1-D), with ``device_axes`` naming each
+        dimension. A device may appear once.
       logical_axes: ``(logical, device_axis)`` pairs, the task's rules
         (default: each device axis maps to itself).
     Neither ``mesh`` nor ``devices``: all devices in 1-D (axis ``"devices"``).
@@ -219,6 +254,7 @@ def task(
     def wrapped(*args: Any) -> Any:
         if transforms_ignored():
             return fun(*args)
+        _check_not_nested(placement)
         if _is_tracing(args):
             return _traced_call(placement, fun, args)
         return _eager_call(placement, fun, args)
