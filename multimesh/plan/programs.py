@@ -76,20 +76,20 @@ def _param_key(primitive: str, params: dict) -> tuple:
 def _structure(eqns: Sequence[JaxprEqn], invars: Sequence[Var], outvars: Sequence[Var]) -> tuple[tuple, list]:
     """(a hashable key of the segment's computation without literal values, the literal values in order)."""
     number: dict[Var, int] = {v: i for i, v in enumerate(invars)}
-    key: list = [tuple(str(v.aval) for v in invars)]
+    key: list = [tuple(v.aval for v in invars)]
     literals: list = []
     for e in eqns:
         ins = []
         for x in e.invars:
             if isinstance(x, Literal):
-                ins.append(("literal", str(x.aval)))
+                ins.append(("literal", x.aval))
                 literals.append(x.val)
             else:
                 ins.append(number[x])
         for v in e.outvars:
             number[v] = len(number)
         key.append((e.primitive.name, _param_key(e.primitive.name, e.params), tuple(ins),
-                    tuple(str(v.aval) for v in e.outvars)))
+                    tuple(v.aval for v in e.outvars)))
     key.append(tuple(number[v] for v in outvars))
     return tuple(key), literals
 

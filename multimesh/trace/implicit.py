@@ -266,28 +266,29 @@ def names_in(jaxpr: Any) -> set[str]:
     return names
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _read_stack(name_stack: Any) -> tuple[tuple[str, ...], int | None, bool]:
+    """(scope names, microbatch index, inside a transpose): read once per distinct name stack."""
+    text = str(name_stack)
+    names = []
+    for part in text.split("/") if text else ():
+        m = _WRAPPER.match(part)
+        names.append(m.group(1) if m else part)
+    microbatch = next((int(m.group(1)) for n in names if (m := _MICROBATCH.fullmatch(n))), None)
+    return tuple(names), microbatch, "transpose(" in text
+
+
 def scope_names(name_stack: Any) -> list[str]:
     """The scope names of a name stack, outermost first, without transform wrappers."""
-    text = str(name_stack)
-    if not text:
-        return []
-    out = []
-    for part in text.split("/"):
-        m = _WRAPPER.match(part)
-        out.append(m.group(1) if m else part)
-    return out
+    return list(_read_stack(name_stack)[0])
 
 
 def is_backprop(name_stack: Any) -> bool:
-    return "transpose(" in str(name_stack)
+    return _read_stack(name_stack)[2]
 
 
 def microbatch_of(name_stack: Any) -> int | None:
-    for n in scope_names(name_stack):
-        m = _MICROBATCH.fullmatch(n)
-        if m:
-            return int(m.group(1))
-    return None
+    return _read_stack(name_stack)[1]
 
 
 def implicit_placement(name_stack: Any) -> Placement | None:
