@@ -152,3 +152,25 @@ def test_task_outside_parallelize_runs_on_its_submesh():
     out = t(jnp.arange(4.0))
     np.testing.assert_array_equal(out, np.arange(4.0) * 2)
     assert out.sharding.device_set == set(devs[6:])
+
+
+def test_a_parameter_constrained_outside_tasks_is_sharded_by_the_consuming_tasks_rules():
+    """MultiMesh resolves a constraint on a parameter in glue with the rules of the task that reads it."""
+    devs = np.array(jax.devices())
+    first = task(lambda w, x: x @ w, "first", devices=devs[:4].reshape(4, 1), device_axes=("x", "y"),
+                 logical_axes=[("model", "x")])
+    second = task(lambda x: jnp.tanh(x), "second", devices=devs[4:].reshape(4, 1), device_axes=("x", "y"))
+
+    def step(p, b):
+        w = with_sharding_constraint(p["w"], P("model", None))  # outside any task: logical names
+        return jnp.sum(second(first(w, b["x"])))
+
+    fn, init, get_batch = parallelize(
+        step, init_params=lambda: {"w": jnp.arange(64.0).reshape(8, 8) / 64},
+        get_input_batch=lambda: {"x": jnp.ones((4, 8))})
+    params, batch = init(), get_batch()
+    w = params["w"]
+    assert w.sharding.device_set == set(devs[:4]) and tuple(w.sharding.spec) == ("x", None)
+    assert {s.data.shape for s in w.addressable_shards} == {(2, 8)}  # 4 row blocks
+    want = jnp.sum(jnp.tanh(jnp.ones((4, 8)) @ (jnp.arange(64.0).reshape(8, 8) / 64)))
+    np.testing.assert_allclose(float(fn(params, batch)), float(want), rtol=1e-6)
