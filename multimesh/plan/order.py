@@ -164,10 +164,10 @@ def _fuse(order: Sequence[Segment]) -> list[Segment]:
     its submesh when that is a unit of its microbatch and nothing in between
     reads its results, else the previous one when that is such a unit and
     nothing in between writes its inputs. What is left, and glue outside the
-    microbatches (the optimizer, sums over microbatches), joins the glue just
-    before it on its submesh when it has the same microbatch. Glue outside the
-    microbatches never joins a unit: there it would make the first or the last
-    microbatch's program differ from the others' (`programs.group_programs`).
+    microbatches (the optimizer update), joins the glue just before it on its
+    submesh when it has the same microbatch. Glue outside the microbatches
+    never joins a unit: there it would make the first or the last microbatch's
+    program differ from the others' (`programs.group_programs`).
     """
     out = [Segment(s.index, s.placement, list(s.eqns), unit=s.unit, action=s.action, stage=s.stage) for s in order]
     made = [{v for e in s.eqns for v in e.outvars} for s in out]
