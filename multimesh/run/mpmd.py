@@ -9,11 +9,16 @@ import jax
 from jax.sharding import NamedSharding
 
 from ..core.layout import Layout
+from ..core.transfer import everywhere, move
 from ..plan.partition import Plan
 from .runtime import Runtime
 from .spmd import Parallelized
 
-__all__ = ["MPMDFunction"]
+__all__ = ["MPMDFunction", "READABLE_BYTES"]
+
+#: With several processes, outputs that are not parameters (the loss, metrics) up to this size are copied
+#: to every process, so ``float(loss)`` works everywhere; larger ones stay on the stage that made them.
+READABLE_BYTES = 1 << 20
 
 
 class MPMDFunction(Parallelized):
@@ -45,11 +50,20 @@ class MPMDFunction(Parallelized):
     def __call__(self, params: Any, batch: Any) -> Any:
         batch = self._check_inputs(params, batch)
         outs = self.runtime(jax.tree.leaves(params) + jax.tree.leaves(batch))
-        outs = [
-            x if t is None or (isinstance(x, jax.Array) and x.sharding == t) else jax.device_put(x, t)
-            for x, t in zip(outs, self._out_targets)
-        ]
+        outs = [self._deliver(x, t) for x, t in zip(outs, self._out_targets)]
         return jax.tree.unflatten(self._out_tree, outs)
+
+    @staticmethod
+    def _deliver(x: Any, target: NamedSharding | None) -> Any:
+        """An output where the caller expects it: a parameter in its own sharding; with several processes,
+        a small other output (up to `READABLE_BYTES`) on every process."""
+        if not isinstance(x, jax.Array):
+            return x
+        if target is not None:
+            return x if x.sharding == target else move([x], [target])[0]
+        if jax.process_count() > 1 and x.nbytes <= READABLE_BYTES and not _readable_here_and_everywhere(x):
+            return move([x], [everywhere(x)])[0]
+        return x
 
     def __repr__(self) -> str:
         name = getattr(self.fun, "__name__", "fun")
@@ -57,3 +71,8 @@ class MPMDFunction(Parallelized):
         return (f"MPMDFunction({name}, {len(self.plan.segments)} segments in {len(self.runtime.programs)} programs "
                 f"on [{stages}], {len(self.param_layout.leaves)} params)")
 
+
+
+def _readable_here_and_everywhere(x: jax.Array) -> bool:
+    """Every process holds a whole copy of ``x`` already."""
+    return x.is_fully_replicated and {d.process_index for d in x.sharding.device_set} == set(range(jax.process_count()))

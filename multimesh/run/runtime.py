@@ -10,6 +10,12 @@ every `sync_every` executions the runtime waits for the latest result,
 bounding the work in flight (XLA:CPU aborts when too many executions with
 collectives are queued).
 
+With several processes (multi-controller JAX), every process walks the same
+steps: a segment whose submesh has no device of this process is a call that
+runs nothing here and returns placeholders, and each transfer is made by the
+processes at both ends (`core.transfer.move`), so all processes make the same
+calls in the same order and none waits for a call another never makes.
+
 It also measures what a pipeline schedule promises: the number of
 microbatches whose forward activations (the residuals a backward pass will
 read) are alive on each stage at once.
@@ -27,7 +33,7 @@ from jax.extend.core import Literal, Var
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..core.placement import use_placement
-from ..core.transfer import move, target_on
+from ..core.transfer import move, put, target_on
 from ..plan.partition import Plan
 from ..plan.programs import Program, group_programs, run_program
 from ..plan.segment import Segment
@@ -73,6 +79,7 @@ class _Step:
     args: list[Key]
     outs: list[Key]
     frees: list[Key]
+    local: bool  # some of its devices belong to this process (it computes here, not only a placeholder)
 
 
 class Runtime:
@@ -90,7 +97,7 @@ class Runtime:
             fn = _compile(program)
             replicated = NamedSharding(program.placement.mesh, PartitionSpec())
             for k in program.segments:
-                calls[k] = (fn, [jax.device_put(v, replicated) for v in program.literal_values(k)])
+                calls[k] = (fn, [put(v, replicated) for v in program.literal_values(k)])
         self._steps = _steps(plan, calls)
         stash = _stashed_activations(plan.segments)
         stage_at = {s.placement.devices: s.stage for s in plan.segments if s.stage is not None}
@@ -112,8 +119,8 @@ class Runtime:
         return ReshardError(
             f"cannot move {v.aval.str_short()} from {origin} ({where}) to task {seg.placement.name!r} "
             f"({seg.placement.describe()}), needed by segment [{seg.index}] {seg.label}: {e}. Values move "
-            f"between submeshes with jax.device_put, which needs both sides in this process; across "
-            f"processes, keep each pipeline stage's devices within one process"
+            f"between submeshes with jax.device_put; across processes, start them with "
+            f"multimesh.distributed.initialize (it enables JAX's cross-host transfers)"
         )
 
     def _place_input(self, v: Var, x: Any, seg: Segment) -> Any:
@@ -186,7 +193,7 @@ class Runtime:
             stats.executions += 1
             stats.executed.append(seg.label)
             count([k for k in step.frees if held.pop(k, _GONE) is not _GONE], -1)
-            if outs:
+            if outs and step.local:
                 last = outs[0]
             if self.sync_every and stats.executions % self.sync_every == 0 and last is not None:
                 jax.block_until_ready(last)
@@ -225,8 +232,9 @@ def _steps(plan: Plan, calls: Sequence[tuple[Any, list]]) -> list[_Step]:
                 inputs.append((v, (v, here)))
             else:
                 copies.append((v, (v, home), (v, here)))
+        local = any(d.process_index == jax.process_index() for d in here)
         steps.append(_Step(seg, fn, literals, inputs, copies, [(v, here) for v in seg.invars],
-                           [(v, here) for v in seg.outvars], free_after[seg.index]))
+                           [(v, here) for v in seg.outvars], free_after[seg.index], local))
     return steps
 
 

@@ -1,0 +1,99 @@
+"""Start one process of a multi-process run (multi-controller JAX).
+
+Every process runs the same program; call `initialize` in each, before any
+other JAX call. It wraps `jax.distributed.initialize` and sets what
+multimesh's runtime needs:
+
+* CPU collectives across processes (gloo), so an SPMD program (a stage) may
+  span processes; GPUs keep JAX's defaults;
+* JAX's cross-host device transfers (``jax_cross_host_transfer_socket_address``),
+  so pipeline stages may sit on different processes and hosts: each process
+  listens on a free port of the address other processes reach it at;
+* failure handling: when a process dies, the others stop within about
+  ``heartbeat_timeout_seconds`` with an error naming it, instead of waiting
+  forever for its transfers; and an uncaught exception ends its process at
+  once (``exit_on_error``) rather than letting it wait at JAX's shutdown
+  barrier while the others wait for it.
+
+Plain `jax.distributed.initialize` works too when these flags are set before
+it: ``jax.config.update("jax_cpu_collectives_implementation", "gloo")`` and
+``jax.config.update("jax_cross_host_transfer_socket_address", "HOST:PORT")``
+with a port free on each process's host.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import traceback
+
+import jax
+
+__all__ = ["initialize", "is_initialized"]
+
+_started = False
+
+
+def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
+               local_device_ids: int | list[int] | None = None, transfer_address: str | None = None,
+               heartbeat_timeout_seconds: int = 30, initialization_timeout: int = 300,
+               exit_on_error: bool = True) -> None:
+    """Join the run of ``num_processes`` processes coordinated by process 0 at ``coordinator_address``.
+
+    Args:
+      coordinator_address: ``"HOST:PORT"`` where process 0 serves the coordination service.
+      num_processes: how many processes take part.
+      process_id: this process, in ``0 .. num_processes - 1``.
+      local_device_ids: restrict this process to some of its local devices (as in JAX).
+      transfer_address: ``"HOST:PORT"`` this process receives cross-host transfers on (default:
+        the address it reaches the coordinator from, on a free port).
+      heartbeat_timeout_seconds: how long the others wait for a process that stopped answering.
+      initialization_timeout: how long to wait for every process to join.
+      exit_on_error: an uncaught exception prints its traceback and ends the process at once (exit
+        status 1), so the others learn within ``heartbeat_timeout_seconds`` that it is gone.
+    """
+    global _started
+    if not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id must be in 0..{num_processes - 1}, got {process_id}")
+    host, _, port = coordinator_address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"coordinator_address must be 'HOST:PORT', got {coordinator_address!r}")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_cross_host_transfer_socket_address", transfer_address or _free_address(host, int(port)))
+    jax.distributed.initialize(coordinator_address, num_processes=num_processes, process_id=process_id,
+                               local_device_ids=local_device_ids, initialization_timeout=initialization_timeout,
+                               heartbeat_timeout_seconds=heartbeat_timeout_seconds)
+    _started = True
+    if exit_on_error:
+        sys.excepthook = _exit_on_uncaught
+
+
+def _exit_on_uncaught(kind: type, error: BaseException, tb: object) -> None:
+    """Print the error and leave now: JAX's shutdown would wait for processes that wait for this one."""
+    traceback.print_exception(kind, error, tb)
+    print(f"multimesh: process {jax.process_index()} of {jax.process_count()} stops on this error; "
+          f"the other processes stop when they miss its heartbeat", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def is_initialized() -> bool:
+    """Whether this process joined a multi-process run through `initialize`."""
+    return _started
+
+
+def _free_address(coordinator_host: str, coordinator_port: int) -> str:
+    """``"IP:PORT"``: this host's address on the route to the coordinator, and a port free now."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect((coordinator_host, coordinator_port))  # UDP: picks the route, sends nothing
+        ip = probe.getsockname()[0]
+    except OSError:
+        ip = "127.0.0.1"
+    finally:
+        probe.close()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((ip, 0))
+        return f"{ip}:{s.getsockname()[1]}"

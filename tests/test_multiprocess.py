@@ -1,0 +1,90 @@
+"""Pipelines across processes (jax.distributed on localhost): every process's view against one device.
+
+Each test starts its processes (tests/mp_worker.py) on a free port, bounds their time, and ends only
+the processes it started. Every process checks the loss of each step (readable everywhere) and the
+parameter shards it holds against the same step run on one of its devices, and that the schedule's
+order and activation bound held.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("mp_worker.py")
+REPO = WORKER.parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(scenario: str, n: int, per: int, *, schedule: str = "1f1b", timeout: float = 420) -> list[dict]:
+    """Start ``n`` workers with ``per`` CPU devices each; their JSON reports, in process order."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+    env["MP_SCHEDULE"] = schedule
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(i), str(n), str(port), str(per)],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(n)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    reports = []
+    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"process {i} failed ({p.returncode}):\n{err[-4000:]}"
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    return reports
+
+
+def check(reports: list[dict], n_stages: int) -> None:
+    n = len(reports)
+    assert [r["process"] for r in reports] == list(range(n))
+    for r in reports:  # the same losses everywhere, equal to one device's (checked in the worker too)
+        assert r["losses"] == reports[0]["losses"]
+        assert r["shards_checked"] > 0
+    leaves = 2 * n_stages
+    assert len(reports[0]["leaf_processes"]) == leaves
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_two_stages_one_per_process(schedule):
+    reports = run_processes("one_stage_per_process", 2, 2, schedule=schedule)
+    check(reports, 2)
+    # each process holds exactly its stage's parameters (a and b), and no shard of the other stage's
+    assert reports[0]["held_param_leaves"] == [0, 1] and reports[1]["held_param_leaves"] == [2, 3]
+    assert reports[0]["leaf_processes"] == {"0": [0], "1": [0], "2": [1], "3": [1]}
+
+
+def test_stages_spanning_both_processes():
+    """Two stages of 2 + 2 devices each: every stage is one SPMD program across both processes."""
+    reports = run_processes("stages_span_processes", 2, 4, schedule="zb-h1")
+    check(reports, 2)
+    assert all(procs == [0, 1] for procs in reports[0]["leaf_processes"].values())
+    assert reports[0]["schedule"] == "zb-h1"
+
+
+def test_stages_of_different_sizes_across_processes():
+    """2 devices on one process, 1 on the other: values cross as whole copies."""
+    check(run_processes("uneven_stages", 2, 2), 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_four_processes(schedule):
+    reports = run_processes("one_stage_per_process", 4, 1, schedule=schedule)
+    check(reports, 8 if schedule == "interleaved" else 4)
+    assert [r["held_param_leaves"] for r in reports][:2] == ([[0, 1], [2, 3]] if schedule == "1f1b" else
+                                                             [[0, 1, 8, 9], [2, 3, 10, 11]])
