@@ -19,15 +19,21 @@ OUT = sys.argv[6] if len(sys.argv) > 6 else None
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={PER}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-import multimesh.distributed  # noqa: E402
-from multimesh.jax import ignore_transforms, microbatch, parallelize, task, with_sharding_constraint  # noqa: E402
+import multimesh.distributed
+from multimesh.jax import (
+    ignore_transforms,
+    microbatch,
+    parallelize,
+    task,
+    with_sharding_constraint,
+)
 
 multimesh.distributed.initialize(f"127.0.0.1:{PORT}", NPROC, PID, heartbeat_timeout_seconds=10)
 

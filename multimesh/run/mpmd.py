@@ -14,7 +14,7 @@ from ..plan.partition import Plan
 from .runtime import Runtime
 from .spmd import Parallelized
 
-__all__ = ["MPMDFunction", "READABLE_BYTES"]
+__all__ = ["READABLE_BYTES", "MPMDFunction"]
 
 #: With several processes, outputs that are not parameters (the loss, metrics) up to this size are copied
 #: to every process, so ``float(loss)`` works everywhere; larger ones stay on the stage that made them.
