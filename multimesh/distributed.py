@@ -30,7 +30,9 @@ import traceback
 
 import jax
 
-__all__ = ["initialize", "is_initialized"]
+from .core.processes import ProcessLostError, heartbeat_timeout
+
+__all__ = ["ProcessLostError", "initialize", "is_initialized"]
 
 _started = False
 
@@ -65,6 +67,7 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
                                local_device_ids=local_device_ids, initialization_timeout=initialization_timeout,
                                heartbeat_timeout_seconds=heartbeat_timeout_seconds)
     _started = True
+    heartbeat_timeout(heartbeat_timeout_seconds)
     if exit_on_error:
         sys.excepthook = _exit_on_uncaught
 

@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,41 @@ def test_four_processes(schedule):
     check(reports, 8 if schedule == "interleaved" else 4)
     assert [r["held_param_leaves"] for r in reports][:2] == ([[0, 1], [2, 3]] if schedule == "1f1b" else
                                                              [[0, 1, 8, 9], [2, 3, 10, 11]])
+
+
+def _kill_mid_run(victim: int) -> tuple[subprocess.Popen, str, float]:
+    """Run a long 2-process pipeline, SIGKILL process ``victim`` after its 5th step; the survivor, its
+    stderr and how long it took to exit after the kill."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+    env["MP_STEPS"] = "1000000"
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "one_stage_per_process", str(i), "2", str(port), "2"],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    survivor = procs[1 - victim]
+    try:
+        deadline = time.monotonic() + 300
+        while not procs[victim].stdout.readline().startswith("step 5"):
+            assert time.monotonic() < deadline and procs[victim].poll() is None, "the run did not reach step 5"
+        procs[victim].kill()
+        killed = time.monotonic()
+        _, err = survivor.communicate(timeout=120)
+        return survivor, err, time.monotonic() - killed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_a_killed_process_stops_the_other_with_an_error_naming_it():
+    survivor, err, seconds = _kill_mid_run(victim=1)
+    assert survivor.returncode == 1 and seconds < 40, (survivor.returncode, seconds, err[-3000:])
+    assert "ProcessLostError" in err and "process(es) [1] stopped" in err, err[-3000:]
+
+
+@pytest.mark.slow
+def test_killing_the_coordinator_stops_the_other():
+    survivor, err, seconds = _kill_mid_run(victim=0)
+    assert survivor.returncode != 0 and seconds < 40, (survivor.returncode, seconds, err[-3000:])
+    assert "leader task" in err or "process(es) [0]" in err or "coordinator (process 0)" in err, err[-3000:]

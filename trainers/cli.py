@@ -48,7 +48,7 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", action="store_true", help="also print the parameters' sharding table")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or messages; only the summary")
     multi = p.add_argument_group(
-        "several processes (SPMD layouts)",
+        "several processes",
         "one command per process, all with the same config and train.out_dir; on CPU each\n"
         "process gets 8/N simulated devices. Process 0 shows progress and writes the metrics.")
     multi.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0 (jax.distributed)")
@@ -87,10 +87,10 @@ def _start_processes(coordinator: str | None, num_processes: int, process_id: in
     if coordinator is None or not 0 <= process_id < num_processes:
         raise SystemExit(f"multimesh-train: --num-processes {num_processes} needs --coordinator HOST:PORT and "
                          f"a --process-id in 0..{num_processes - 1}")
-    import jax
+    import multimesh.distributed
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU collectives across processes
-    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+    # CPU collectives and cross-host transfers (pipeline stages on other processes)
+    multimesh.distributed.initialize(coordinator, num_processes, process_id)
 
 
 def _split_args(args: Sequence[str]) -> tuple[str | None, list[str]]:

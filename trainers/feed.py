@@ -21,9 +21,12 @@ from trainers.data import TextDataset
 __all__ = ["Feed", "process_rows"]
 
 
-def process_rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple[int, int]:
-    """The rows ``[start, stop)`` of an array of ``shape`` that this process's devices hold."""
+def process_rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """The rows ``[start, stop)`` of an array of ``shape`` that this process's devices hold (None: no
+    device of this process holds any, e.g. the batch of a pipeline whose first stage is elsewhere)."""
     index = sharding.addressable_devices_indices_map(shape).values()
+    if not index:
+        return None
     ranges = sorted({(rows.start or 0, shape[0] if rows.stop is None else rows.stop) for rows, *_ in index})
     covered = ranges[0][0]
     for lo, hi in ranges:
@@ -47,6 +50,8 @@ class Feed:
         """The global batch of ``step``, without moving the dataset's position."""
         if self.sharding is None:
             return self.dataset.batch_at(step)
+        if self.rows is None:  # held by other processes' devices: a placeholder here
+            return {"tokens": jax.make_array_from_single_device_arrays(self.shape, self.sharding, [], dtype=np.int32)}
         rows = self.dataset.rows_at(step, *self.rows)["tokens"]
         return {"tokens": jax.make_array_from_process_local_data(self.sharding, np.asarray(rows), self.shape)}
 

@@ -144,9 +144,6 @@ def train(cfg: Config, *, devices: Any = None, quiet: bool = False, stop_after: 
     t_start = time.perf_counter()
     main = jax.process_index() == 0
     quiet = quiet or not main
-    if cfg.layout.pipeline is not None and jax.process_count() > 1:
-        raise ConfigError(f"layout.pipeline runs in one process (its stages are moved between with device_put), "
-                          f"but {jax.process_count()} processes are running; use an SPMD layout")
     out = cfg.out_dir
     out.mkdir(parents=True, exist_ok=True)
     layout = build_layout(cfg.layout, devices)

@@ -9,6 +9,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from ..core.layout import Layout
+from ..core.processes import lost_process_error
 from ..core.transfer import everywhere, move
 from ..plan.partition import Plan
 from .runtime import Runtime
@@ -49,8 +50,13 @@ class MPMDFunction(Parallelized):
 
     def __call__(self, params: Any, batch: Any) -> Any:
         batch = self._check_inputs(params, batch)
-        outs = self.runtime(jax.tree.leaves(params) + jax.tree.leaves(batch))
-        outs = [self._deliver(x, t) for x, t in zip(outs, self._out_targets)]
+        try:
+            outs = self.runtime(jax.tree.leaves(params) + jax.tree.leaves(batch))
+            outs = [self._deliver(x, t) for x, t in zip(outs, self._out_targets)]
+        except jax.errors.JaxRuntimeError as e:  # with several processes: did another one stop?
+            if jax.process_count() == 1:
+                raise
+            raise lost_process_error(e, f"step {getattr(self.fun, '__name__', 'fun')!r}") from e
         return jax.tree.unflatten(self._out_tree, outs)
 
     @staticmethod

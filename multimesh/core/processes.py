@@ -1,0 +1,46 @@
+"""Which processes of a multi-process run are still there, to name the one a failed step lost."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+
+__all__ = ["ProcessLostError", "heartbeat_timeout", "lost_process_error"]
+
+_HEARTBEAT = {"seconds": 100.0}  # JAX's default until `multimesh.distributed.initialize` sets it
+
+
+class ProcessLostError(RuntimeError):
+    """A step failed because another process of the run stopped."""
+
+
+def heartbeat_timeout(seconds: float | None = None) -> float:
+    """The heartbeat timeout of this run (set it by passing ``seconds``)."""
+    if seconds is not None:
+        _HEARTBEAT["seconds"] = float(seconds)
+    return _HEARTBEAT["seconds"]
+
+
+def lost_process_error(error: BaseException, what: str) -> BaseException:
+    """``error`` (raised by ``what`` in a multi-process run) as a `ProcessLostError` naming the processes
+    that stopped, when the coordinator reports some within the heartbeat timeout; else ``error`` itself."""
+    from jax._src import distributed  # the coordination client: the only record of who is alive
+
+    client, n, me = distributed.global_state.client, jax.process_count(), jax.process_index()
+    if client is None or n == 1:
+        return error
+    deadline = time.monotonic() + heartbeat_timeout() + 5
+    while True:
+        try:
+            live = set(client.get_live_nodes(list(range(n))))
+        except Exception:  # the coordinator itself (process 0) is gone
+            return ProcessLostError(f"{what} failed on process {me} of {n}: the coordinator (process 0) no longer "
+                                    f"answers, so process 0 has stopped; the error was: {error}")
+        lost = sorted(set(range(n)) - live)
+        if lost:
+            return ProcessLostError(f"{what} failed on process {me} of {n}: process(es) {lost} stopped (they no "
+                                    f"longer answer the coordinator; see their logs); the error was: {error}")
+        if time.monotonic() > deadline:
+            return error
+        time.sleep(0.5)
