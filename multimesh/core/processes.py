@@ -25,7 +25,8 @@ def heartbeat_timeout(seconds: float | None = None) -> float:
 def lost_process_error(error: BaseException, what: str) -> BaseException:
     """``error`` (raised by ``what`` in a multi-process run) as a `ProcessLostError` naming the processes
     that stopped, when the coordinator reports some within the heartbeat timeout; else ``error`` itself."""
-    from jax._src import distributed  # the coordination client: the only record of who is alive
+    # the coordination client: the only record of who is alive
+    from jax._src import distributed
 
     client, n, me = distributed.global_state.client, jax.process_count(), jax.process_index()
     if client is None or n == 1:
@@ -34,7 +35,7 @@ def lost_process_error(error: BaseException, what: str) -> BaseException:
     while True:
         try:
             live = set(client.get_live_nodes(list(range(n))))
-        except Exception:  # the coordinator itself (process 0) is gone
+        except jax.errors.JaxRuntimeError:  # the coordinator itself (process 0) is gone
             return ProcessLostError(f"{what} failed on process {me} of {n}: the coordinator (process 0) no longer "
                                     f"answers, so process 0 has stopped; the error was: {error}")
         lost = sorted(set(range(n)) - live)
