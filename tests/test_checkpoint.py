@@ -15,6 +15,7 @@ import re
 import jax
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
@@ -27,8 +28,11 @@ from multimesh.checkpoint import (
     abstract_target,
     to_json_safe,
 )
+from multimesh.checkpoint import checksum as ckpt_checksum
+from multimesh.checkpoint import handlers as ckpt_handlers
 from multimesh.checkpoint import inspect as ckpt_inspect
 from multimesh.checkpoint.checksum import checksums
+from multimesh.checkpoint.tree import leaves_with_paths
 
 pytestmark = pytest.mark.devices(8)
 
@@ -465,6 +469,142 @@ def test_checksum_is_layout_independent_and_sees_one_element():
     swapped[[0, 1]] = swapped[[1, 0]]
     other = checksums([jax.device_put(y, layouts[0]), jax.device_put(swapped, layouts[1])])
     assert sums[0] not in other
+
+
+_DTYPES = [np.float32, jax.numpy.bfloat16, np.int8, np.uint16, np.int32, bool]
+# layouts that cut rows and words anywhere: odd column starts (6 split in 2),
+# rows longer than a hashing block (70,000 words), 1-D, a scalar; meshes are
+# (shape, axis names)
+_M42, _M24, _M23 = ((4, 2), ("data", "model")), ((2, 4), ("data", "model")), ((2, 3), ("model", "data"))
+_LAYOUTS = [((16, 4, 6), [(_M42, P("data", None, "model")), (_M24, P(None, "model")),
+                          (_M23, P("model", None, "data"))]),
+            ((4, 70_000), [(_M42, P("data", "model")), (_M24, P(None, "model")), (_M42, P())]),
+            ((48,), [(_M42, P(("data", "model"))), (_M23, P(("model", "data")))]),
+            ((), [(_M42, P())])]
+
+
+@pytest.mark.parametrize("dtype", _DTYPES, ids=lambda d: np.dtype(d).name)
+def test_checksum_same_on_every_layout_on_host_and_on_device(dtype):
+    """Format 2 adds per-shard parts: the sum must not depend on where the
+    shards are cut, nor on whether a shard is hashed by host threads (CPU
+    shards) or by the jitted kernel (accelerator shards; forced here)."""
+    rng = np.random.default_rng(3)
+    for shape, layouts in _LAYOUTS:
+        x = (rng.integers(0, 2, size=shape).astype(bool) if dtype is bool
+             else rng.integers(-100, 100, size=shape).astype(dtype))
+        got = {checksums([jax.device_put(x, jax.devices()[2])])[0]}
+        for (mshape, names), spec in layouts:
+            a = jax.device_put(x, NamedSharding(mesh(mshape, names=names), spec))
+            for on_device in (False, True):
+                got.add(ckpt_checksum.finish(ckpt_checksum.start([a], on_device=on_device))[0])
+        assert len(got) == 1, (np.dtype(dtype).name, shape, got)
+        flat = x.reshape(-1).copy()  # any single changed word is seen
+        i = flat.size * 2 // 3
+        flat[i] = ~flat[i] if dtype is bool else flat[i] + 1
+        assert checksums([jax.device_put(flat.reshape(shape), jax.devices()[0])])[0] not in got
+
+
+def test_checksum_of_many_small_leaves_is_batched_consistently():
+    """Small blocks are hashed in batches of the same shape; the values equal
+    those of blocks hashed alone, and each leaf keeps its own."""
+    rng = np.random.default_rng(4)
+    leaves = [rng.standard_normal((8, 16), dtype=np.float32) for _ in range(50)]
+    spread = [jax.device_put(v, NamedSharding(mesh((4, 2)), P("data", "model"))) for v in leaves]
+    alone = [ckpt_checksum.host_sum(v, ((0, 8), (0, 16)), (8, 16)) for v in leaves]
+    assert checksums(spread) == [f"{v:016x}" for v in alone]
+    assert len(set(alone)) == len(alone)
+
+
+def test_format_1_checksum_is_unchanged():
+    """Checkpoints written before format 2 carry format-1 checksums; the value
+    below was computed by the format-1 code of commit 3c14436."""
+    x = np.random.default_rng(0).standard_normal((16, 4, 8), dtype=np.float32)
+    a = jax.device_put(x, NamedSharding(mesh((4, 2)), P("data", None, "model")))
+    assert ckpt_checksum.checksums_v1([a]) == ["9b942c20c83dfad5"]
+
+
+def test_save_hashes_while_writing_and_records_every_leaf(tmp_path, monkeypatch):
+    """With async saves the checksums are computed in the background and land
+    in the document at commit; the arrays may be deleted once save returns."""
+    ref = host_state(8)
+    state = place(ref, named(mesh((4, 2))))
+    leaves = leaves_with_paths(state)
+    expected = dict(zip([p for p, _ in leaves], checksums([x for _, x in leaves])))
+    started = []
+    real_start = ckpt_checksum.start
+    monkeypatch.setattr(ckpt_checksum, "start", lambda arrays, **kw: (
+        started.append(len(arrays)), real_start(arrays, **kw))[1])
+    with CheckpointManager(tmp_path / "c") as mgr:
+        mgr.save(1, state)
+        for x in jax.tree.leaves(state):
+            x.delete()
+        mgr.wait_until_finished()
+        info = mgr.info(1)
+    assert started == [len(leaves)]
+    assert info.format == "multimesh-checkpoint/2"
+    assert info.checksum_algorithm == ckpt_checksum.ALGORITHM
+    assert {r.path: r.checksum for r in info.leaves} == expected
+    ref = host_state(8)  # the deleted arrays included ref's own keys (device_put kept them)
+    with CheckpointManager(tmp_path / "c") as mgr:
+        target = target_like(ref, named(mesh((2, 4))))
+        assert_bitwise(mgr.restore(1, target=target).state, ref, target)
+
+
+@pytest.mark.parametrize("whole_leaf_bytes", [0, 1 << 30], ids=["per-shard", "whole-leaf"])
+def test_restore_hashes_on_the_read_path(tmp_path, monkeypatch, whole_leaf_bytes):
+    """Arrays are read by our lean path (per shard, or whole small leaves) and
+    hashed as they arrive; only what Orbax reads (typed PRNG keys) is hashed
+    after the restore."""
+    monkeypatch.setattr(ckpt_handlers, "WHOLE_LEAF_BYTES", whole_leaf_bytes)
+    ref = host_state(9)
+    with CheckpointManager(tmp_path / "c") as mgr:
+        mgr.save(1, place(ref, named(mesh((4, 2)))))
+    after = []
+    real_start = ckpt_checksum.start
+    monkeypatch.setattr(ckpt_checksum, "start", lambda arrays, **kw: (
+        after.extend(str(x.dtype) for x in arrays), real_start(arrays, **kw))[1])
+    replicated = NamedSharding(mesh((2, 4)), P())
+    target = target_like(ref, lambda kp, x: replicated if np.ndim(x) == 2 else named(mesh((2, 4)))(kp, x))
+    with CheckpointManager(tmp_path / "c") as mgr:
+        out = mgr.restore(1, target=target).state
+    assert_bitwise(out, ref, target)
+    assert after and all(d.startswith("key<") for d in after), after
+    # replicas may share the host buffer they were read into (as after
+    # jax.device_put); donating one array must not change another
+    embed, kernel = out["params"]["embed"], out["params"]["dense"]["kernel"]
+    doubled = jax.jit(lambda x: x * 2, donate_argnums=0)(embed)
+    assert np.array_equal(np.asarray(doubled), 2 * ref["params"]["embed"])
+    assert np.array_equal(np.asarray(kernel), ref["params"]["dense"]["kernel"])
+
+
+def test_compression_is_an_option_and_both_kinds_restore(tmp_path):
+    x = (np.arange(256 * 512) % 7).astype(np.float32).reshape(256, 512)  # compresses well
+    state = {"x": jax.device_put(x, NamedSharding(mesh((4, 2)), P("data", "model")))}
+    sizes = {}
+    for compression in (False, True):
+        d = tmp_path / f"c{compression}"
+        with CheckpointManager(d, compression=compression) as mgr:
+            mgr.save(1, state)
+        sizes[compression] = sum(f.stat().st_size for f in (d / "1" / "state").rglob("*") if f.is_file())
+        with CheckpointManager(d) as mgr:
+            out = mgr.restore(1, target=abstract_target(state, NamedSharding(mesh((8, 1)), P("data"))))
+        assert np.array_equal(np.asarray(out.state["x"]), x)
+    assert sizes[False] > x.nbytes > 4 * sizes[True], sizes
+
+
+def test_raw_orbax_reads_our_checkpoints(tmp_path):
+    """Same files and step metadata as Orbax's own handlers write."""
+    ref = _pipeline_state(10)
+    with CheckpointManager(tmp_path / "c") as mgr:
+        mgr.save(1, place(ref, named(mesh((4, 2)))))
+    meta = json.loads((tmp_path / "c" / "1" / "_CHECKPOINT_METADATA").read_text())
+    assert meta["item_handlers"] == {"state": ocp.StandardCheckpointHandler.typestr(),
+                                     "multimesh": ocp.JsonCheckpointHandler.typestr()}
+    target = target_like(ref, named(mesh((2, 4))))
+    options = ocp.CheckpointManagerOptions(read_only=True)
+    with ocp.CheckpointManager(tmp_path / "c", options=options) as raw:
+        out = raw.restore(1, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+    assert_bitwise(out["state"], ref, target)
 
 
 # ---------------------------------------------------------------- inspector

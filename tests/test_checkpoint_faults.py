@@ -5,6 +5,7 @@ wrong values silently."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from multimesh.checkpoint import CheckpointCorruptError, CheckpointManager
+from multimesh.checkpoint import CheckpointCorruptError, CheckpointManager, checksum
 from multimesh.checkpoint import inspect as ckpt_inspect
 
 pytestmark = [
@@ -228,6 +229,57 @@ def test_damaged_metadata_files_raise_corrupt_error(tmp_path, relpath, damage):
         with pytest.raises(CheckpointCorruptError, match="step 1 is corrupt") as err:
             mgr.restore(1, target=_target(values, _mesh((4, 2))))
     assert err.value.step == 1
+
+
+# ---------------------------------------------------------- older formats
+def _rewrite_doc(directory: str, change) -> None:
+    path = os.path.join(directory, "1", "multimesh", "metadata")
+    with open(path) as f:
+        doc = json.load(f)
+    change(doc)
+    with open(path, "w") as f:
+        json.dump(doc, f)
+
+
+def test_format_1_checkpoints_restore_and_are_verified(tmp_path):
+    """Checkpoints written before checksum format 2 (document format 1, with
+    format-1 checksums) restore and are verified with the format-1 checksum;
+    a flipped byte is still caught."""
+    directory, values = _saved(tmp_path)
+    state = _place(values, _mesh((4, 2)))
+    v1 = dict(zip(sorted(values), checksum.checksums_v1([state[k] for k in sorted(values)])))
+
+    def to_format_1(doc):
+        doc["format"] = "multimesh-checkpoint/1"
+        del doc["checksum"]
+        for leaf in doc["tree"]["leaves"]:
+            leaf["checksum"] = v1[leaf["path"]]
+
+    _rewrite_doc(directory, to_format_1)
+    with CheckpointManager(directory) as mgr:
+        info = mgr.info(1)
+        assert (info.format, info.checksum_algorithm) == ("multimesh-checkpoint/1", checksum.ALGORITHM_V1)
+        _assert_bitwise(mgr.restore(1, target=_target(values, _mesh((2, 4)))).state, values)
+    _flip_byte(_largest_data_file(os.path.join(directory, "1")))
+    with (CheckpointManager(directory) as mgr,
+          pytest.raises(CheckpointCorruptError, match=r"checksum mismatch\) at w") as err):
+        mgr.restore(1, target=_target(values, _mesh((2, 4))))
+    assert err.value.leaves == ("w",)
+
+
+def test_newer_document_format_or_checksum_is_a_clear_error(tmp_path):
+    directory, values = _saved(tmp_path)
+    _rewrite_doc(directory, lambda doc: doc.update(checksum="sha256/9"))
+    with (CheckpointManager(directory) as mgr,
+          pytest.raises(CheckpointCorruptError, match=r"checksums are of an unknown kind \('sha256/9'\)")):
+        mgr.restore(1, target=_target(values, _mesh((4, 2))))
+    with CheckpointManager(directory, checksums=False) as mgr:
+        _assert_bitwise(mgr.restore(1, target=_target(values, _mesh((4, 2)))).state, values)
+    _rewrite_doc(directory, lambda doc: doc.update(format="multimesh-checkpoint/9"))
+    with (CheckpointManager(directory) as mgr,
+          pytest.raises(CheckpointCorruptError, match=r"format 'multimesh-checkpoint/9', which this "
+                                                      r"version of multimesh does not read")):
+        mgr.info(1)
 
 
 def test_orbax_version_is_the_one_pinned():

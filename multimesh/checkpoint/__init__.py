@@ -20,6 +20,11 @@ new mesh or task layout; the function itself may be passed instead:
     restored = mgr.restore(step, target=step_fn.abstract_params)  # or target=step_fn
     state = restored.state                              # feeds step_fn as is
 
+Every leaf gets a layout-independent checksum (``checksum.py``), computed
+while the arrays are written and verified while they are read back, so a
+flipped byte in the data is an error, not a silent change (``checksums=False``
+turns it off). Chunks are stored uncompressed unless ``compression=True``.
+
 ``python -m multimesh.checkpoint.inspect DIR [STEP]`` (or ``multimesh-ckpt``)
 lists and describes checkpoints.
 """
