@@ -42,6 +42,7 @@ from orbax.checkpoint._src.metadata import (
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
 from . import checksum as _checksum
+from .stage_local import StageLocalSerialize
 from .tree import is_prng_key, path_str
 
 #: A fully addressable leaf up to this size is read in one piece and placed
@@ -63,8 +64,9 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return raw[off:off + n].view(dtype).reshape(shape)
 
 
-class ArrayHandler(ocp.type_handlers.ArrayHandler):
-    """Orbax's ``jax.Array`` handler with a leaner read path.
+class ArrayHandler(StageLocalSerialize, ocp.type_handlers.ArrayHandler):
+    """Orbax's ``jax.Array`` handler with a leaner read path, that also saves the
+    arrays of pipeline stages held by one process of several (`StageLocalSerialize`).
 
     ``hasher``: while set (by the manager, around one restore), every block
     read on the lean path is also hashed, under the leaf's path, by this
