@@ -15,7 +15,8 @@ import os
 import sys
 
 SCENARIO, PID, NPROC, PORT, PER = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-OUT = sys.argv[6] if len(sys.argv) > 6 else None
+OUT = sys.argv[6] if len(sys.argv) > 6 else None  # save the final state there (with reference.npz)
+RESTORE = os.environ.get("MP_RESTORE")  # start from the latest checkpoint there instead of init
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={PER}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
@@ -109,11 +110,20 @@ def held_shards_match(got, want) -> int:
 
 
 fn, init_p, get_b = parallelize(step, init_params=init, get_input_batch=batch)
-state, b = init_p(), get_b()
+b = get_b()
 local = jax.local_devices()[0]
 with jax.default_device(local):
-    ref_state, ref_b = jax.jit(init)(), jax.jit(batch)()
-    ref = jax.jit(reference)
+    ref_b, ref = jax.jit(batch)(), jax.jit(reference)
+    if RESTORE:  # resume a checkpoint (written by one process) on this pipeline; the reference starts from its values
+        import multimesh.checkpoint as ckpt
+
+        with ckpt.CheckpointManager(RESTORE) as mgr:
+            state = mgr.restore(target=fn.abstract_params).state
+        saved = np.load(os.path.join(RESTORE, "reference.npz"))
+        ref_state = jax.tree.unflatten(jax.tree.structure(fn.abstract_params),
+                                       [jnp.asarray(saved[f"arr_{i}"]) for i in range(len(saved.files))])
+    else:
+        state, ref_state = init_p(), jax.jit(init)()
 losses, ref_losses = [], []
 for _ in range(STEPS):
     value, state = fn(state, b)

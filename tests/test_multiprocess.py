@@ -28,12 +28,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_processes(scenario: str, n: int, per: int, *, schedule: str = "1f1b", timeout: float = 420) -> list[dict]:
-    """Start ``n`` workers with ``per`` CPU devices each; their JSON reports, in process order."""
+def run_processes(scenario: str, n: int, per: int, *, schedule: str = "1f1b", save_to: Path | None = None,
+                  restore_from: Path | None = None, timeout: float = 420) -> list[dict]:
+    """Start ``n`` workers with ``per`` CPU devices each (saving their final state to ``save_to``, starting
+    from the checkpoint in ``restore_from``); their JSON reports, in process order."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
     env["MP_SCHEDULE"] = schedule
+    if restore_from is not None:
+        env["MP_RESTORE"] = str(restore_from)
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(i), str(n), str(port), str(per)],
+    out = [str(save_to)] if save_to is not None else []
+    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(i), str(n), str(port), str(per), *out],
                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(n)]
     try:
@@ -89,6 +94,80 @@ def test_four_processes(schedule):
     check(reports, 8 if schedule == "interleaved" else 4)
     assert [r["held_param_leaves"] for r in reports][:2] == ([[0, 1], [2, 3]] if schedule == "1f1b" else
                                                              [[0, 1, 8, 9], [2, 3, 10, 11]])
+
+
+# -- checkpoints across process counts -------------------------------------------------------
+
+
+def _pipeline_on_this_process():
+    """The workers' 2-stage step, in this process on two 4-device submeshes: a restore target."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import Mesh
+
+    from multimesh.jax import microbatch, parallelize, task
+
+    tx, devices = optax.adam(1e-2), np.array(jax.devices()[:8])
+    meshes = [Mesh(devices[:4], ("model",)), Mesh(devices[4:], ("model",))]
+    stages = [task(lambda w, x: x + jnp.tanh(x @ w["a"]) @ w["b"], f"stage{i}", mesh=m) for i, m in enumerate(meshes)]
+
+    def init():
+        keys = jax.random.split(jax.random.key(0), 4)
+        p = {f"s{i}": {"a": jax.random.normal(keys[2 * i], (16, 32)) * .2,
+                       "b": jax.random.normal(keys[2 * i + 1], (32, 16)) * .2} for i in range(2)}
+        return {"p": p, "o": tx.init(p)}
+
+    def loss(p, b):
+        h = b["x"]
+        for i, s in enumerate(stages):
+            h = s(p[f"s{i}"], h)
+        return jnp.mean((h - b["y"]) ** 2)
+
+    def step(state, b):
+        value, grads = jax.value_and_grad(microbatch(loss, 0, 4, argnum=1))(state["p"], b)
+        updates, opt = tx.update(grads, state["o"], state["p"])
+        return value, {"p": optax.apply_updates(state["p"], updates), "o": opt}
+
+    batch = {"x": np.zeros((16, 16), np.float32), "y": np.zeros((16, 16), np.float32)}
+    fn, _ = parallelize(step, init_params=init, initial_batch=batch)
+    return fn, init, meshes
+
+
+def test_a_checkpoint_of_two_processes_restores_in_one_and_back(tmp_path):
+    """2-process pipeline -> 1 process (one device, and a pipeline) ; 1 process -> 2-process pipeline."""
+    import jax
+    import numpy as np
+
+    import multimesh.checkpoint as ckpt
+
+    run_processes("one_stage_per_process", 2, 2, save_to=tmp_path / "two")
+    saved = np.load(tmp_path / "two" / "reference.npz")  # the one-device state after the same 3 steps
+    # (the restore itself is bit for bit: the manager verifies every leaf's checksum)
+    want = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+    fn, init, meshes = _pipeline_on_this_process()
+    one_device = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=jax.sharding.SingleDeviceSharding(
+        jax.devices()[0])), jax.eval_shape(init))
+    with ckpt.CheckpointManager(tmp_path / "two") as mgr:
+        assert mgr.info().process_count == 2
+        on_one = mgr.restore(target=one_device).state
+        on_pipeline = mgr.restore(target=fn.abstract_params).state
+    for restored in (on_one, on_pipeline):
+        for got, w in zip(jax.tree.leaves(restored), want):
+            np.testing.assert_allclose(np.asarray(got), w, rtol=2e-5, atol=1e-6)  # against the 1-device run
+    assert all(x.sharding.device_set == {jax.devices()[0]} for x in jax.tree.leaves(on_one))
+    for i, mesh in enumerate(meshes):  # each stage's parameters on its own submesh of this process
+        for leaf in jax.tree.leaves(on_pipeline["p"][f"s{i}"]):
+            assert leaf.sharding.device_set == set(mesh.devices.flat)
+
+    # and back: a state saved by one process resumes on the 2-process pipeline
+    state = jax.jit(init)()
+    with ckpt.CheckpointManager(tmp_path / "one") as mgr:
+        mgr.save(0, state)
+    np.savez(tmp_path / "one" / "reference.npz", *[np.asarray(x) for x in jax.tree.leaves(state)])
+    reports = run_processes("one_stage_per_process", 2, 2, restore_from=tmp_path / "one")
+    check(reports, 2)
 
 
 def _kill_mid_run(victim: int) -> tuple[subprocess.Popen, str, float]:

@@ -74,7 +74,10 @@ class ArrayHandler(StageLocalSerialize, ocp.type_handlers.ArrayHandler):
     """
 
     def __init__(self):
-        super().__init__(array_metadata_store=array_metadata_store_lib.Store())
+        # Orbax's per-process write-shape records: its commit wants every array's record on process 0,
+        # which does not write (nor record) the arrays of pipeline stages on other processes.
+        store = array_metadata_store_lib.Store() if jax.process_count() == 1 else None
+        super().__init__(array_metadata_store=store)
         self.hasher: _checksum.Hasher | None = None
         self.hashed: set[str] = set()
 
@@ -82,11 +85,16 @@ class ArrayHandler(StageLocalSerialize, ocp.type_handlers.ArrayHandler):
         if args is None:
             return list(await super().deserialize(infos, args))
         await asyncio.gather(*[info.await_path_creation() for info in infos])
-        lean = [i for i, (info, arg) in enumerate(zip(infos, args)) if _lean_candidate(info, arg)]
+        out: list = [None] * len(infos)
+        for i, arg in enumerate(args):  # a pipeline stage on other processes: they read it
+            if _held_elsewhere(arg):
+                out[i] = jax.make_array_from_single_device_arrays(arg.global_shape, arg.sharding, [],
+                                                                  dtype=arg.dtype)
+        here = [i for i in range(len(infos)) if out[i] is None]
+        lean = [i for i in here if _lean_candidate(infos[i], args[i])]
         stores = await _gather([_open(infos[i], args[i], self._metadata_key) for i in lean])
         opened = {i: t for i, t in zip(lean, stores) if t is not None}
-        fallback = [i for i in range(len(infos)) if i not in opened]
-        out: list = [None] * len(infos)
+        fallback = [i for i in here if i not in opened]
         hasher = self.hasher
         budget = _ByteBudget(READ_BYTES_IN_FLIGHT)
 
@@ -144,6 +152,8 @@ class ArrayHandler(StageLocalSerialize, ocp.type_handlers.ArrayHandler):
 
         chunk = tuple(max(1, int(c)) for c in t.chunk_layout.read_chunk_template.shape)
         await _gather([together(g) for g in _sharing_chunks(list(boxes), chunk)])
+        if not boxes:  # a pipeline stage on other processes: they read it; a placeholder here
+            return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=dtype)
         return jax.make_array_from_callback(
             shape, sharding, lambda index: bufs[_checksum.box_of(index, shape)])
 
@@ -222,6 +232,13 @@ async def _gather(coros: list) -> list:
         if isinstance(r, BaseException):
             raise r
     return results
+
+
+def _held_elsewhere(arg: Any) -> bool:
+    """A restore target with no device in this process (and the shape and dtype to stand for it)."""
+    sharding = getattr(arg, "sharding", None)
+    return (isinstance(sharding, jax.sharding.Sharding) and not sharding.addressable_devices
+            and getattr(arg, "global_shape", None) is not None and getattr(arg, "dtype", None) is not None)
 
 
 def _lean_candidate(info: Any, arg: Any) -> bool:

@@ -74,3 +74,4 @@ class StageLocalSerialize:
                 metadata_key=h._metadata_key, ext_metadata=h._ext_metadata,
                 array_metadata_store=h._array_metadata_store, callback=h._callback))
         return futures
+
