@@ -108,6 +108,8 @@ class Rules:
         if isinstance(rules, Rules):
             strict = strict or rules.strict
             rules = rules.rules
+        if isinstance(rules, (str, bytes)) or not isinstance(rules, Iterable):
+            raise RuleError(f"rules must be a sequence of (logical_name, mesh_axes) pairs, got {rules!r}")
         normalised = []
         for i, rule in enumerate(rules):
             if not (isinstance(rule, (tuple, list)) and len(rule) == 2):

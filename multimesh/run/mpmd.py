@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding
 
 from ..core.layout import Layout
 from ..plan.partition import Plan
+from .checks import StepInputError, check_shapes
 from .runtime import Runtime
 from .spmd import Parallelized
 
@@ -31,6 +32,8 @@ class MPMDFunction(Parallelized):
         n_params = len(jax.tree.leaves(abstract_params))
         donated = set(plan.jaxpr.invars[:n_params]) if donate else set()
         self.runtime = Runtime(plan, dict(zip(plan.jaxpr.invars, flat_shardings)), donated=donated)
+        self._donate = donate
+        self._shapes = tuple(tuple(a.shape) for a in jax.tree.leaves((abstract_params, abstract_batch)))
         self._out_tree = out_tree
         targets = self._mirror.shardings_for(out_abstract)
         self._out_targets = jax.tree.leaves(
@@ -43,8 +46,20 @@ class MPMDFunction(Parallelized):
         return self.runtime.stats
 
     def __call__(self, params: Any, batch: Any) -> Any:
-        batch = self._check_inputs(params, batch)
-        outs = self.runtime(jax.tree.leaves(params) + jax.tree.leaves(batch))
+        placed = self._check_inputs(params, batch)
+        flat = jax.tree.leaves(params) + jax.tree.leaves(placed)
+        if tuple(getattr(x, "shape", ()) for x in flat) != self._shapes:  # the plan is built for these shapes
+            check_shapes(self._abstract_params, params, "params", self.fun)
+            check_shapes(self._abstract_batch, placed, "batch", self.fun)
+        try:
+            outs = self.runtime(flat)
+        except (ValueError, TypeError, RuntimeError) as e:
+            if isinstance(e, StepInputError):
+                raise
+            clear = self._call_error(e, params, batch, None, self._donate)
+            if clear is None:
+                raise
+            raise clear from e
         outs = [
             x if t is None or (isinstance(x, jax.Array) and x.sharding == t) else jax.device_put(x, t)
             for x, t in zip(outs, self._out_targets)

@@ -23,6 +23,7 @@ from ..core.rules import MeshAxes, PathRules, Rules
 from ..plan.partition import Plan, make_plan
 from ..trace.implicit import names_in, registered_tasks
 from ..trace.microbatch import collect_pipelines
+from .checks import check_outputs
 from .mpmd import MPMDFunction
 from .spmd import ShardedFunction
 
@@ -219,6 +220,10 @@ def _trace(fun: Callable, params: Any, batch: Any):
     except (TypeError, ValueError):
         pass
     def traced(p, b):  # a fresh function each time: JAX's trace cache cannot see our placement
-        return fun(p, b)
+        out = fun(p, b)
+        check_outputs(out, fun)
+        return out
+
+    traced.__wrapped__ = fun  # JAX's messages name the user's function, not this wrapper
 
     return jax.make_jaxpr(traced, return_shape=True)(params, batch)
