@@ -38,9 +38,11 @@ from multimesh.checkpoint import (
 )
 from multimesh.core.rules import check_physical
 from multimesh.jax import (
+    DonatedArrayError,
     PathRules,
     RuleError,
     Rules,
+    StepInputError,
     build_mesh,
     get_schedule,
     microbatch,
@@ -55,7 +57,6 @@ from multimesh.jax import (
 )
 from multimesh.jax import flax as mmflax
 from multimesh.jax.flax import parallelize_step
-from multimesh.run.checks import DonatedArrayError, StepInputError
 
 pytestmark = [
     pytest.mark.devices(8),
@@ -425,6 +426,11 @@ MESHES = [
       "[0, 1, 2, 3, 4, 5, 6, 7]", "[0, 1, 2, 3]"),
     C("slice-mesh-unknown-axis", lambda s: slice_mesh(build_mesh(MESH), "stage"), ValueError, "'stage'",
       "{'data': 4, 'model': 2}"),
+    C("mesh-size-float", lambda s: build(mesh={"data": 2.5}), TypeError, "'data'", "2.5", "int"),
+    C("mesh-size-str", lambda s: build_mesh({"data": "8"}), TypeError, "'data'", "'8'"),
+    C("devices-a-string", lambda s: build(devices="cpu"), TypeError, "'cpu'", "jax devices"),
+    C("devices-unknown-id", lambda s: build(devices=[0, 99]), ValueError, "device id 99"),
+    C("devices-not-devices", lambda s: build(devices=[D()[0], "gpu"]), TypeError, "'gpu'", "str"),
     C("place-mesh-axis-names", lambda s: place_mesh((2, 2), D()[:4], ("a",)), ValueError, "(2, 2)", "('a',)"),
 ]
 
@@ -448,6 +454,17 @@ PARALLELIZE = [
     C("get-input-batch-an-array", lambda s: parallelize(spmd_step, init_params=spmd_params,
                                                         get_input_batch=np.ones(3)), TypeError,
       "get_input_batch", "ndarray"),
+    C("fun-takes-one-argument", lambda s: build(one_arg), TypeError, "one_arg(p)", "fun(params, batch)"),
+    C("fun-takes-keyword-only-batch", lambda s: build(keyword_batch), TypeError, "keyword_batch(p, *, b)"),
+    C("init-params-returns-string", lambda s: build(params=lambda: {"w": jnp.ones(3), "tag": "v1"}), TypeError,
+      "init_params", "leaf tag", "'v1'"),
+    C("get-input-batch-returns-string", lambda s: parallelize(spmd_step, init_params=spmd_params,
+                                                              get_input_batch=lambda: {"x": "text"}),
+      TypeError, "get_input_batch", "leaf x", "str"),
+    C("initial-batch-string-leaf", lambda s: build(batch={"x": np.ones((32, 16), F32), "note": "hi"}), TypeError,
+      "initial_batch", "batch note", "'hi'"),
+    C("rules-a-dict", lambda s: build(mesh=MESH, rules={"batch": "data"}), RuleError, "{'batch': 'data'}",
+      "list(rules.items())"),
     C("step-returns-string", lambda s: build(returns(lambda p, b: ("done", jnp.sum(p["w"])))), TypeError,
       "'step_returning'", "output 0", "'done'"),
     C("step-returns-object-in-dict", lambda s: build(returns(lambda p, b: {"loss": jnp.sum(p["w"]),
@@ -482,6 +499,8 @@ PARALLELIZE = [
       "batch leaf 'x'", "float32[32,16]", "float32[32,4]"),
     C("call-batch-other-rank", lambda s: call_spmd(s, batch={"x": np.ones((32,), F32)}), StepInputError,
       "batch leaf 'x'", "float32[32]"),
+    C("call-batch-string-leaf", lambda s: call_spmd(s, batch={"x": "abc"}), StepInputError, "batch leaf 'x'",
+      "str 'abc'"),
     C("call-donated-state-again", lambda s: reuse_donated(), DonatedArrayError, "'spmd_step'", "donate=True",
       "params leaf", "'w'", "donate=False"),
     C("call-deleted-not-donated", lambda s: call_deleted(s), DonatedArrayError, "'spmd_step'", "does not donate",
@@ -500,6 +519,14 @@ PARALLELIZE = [
                                                            axis_names={"data"}, auto=frozenset({"model"})),
       TypeError, "axis_names", "auto"),
 ]
+
+
+def one_arg(p):
+    return jnp.sum(p["w"])
+
+
+def keyword_batch(p, *, b):
+    return jnp.sum(p["w"])
 
 
 def call_extra_arg(sh: Shared):
@@ -564,6 +591,8 @@ TASKS = [
     C("task-logical-axes-unknown-axis", lambda s: task(_double, "t", devices=D()[:4], device_axes=("x",),
                                                        logical_axes=[("batch", "y")]), RuleError,
       "('batch', 'y')", "'y'", "{'x': 4}"),
+    C("task-logical-axes-a-dict", lambda s: task(_double, "t", devices=D()[:4], device_axes=("x",),
+                                                 logical_axes={"batch": "x"}), RuleError, "{'batch': 'x'}"),
     C("task-logical-axes-malformed", lambda s: task(_double, "t", devices=D()[:4], device_axes=("x",),
                                                     logical_axes=[("batch",)]), RuleError, "rule #0"),
     C("task-inside-task-other-devices", lambda s: nested_tasks(), ValueError, "task 'inner'", "task 'outer'",
@@ -576,6 +605,8 @@ TASKS = [
       "gpipe"),
     C("microbatch-interleave-with-gpipe", lambda s: microbatch(_double, 0, 2, schedule="gpipe", interleave=2),
       ValueError, "interleave", "'interleaved'"),
+    C("microbatch-argnum-a-name", lambda s: microbatch(_double, 0, 2, argnum="x"), TypeError, "argnum", "'x'"),
+    C("microbatch-dim-a-float", lambda s: microbatch(_double, 0.0, 2), TypeError, "dim", "0.0"),
     C("microbatch-size-not-dividing", lambda s: microbatch(_double, 0, 3)(jnp.ones((8, 2))), ValueError,
       "microbatch(_double)", "size 8", "size 3"),
     C("microbatch-dim-out-of-range", lambda s: microbatch(_double, 2, 2)(jnp.ones((8, 2))), ValueError,
@@ -649,6 +680,9 @@ CHECKPOINTS = [
       "max_to_keep", "0"),
     C("ckpt-restore-empty-dir", lambda s: CheckpointManager(s.tmp("empty")).restore(target=ckpt_target()),
       FileNotFoundError, "no complete checkpoint", "empty"),
+    C("ckpt-restore-missing-dir-read-only", lambda s: CheckpointManager(
+        os.path.join(s.tmp("gone"), "no_such_dir"), read_only=True).restore(target=ckpt_target()),
+      FileNotFoundError, "no_such_dir", "no complete checkpoint"),
     C("ckpt-restore-missing-step", lambda s: restore(s, 7), FileNotFoundError, "step 7", "complete steps: [1]"),
     C("ckpt-restore-step-negative", lambda s: restore(s, -2), ValueError, "step", "-2"),
     C("ckpt-restore-step-str", lambda s: restore(s, "1"), TypeError, "step must be an int", "str"),
@@ -741,6 +775,8 @@ CONFIGS = [
     C("cli-sample-without-run", lambda s: cli("sample"), CliFailed, "exit 2", "--run"),
     C("cli-sample-negative-tokens", lambda s: cli("sample", "--run", "x", "--tokens", "-1"), CliFailed,
       "--tokens", ">= 0"),
+    C("cli-sample-run-without-checkpoints", lambda s: cli("sample", "--run", os.path.join(s.tmp("run"), "nope")),
+      FileNotFoundError, "nope", "checkpoints/", "train.out_dir"),
     C("config-file-bad-yaml", lambda s: load(config=config_file(s, "model: [1,\n")), _ce, "c.yaml",
       "not valid YAML"),
     C("config-file-not-a-mapping", lambda s: load(config=config_file(s, "- 1\n- 2\n")), _ce, "c.yaml", "mapping",
@@ -853,3 +889,9 @@ def test_step_returning_a_string_names_the_users_function():
     text = str(info.value)
     assert "step 'my_train_step'" in text and "output 1/status: str 'ok'" in text
     assert "traced" not in re.sub(r"my_train_step", "", text)  # no internal wrapper named
+
+
+def test_devices_may_be_integer_ids():
+    step, init = build(devices=[4, 5, 6, 7], mesh={"data": 4}, rules=[("batch", "data")])
+    assert [d.id for d in step.mesh.devices.flat] == [4, 5, 6, 7]
+    assert init()["w"].sharding.device_set == set(D()[4:])

@@ -23,8 +23,10 @@ from ..core.fmt import device_span, keypath_str
 __all__ = [
     "DonatedArrayError",
     "StepInputError",
+    "check_arrays",
     "check_outputs",
     "check_shapes",
+    "checked",
     "explain_call_error",
     "fun_name",
     "place_batch",
@@ -77,16 +79,43 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)) or hasattr(x, "__jax_array__")
 
 
+def _not_arrays(tree: Any, what: str) -> str:
+    bad = [(p, x) for p, x in _leaves(tree) if not _is_array(x)]
+    if not bad:
+        return ""
+    shown = "; ".join(f"{what} {p}: {type(x).__name__} {x!r:.60}" for p, x in bad[:5])
+    return f"{len(bad)} value(s) that are not arrays ({shown})"
+
+
 def check_outputs(out: Any, fun: Callable) -> None:
     """Raise `TypeError` naming ``fun`` and the output path of each leaf that is not an array or a number."""
-    bad = [(p, x) for p, x in _leaves(out) if not _is_array(x)]
+    bad = _not_arrays(out, "output")
     if bad:
-        shown = "; ".join(f"output {p}: {type(x).__name__} {x!r:.60}" for p, x in bad[:5])
         raise TypeError(
-            f"step {fun_name(fun)!r} returned {len(bad)} value(s) that are not arrays ({shown}); a step runs "
-            f"under jax.jit and may only return arrays and numbers (in any pytree). Return other values "
-            f"(strings, objects) from a function around the step, or keep them out of the returned tree"
+            f"step {fun_name(fun)!r} returned {bad}; a step runs under jax.jit and may only return arrays and "
+            f"numbers (in any pytree). Return other values (strings, objects) from a function around the step, "
+            f"or keep them out of the returned tree"
         )
+
+
+def check_arrays(tree: Any, what: str, leaf: str) -> None:
+    """Raise `TypeError` naming ``what`` and each ``leaf`` path of ``tree`` that is not an array or a number."""
+    bad = _not_arrays(tree, leaf)
+    if bad:
+        raise TypeError(f"{what} holds {bad}; give arrays (numpy or jax) and numbers, in any pytree")
+
+
+def checked(make: Callable[[], Any], what: str) -> Callable[[], Any]:
+    """``make``, whose result is checked to hold only arrays (for `jax.eval_shape` of an initializer)."""
+    def run() -> Any:
+        out = make()
+        bad = _not_arrays(out, "leaf")
+        if bad:
+            raise TypeError(f"{what} ({fun_name(make)!r}) returned {bad}; it must return arrays (in any pytree)")
+        return out
+
+    run.__wrapped__ = make  # JAX's messages name the user's function
+    return run
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -207,7 +236,10 @@ def place_batch(batch: Any, shardings: Any, abstract_batch: Any = None, fun: Cal
         built = jax.tree.leaves(abstract_batch) if abstract_batch is not None else [None] * len(jax.tree.leaves(batch))
         for (path, x), s, a in zip(_leaves(batch), jax.tree.leaves(shardings), built):
             shape = _shape(x)
-            why = _indivisible(shape, s) if shape is not None else None
+            if not _is_array(x):
+                why = f"it is a {type(x).__name__} {x!r:.60}, not an array"
+            else:
+                why = _indivisible(shape, s) if shape is not None else None
             if why is not None:
                 step = f" of step {fun_name(fun)!r}" if fun is not None else ""
                 was = f" (built for {_aval(a)})" if a is not None else ""
