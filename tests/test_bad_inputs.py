@@ -895,3 +895,15 @@ def test_devices_may_be_integer_ids():
     step, init = build(devices=[4, 5, 6, 7], mesh={"data": 4}, rules=[("batch", "data")])
     assert [d.id for d in step.mesh.devices.flat] == [4, 5, 6, 7]
     assert init()["w"].sharding.device_set == set(D()[4:])
+
+
+def test_mpmd_state_on_other_devices_is_moved_to_its_stages_not_refused(shared):
+    """A pipeline step moves inputs to each stage's submesh itself: a state laid out elsewhere (here all on
+    device 0) gives the same numbers, and the state it returns is on the stages' submeshes."""
+    step, init, get_batch = shared.mpmd
+    elsewhere = jax.device_put(init(), D()[0])
+    loss, new = step(elsewhere, get_batch())
+    want, _ = step(init(), get_batch())
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
+    for name, stage in zip(("s0", "s1"), _stages()):
+        assert new[name].sharding.device_set == set(stage.placement.mesh.devices.flat)
