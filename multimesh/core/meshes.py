@@ -16,15 +16,29 @@ MeshLike = Mesh | Mapping[str, int] | None
 
 
 def _device_array(devices: Any | None) -> np.ndarray:
+    """``devices`` as an object array of `jax.Device` (integer ids looked up), or a clear error."""
     if devices is None:
         return np.asarray(jax.devices(), dtype=object)
+    if isinstance(devices, (str, bytes, jax.Device)):
+        raise TypeError(f"devices must be a sequence or array of jax devices (or integer ids), got {devices!r}")
     arr = np.asarray(devices, dtype=object)
     if arr.size == 0:
         raise ValueError("devices is empty; give at least one device")
-    flat = list(arr.flat)
+    by_id = {d.id: d for d in jax.devices()}
+    flat = []
+    for d in arr.flat:
+        if isinstance(d, (int, np.integer)) and not isinstance(d, bool):
+            if int(d) not in by_id:
+                raise ValueError(f"devices: device id {int(d)} does not exist; ids are {sorted(by_id)}")
+            d = by_id[int(d)]
+        elif not isinstance(d, jax.Device):
+            raise TypeError(f"devices must be jax devices or integer ids, got {d!r} ({type(d).__name__})")
+        flat.append(d)
     if len(set(flat)) != len(flat):
         raise ValueError(f"devices lists a device more than once: {flat}")
-    return arr
+    out = np.empty(arr.shape, dtype=object)
+    out.flat[:] = flat
+    return out
 
 
 def build_mesh(mesh: MeshLike = None, devices: Any | None = None, *, default_axis: str = "data") -> Mesh:
@@ -48,6 +62,11 @@ def build_mesh(mesh: MeshLike = None, devices: Any | None = None, *, default_axi
     if not isinstance(mesh, Mapping) or not mesh:
         raise TypeError(f"mesh must be a jax.sharding.Mesh or a mapping {{axis_name: size}}, got {mesh!r}")
     names = tuple(mesh)
+    bad = {a: s for a, s in mesh.items() if not isinstance(s, (int, np.integer)) or isinstance(s, bool)}
+    if bad:
+        axis, size = next(iter(bad.items()))
+        raise TypeError(f"mesh shape {dict(mesh)}: the size of axis {axis!r} must be an int (-1: the remaining "
+                        f"devices), got {size!r}")
     sizes = [int(s) for s in mesh.values()]
     if sizes.count(-1) > 1:
         raise ValueError(f"mesh shape {dict(mesh)} has more than one -1")

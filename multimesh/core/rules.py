@@ -108,6 +108,11 @@ class Rules:
         if isinstance(rules, Rules):
             strict = strict or rules.strict
             rules = rules.rules
+        if isinstance(rules, (str, bytes)) or not isinstance(rules, Iterable):
+            raise RuleError(f"rules must be a sequence of (logical_name, mesh_axes) pairs, got {rules!r}")
+        if isinstance(rules, Mapping):  # order matters and a name may have several rules: pairs, not a dict
+            raise RuleError(f"rules must be a sequence of (logical_name, mesh_axes) pairs, got the dict {rules!r}; "
+                            f"write list(rules.items()) if one mesh axis per name is meant")
         normalised = []
         for i, rule in enumerate(rules):
             if not (isinstance(rule, (tuple, list)) and len(rule) == 2):

@@ -15,6 +15,7 @@ from ..core.schedules import (
     ZeroBubbleH2,
     get_schedule,
 )
+from ..run.checks import DonatedArrayError, StepInputError
 from ..run.mpmd import MPMDFunction
 from ..run.parallelize import ShardedFunction, parallelize
 from ..trace.constraints import shard_map, with_sharding_constraint
@@ -23,6 +24,7 @@ from ..trace.microbatch import microbatch
 from ..trace.task import ignore_transforms, task
 
 __all__ = [
+    "DonatedArrayError",
     "GPipe",
     "Interleaved1F1B",
     "MPMDFunction",
@@ -33,6 +35,7 @@ __all__ = [
     "Schedule",
     "ShardedFunction",
     "ShardingReport",
+    "StepInputError",
     "ZeroBubbleH1",
     "ZeroBubbleH2",
     "build_mesh",

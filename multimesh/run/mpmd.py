@@ -12,6 +12,7 @@ from ..core.layout import Layout
 from ..core.processes import lost_process_error
 from ..core.transfer import everywhere, move
 from ..plan.partition import Plan
+from .checks import StepInputError, check_shapes
 from .runtime import Runtime
 from .spmd import Parallelized
 
@@ -37,6 +38,8 @@ class MPMDFunction(Parallelized):
         n_params = len(jax.tree.leaves(abstract_params))
         donated = set(plan.jaxpr.invars[:n_params]) if donate else set()
         self.runtime = Runtime(plan, dict(zip(plan.jaxpr.invars, flat_shardings)), donated=donated)
+        self._donate = donate
+        self._shapes = tuple(tuple(a.shape) for a in jax.tree.leaves((abstract_params, abstract_batch)))
         self._out_tree = out_tree
         targets = self._mirror.shardings_for(out_abstract)
         self._out_targets = jax.tree.leaves(
@@ -49,14 +52,23 @@ class MPMDFunction(Parallelized):
         return self.runtime.stats
 
     def __call__(self, params: Any, batch: Any) -> Any:
-        batch = self._check_inputs(params, batch)
+        placed = self._check_inputs(params, batch)
+        flat = jax.tree.leaves(params) + jax.tree.leaves(placed)
+        if tuple(getattr(x, "shape", ()) for x in flat) != self._shapes:  # the plan is built for these shapes
+            check_shapes(self._abstract_params, params, "params", self.fun)
+            check_shapes(self._abstract_batch, placed, "batch", self.fun)
         try:
-            outs = self.runtime(jax.tree.leaves(params) + jax.tree.leaves(batch))
+            outs = self.runtime(flat)
             outs = [self._deliver(x, t) for x, t in zip(outs, self._out_targets)]
-        except jax.errors.JaxRuntimeError as e:  # with several processes: did another one stop?
-            if jax.process_count() == 1:
+        except (ValueError, TypeError, RuntimeError) as e:
+            if isinstance(e, StepInputError):
                 raise
-            raise lost_process_error(e, f"step {getattr(self.fun, '__name__', 'fun')!r}") from e
+            if isinstance(e, jax.errors.JaxRuntimeError) and jax.process_count() > 1:  # did another process stop?
+                raise lost_process_error(e, f"step {getattr(self.fun, '__name__', 'fun')!r}") from e
+            clear = self._call_error(e, params, batch, None, self._donate)
+            if clear is None:
+                raise
+            raise clear from e
         return jax.tree.unflatten(self._out_tree, outs)
 
     @staticmethod

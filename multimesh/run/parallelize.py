@@ -23,6 +23,7 @@ from ..core.rules import MeshAxes, PathRules, Rules
 from ..plan.partition import Plan, make_plan
 from ..trace.implicit import names_in, registered_tasks
 from ..trace.microbatch import collect_pipelines
+from .checks import check_arrays, check_outputs, checked, fun_name
 from .mpmd import MPMDFunction
 from .spmd import ShardedFunction
 
@@ -104,10 +105,11 @@ def parallelize(
     path_rules = PathRules(param_rules) if param_rules is not None else PathRules()
 
     with use_placement(placement):
-        abstract_params = jax.eval_shape(init_params)
+        abstract_params = jax.eval_shape(checked(init_params, "init_params"))
         if get_input_batch is not None:
-            abstract_batch = jax.eval_shape(get_input_batch)
+            abstract_batch = jax.eval_shape(checked(get_input_batch, "get_input_batch"))
         else:
+            check_arrays(initial_batch, "initial_batch", "batch")
             abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)), initial_batch)
     # Traced once, logical constraints deferred: only the plan knows where glue runs.
     with use_placement(placement.deferring()), collect_pipelines() as pipelines:
@@ -213,12 +215,22 @@ def _trace(fun: Callable, params: Any, batch: Any):
     """The jaxpr of ``fun(params, batch)``, or None when fun needs more arguments."""
     try:
         sig = inspect.signature(fun)
+    except (TypeError, ValueError):
+        sig = None
+    if sig is not None:
         required = [p for p in sig.parameters.values() if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         if len(required) > 2:
             return None
-    except (TypeError, ValueError):
-        pass
+        try:
+            sig.bind(params, batch)
+        except TypeError as e:
+            raise TypeError(f"parallelize calls fun(params, batch), but {fun_name(fun)}{sig} cannot take two "
+                            f"positional arguments ({e}); take the parameters first and the batch second") from None
     def traced(p, b):  # a fresh function each time: JAX's trace cache cannot see our placement
-        return fun(p, b)
+        out = fun(p, b)
+        check_outputs(out, fun)
+        return out
+
+    traced.__wrapped__ = fun  # JAX's messages name the user's function, not this wrapper
 
     return jax.make_jaxpr(traced, return_shape=True)(params, batch)

@@ -124,11 +124,19 @@ class Runtime:
         )
 
     def _place_input(self, v: Var, x: Any, seg: Segment) -> Any:
-        """A step input on ``seg``'s submesh: as given when it is there, else its sharding there."""
-        if isinstance(x, jax.Array) and x.sharding.device_set <= seg.placement.devices:
-            return x
+        """A step input on ``seg``'s submesh: as given when it spans it or has its planned sharding, else
+        moved to its sharding there.
+
+        An array on only some of the submesh's devices (a state laid out for
+        another mesh) is moved too: one program cannot take arguments
+        committed to different device sets.
+        """
         target = self.input_shardings.get(v)
-        if target is None or not target.device_set <= seg.placement.devices:
+        if target is not None and not target.device_set <= seg.placement.devices:
+            target = None
+        if isinstance(x, jax.Array) and (x.sharding.device_set == seg.placement.devices or x.sharding == target):
+            return x
+        if target is None:
             target = target_on(x, seg.placement.mesh)
         try:
             (moved,) = move([x], [target])

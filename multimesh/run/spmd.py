@@ -6,7 +6,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding
 
 from ..core.layout import Layout
 from ..core.mirror import MirrorIndex
@@ -15,18 +14,15 @@ from ..core.report import ShardingReport
 from ..core.rules import Rules
 from ..core.treecheck import check_same_structure
 from ..plan.partition import Plan
+from .checks import (
+    StepInputError,
+    check_outputs,
+    check_shapes,
+    explain_call_error,
+    place_batch,
+)
 
 __all__ = ["Parallelized", "ShardedFunction", "place_batch"]
-
-
-def place_batch(batch: Any, shardings: Any) -> Any:
-    """Move a batch onto its shardings (a no-op for arrays already there)."""
-    return jax.tree.map(
-        lambda x, s: x if isinstance(x, jax.Array) and x.sharding == s else jax.device_put(x, s),
-        batch,
-        shardings,
-        is_leaf=lambda x: isinstance(x, NamedSharding),
-    )
 
 
 class Parallelized:
@@ -62,7 +58,14 @@ class Parallelized:
             check_same_structure(self._abstract_params, params, "params")
         if jax.tree.structure(batch) != self._batch_treedef:
             check_same_structure(self._abstract_batch, batch, "batch")
-        return place_batch(batch, self.batch_shardings)
+        return place_batch(batch, self.batch_shardings, self._abstract_batch, self.fun)
+
+    def _call_error(self, e: Exception, params: Any, batch: Any, param_shardings: Any | None,
+                    donate: bool) -> Exception | None:
+        """A clear error for a failed call (donated buffers, shapes, layouts), or None."""
+        return explain_call_error(e, self.fun, params=params, batch=batch, abstract_params=self._abstract_params,
+                                  abstract_batch=self._abstract_batch, param_shardings=param_shardings,
+                                  donate=donate)
 
     def report(self, *, batch: bool = False) -> ShardingReport:
         """Where each parameter (or batch array) lives; print it for a table."""
@@ -87,12 +90,15 @@ class ShardedFunction(Parallelized):
         self.placement = placement
         self.plan = plan
 
-        def step(p, b, *args):
+        def step(p, b, *args):  # runs when jit traces: a new signature
+            check_shapes(abstract_params, p, "params", fun)
             with use_placement(placement):
                 out = fun(p, b, *args)
+            check_outputs(out, fun)
             return self._mirror.constrain(out)
 
         step.__name__ = getattr(fun, "__name__", "step")
+        step.__wrapped__ = fun  # JAX's messages name the user's function
         self._donate = donate
         self._jitted: dict[int, Any] = {}
         self._step = step
@@ -115,7 +121,16 @@ class ShardedFunction(Parallelized):
         return self._jitted[n_extra]
 
     def __call__(self, params: Any, batch: Any, *args: Any) -> Any:
-        return self._jit(len(args))(params, self._check_inputs(params, batch), *args)
+        placed = self._check_inputs(params, batch)
+        try:
+            return self._jit(len(args))(params, placed, *args)
+        except (ValueError, TypeError, RuntimeError) as e:
+            if isinstance(e, StepInputError):
+                raise
+            clear = self._call_error(e, params, batch, self.param_shardings, self._donate)
+            if clear is None:
+                raise
+            raise clear from e
 
     def lower(self, params: Any, batch: Any, *args: Any):
         return self._jit(len(args)).lower(params, batch, *args)

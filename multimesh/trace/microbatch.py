@@ -126,6 +126,10 @@ def microbatch(
     """
     if not isinstance(size, (int, np.integer)) or size <= 0:
         raise ValueError(f"microbatch: size must be a positive integer, got {size!r}")
+    for what, value in (("dim", dim), ("argnum", argnum)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise TypeError(f"microbatch: {what} must be an int (a dimension / a positional argument index), "
+                            f"got {value!r}")
     if schedule is None:
         schedule = "1f1b"
     if isinstance(schedule, str):
