@@ -18,14 +18,22 @@ from ..core.schedules import (
 from ..run.mpmd import MPMDFunction
 from ..run.parallelize import ShardedFunction, parallelize
 from ..trace.constraints import shard_map, with_sharding_constraint
-from ..trace.implicit import clear_tasks, register_task, registered_tasks, task_scope
+from ..trace.implicit import (
+    MatchedName,
+    clear_tasks,
+    register_task,
+    registered_tasks,
+    task_scope,
+)
 from ..trace.microbatch import microbatch
 from ..trace.task import ignore_transforms, task
+from ..trace.taskspec import Task, TaskMesh, slice_global_mesh
 
 __all__ = [
     "GPipe",
     "Interleaved1F1B",
     "MPMDFunction",
+    "MatchedName",
     "OneFOneB",
     "PathRules",
     "RuleError",
@@ -33,6 +41,8 @@ __all__ = [
     "Schedule",
     "ShardedFunction",
     "ShardingReport",
+    "Task",
+    "TaskMesh",
     "ZeroBubbleH1",
     "ZeroBubbleH2",
     "build_mesh",
@@ -46,6 +56,7 @@ __all__ = [
     "registered_tasks",
     "resolve",
     "shard_map",
+    "slice_global_mesh",
     "slice_mesh",
     "standard_rules",
     "task",
