@@ -18,6 +18,7 @@ from ..core.schedules import (
 from ..run.mpmd import MPMDFunction
 from ..run.parallelize import ShardedFunction, parallelize
 from ..trace.constraints import shard_map, with_sharding_constraint
+from ..trace.context import Context, MultiMesh
 from ..trace.implicit import (
     MatchedName,
     clear_tasks,
@@ -25,15 +26,25 @@ from ..trace.implicit import (
     registered_tasks,
     task_scope,
 )
+from ..trace.knobs import (
+    autoshard,
+    context,
+    enable_fast_path,
+    enable_recomputation,
+    enable_task_fusion,
+    only_fuse_loop_tasks,
+)
 from ..trace.microbatch import microbatch
 from ..trace.task import ignore_transforms, task
 from ..trace.taskspec import Task, TaskMesh, slice_global_mesh
 
 __all__ = [
+    "Context",
     "GPipe",
     "Interleaved1F1B",
     "MPMDFunction",
     "MatchedName",
+    "MultiMesh",
     "OneFOneB",
     "PathRules",
     "RuleError",
@@ -45,11 +56,17 @@ __all__ = [
     "TaskMesh",
     "ZeroBubbleH1",
     "ZeroBubbleH2",
+    "autoshard",
     "build_mesh",
     "clear_tasks",
+    "context",
+    "enable_fast_path",
+    "enable_recomputation",
+    "enable_task_fusion",
     "get_schedule",
     "ignore_transforms",
     "microbatch",
+    "only_fuse_loop_tasks",
     "parallelize",
     "place_mesh",
     "register_task",

@@ -23,6 +23,7 @@ from ..core.rules import MeshAxes, PathRules, Rules
 from ..plan.partition import Plan, make_plan
 from ..trace.implicit import names_in, registered_tasks
 from ..trace.microbatch import collect_pipelines
+from ..trace.taskspec import current_global_mesh
 from .mpmd import MPMDFunction
 from .spmd import ShardedFunction
 
@@ -75,7 +76,8 @@ def parallelize(
       initial_batch: instead of ``get_input_batch``, a batch (array or pytree).
       devices: the devices to use (default: all).
       mesh: a `Mesh`, or an ``{axis: size}`` shape laid over ``devices``
-        (default: 1-D ``{"data": len(devices)}``).
+        (default: the global mesh of the `MultiMesh` in force, else 1-D
+        ``{"data": len(devices)}``).
       rules: logical axis rules (see `multimesh.rules`); without rules, only
         annotations that name mesh axes shard anything.
       param_rules: ``{regex: spec}`` for parameters that carry no metadata.
@@ -109,6 +111,8 @@ def parallelize(
     if get_input_batch is not None:
         _check_zero_arg(get_input_batch, "get_input_batch")
 
+    if mesh is None and devices is None and current_global_mesh() is not None:
+        mesh = current_global_mesh()  # inside `with MultiMesh(...)`: its mesh
     the_mesh = build_mesh(mesh, devices)
     placement = Placement(the_mesh, Rules(rules if rules is not None else (), strict=strict))
     path_rules = PathRules(param_rules) if param_rules is not None else PathRules()

@@ -12,6 +12,7 @@ from ..core.placement import Placement, current_placement
 from ..core.rules import _as_axes
 from .deferred import logical_constraint_p
 from .interpret import bind_equation
+from .knobs import current_knobs
 
 __all__ = ["logical_spec_to_mesh", "resolve_deferred", "shard_map", "with_sharding_constraint"]
 
@@ -60,11 +61,13 @@ def with_sharding_constraint(x: Any, shardings: Any) -> Any:
     Names are resolved by the rules of the enclosing task (or `parallelize`),
     with the array's shape (a mesh axis that does not divide a dimension is
     skipped). Inside a `shard_map` the axes that are manual there are dropped.
-    With no rules in scope this is exactly `jax.lax.with_sharding_constraint`,
+    Under ``autoshard(False)`` it is `jax.lax.with_sharding_constraint`. With no rules in scope this is exactly `jax.lax.with_sharding_constraint`,
     except that `PartitionSpec`s with no mesh anywhere in context (a model
     run on one device, e.g. as the reference) leave ``x`` as it is, as Flax's
     logical constraints do, instead of raising.
     """
+    if current_knobs().autoshard is False:  # MultiMesh's autoshard(False): JAX's own constraint
+        return jax.lax.with_sharding_constraint(x, shardings)
     placement = current_placement()
     if placement is None:
         if _no_mesh_in_context() and not _has_named_sharding(shardings):
