@@ -15,6 +15,7 @@ from ..core.schedules import (
     ZeroBubbleH2,
     get_schedule,
 )
+from ..run.mjit import MJitFunction, mjit
 from ..run.mpmd import MPMDFunction
 from ..run.parallelize import ShardedFunction, parallelize
 from ..trace.constraints import shard_map, with_sharding_constraint
@@ -42,6 +43,7 @@ __all__ = [
     "Context",
     "GPipe",
     "Interleaved1F1B",
+    "MJitFunction",
     "MPMDFunction",
     "MatchedName",
     "MultiMesh",
@@ -66,6 +68,7 @@ __all__ = [
     "get_schedule",
     "ignore_transforms",
     "microbatch",
+    "mjit",
     "only_fuse_loop_tasks",
     "parallelize",
     "place_mesh",
