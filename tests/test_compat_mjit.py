@@ -12,7 +12,14 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from multimesh.jax import MultiMesh, Task, ignore_transforms, mjit, task, with_sharding_constraint
+from multimesh.jax import (
+    MultiMesh,
+    Task,
+    ignore_transforms,
+    mjit,
+    task,
+    with_sharding_constraint,
+)
 
 pytestmark = pytest.mark.devices(8)
 
