@@ -32,9 +32,11 @@ from ..core.fmt import format_bytes
 from ..core.schedules import Schedule
 from ..trace.implicit import implicit_placement, is_backprop, microbatch_of
 from ..trace.interpret import bind_equation, interpret
+from ..trace.knobs import current_knobs
 from ..trace.microbatch import Pipeline
 from ..trace.task import Placement, task_call_p
 from .order import schedule_segments
+from .recompute import recompute_constants
 from .segment import Segment, Unit
 from .split import inline_backward_tasks
 
@@ -280,7 +282,10 @@ def partition(closed: ClosedJaxpr, pipelines: Sequence[Pipeline] = ()) -> Plan:
         raise ValueError("partition() needs a function that calls at least one task")
     _check_overlaps(tasks)
     units = _units(eqns, colour)
-    segments = _group(eqns, _propagate(eqns, colour), units)
+    colour = _propagate(eqns, colour)
+    if current_knobs().enable_recomputation:  # constant-only values: computed where read, not copied there
+        eqns, colour, units, _ = recompute_constants(eqns, colour, units, closed.jaxpr.outvars)
+    segments = _group(eqns, colour, units)
     segments, schedule = schedule_segments(segments, pipelines)
     return link_segments(closed.jaxpr, consts, segments, schedule)
 
