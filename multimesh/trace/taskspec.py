@@ -25,11 +25,20 @@ from jax.sharding import AbstractMesh, Mesh
 from ..core.placement import Placement
 from ..core.rules import MeshAxes, Rules, identity_rules
 
-__all__ = ["Task", "TaskMesh", "current_global_mesh", "slice_global_mesh", "slice_mesh_keep", "use_global_mesh"]
+__all__ = ["Task", "TaskMesh", "current_global_mesh", "slice_global_mesh", "slice_mesh_keep", "split_names",
+           "use_global_mesh"]
 
 DEFAULT_TASK_AXIS = "x"  # MultiMesh's axis when a Task names no mesh
 
 _GLOBAL: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("multimesh_global_mesh", default=None)
+
+
+_SPLIT_NAMES: dict[Placement, tuple[str, str]] = {}  # placements of Tasks with split_backprop
+
+
+def split_names(placement: Placement) -> tuple[str, str] | None:
+    """The ``split_backprop`` names of the `Task` that ``placement`` was made for (None: not given)."""
+    return _SPLIT_NAMES.get(placement)
 
 
 def current_global_mesh() -> Mesh | None:
@@ -276,4 +285,7 @@ class Task:
         rules = Rules(self.logical_axes) if self.logical_axes is not None else identity_rules(mesh.axis_names)
         rules = rules + self.extra_axes
         rules.check_mesh(dict(mesh.shape))
-        return Placement(mesh, rules, name=name)
+        placement = Placement(mesh, rules, name=name)
+        if self.split_backprop is not None:
+            _SPLIT_NAMES[placement] = self.split_backprop
+        return placement
