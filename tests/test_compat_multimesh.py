@@ -208,3 +208,31 @@ def test_autoshard_off_makes_constraints_jax_own():
             assert jax.jit(lambda x: f(x))(jnp.ones(8)).sharding.is_fully_replicated
         with autoshard(False), pytest.raises(RuntimeError, match="non-empty mesh in context"):  # JAX's own: needs a mesh in context
             jax.jit(lambda x: f(x))(jnp.ones(8))
+
+
+def test_shard_map_inside_a_sliced_scope_runs_on_the_slice():
+    from multimesh.jax import mjit, shard_map
+
+    mm = MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "data"))
+    mm.register_task(r"stage_(\d)", callback=lambda name, bp: Task(
+        name=name, mesh_slice={"stage": int(name.group(1))}, logical_axes=[("batch", "data")]))
+    seen = []
+
+    def per_shard(a):
+        seen.append(a.shape)
+        return a * 2
+
+    def f(x):
+        with jax.named_scope("stage_0"):
+            h = x + 1
+        with jax.named_scope("stage_1"):  # no mesh given: the slice of this scope, as in MultiMesh
+            return shard_map(per_shard, mesh=mm, in_specs=P("batch"), out_specs=P("batch"))(h)
+
+    x = np.arange(16, dtype=np.float32).reshape(8, 2)
+    with mm:
+        fn = mjit(f)
+        out = fn(x)
+    np.testing.assert_allclose(out, (x + 1) * 2)
+    assert seen == [(2, 2)]  # 8 rows over the slice's 4 data devices
+    assert out.sharding.device_set == set(mm.slice(stage=1).devices.flat)
+    assert [p.name for p in fn.plan.placements] == ["stage_0", "stage_1"]

@@ -203,3 +203,18 @@ def test_task_mesh_and_task_validation():
     assert moved.devices == (4, 5, 6, 7) and moved.axis_names == ("x", "y") and moved.axis_sizes == (2, 2)
     assert m.abstract_mesh == jax.sharding.AbstractMesh((2, 2), ("x", "y"))
     assert TaskMesh(devices=(0, 1), abstract=m.abstract_mesh.update(axis_sizes=(1, 2))).shape == {"x": 1, "y": 2}
+
+
+def test_flax_task_takes_the_v02_forms():
+    import flax.linen as nn
+
+    from multimesh.jax import flax as mmflax
+
+    mesh = TaskMesh(devices=(4, 5, 6, 7), axis_sizes=(2, 2), axis_names=("x", "y"))
+    Dense = mmflax.task(nn.Dense, task=Task(mesh=mesh, name="head"))
+    assert Dense.placement.name == "head" and Dense.placement.devices == frozenset(jax.devices()[4:])
+    Same = mmflax.task(nn.Dense, mesh=mesh, logical_axes=[("embed", "y")])
+    assert Same.placement.spec(("embed",), (8,)) == P("y")
+    assert mmflax.with_sharding_constraint is with_sharding_constraint
+    with pytest.raises(ValueError, match=r"flax.task\(Dense\): task= says where the module runs; give it alone"):
+        mmflax.task(nn.Dense, task=Task(mesh=mesh), devices=[0])

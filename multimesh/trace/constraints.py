@@ -6,11 +6,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..core.placement import Placement, current_placement
 from ..core.rules import _as_axes
 from .deferred import logical_constraint_p
+from .implicit import placement_in_scope
 from .interpret import bind_equation
 from .knobs import current_knobs
 
@@ -126,6 +127,11 @@ def shard_map(
     * ``shard_map(f, mesh, in_specs, out_specs, check_rep=True, auto=frozenset())``
       (``auto``: axes left to the compiler, i.e. ``axis_names = mesh axes - auto``).
 
+    Without a mesh (or given a `MultiMesh`), inside the scope of a registered
+    task (a Flax module or named scope `register_task` matches) the mesh is
+    that task's submesh, e.g. its ``mesh_slice`` of the global mesh, as in
+    MultiMesh.
+
     Inside a task or `parallelize`, names in the specs may be logical; they
     are resolved by the rules in scope when the function is called.
     """
@@ -140,7 +146,14 @@ def shard_map(
     def decorate(fun: Callable) -> Callable:
         def wrapped(*args):
             placement = current_placement()
-            the_mesh = mesh if mesh is not None else (placement.mesh if placement is not None else None)
+            multi = mesh is not None and not isinstance(mesh, Mesh) and isinstance(getattr(mesh, "mesh", None), Mesh)
+            given = None if multi else mesh  # a MultiMesh: its slice for this scope, else its global mesh
+            if given is None and (placement is None or placement.defer):
+                # inside a registered task's scope (a Flax module, a named scope): that task's submesh
+                placement = placement_in_scope() or placement
+            if given is None and placement is None and multi:
+                given = mesh.mesh
+            the_mesh = given if given is not None else (placement.mesh if placement is not None else None)
             names = axis_names
             if auto is not None:
                 if the_mesh is None:

@@ -35,6 +35,7 @@ from typing import Any, Self
 
 import jax
 import numpy as np
+from jax._src import source_info_util
 from jax.sharding import Mesh
 
 from ..core.fmt import device_span
@@ -50,6 +51,7 @@ __all__ = [
     "is_backprop",
     "microbatch_of",
     "names_in",
+    "placement_in_scope",
     "register_scope",
     "register_task",
     "registered_tasks",
@@ -400,6 +402,11 @@ def is_backprop(name_stack: Any) -> bool:
 
 def microbatch_of(name_stack: Any) -> int | None:
     return _read_stack(name_stack)[1]
+
+
+def placement_in_scope() -> Placement | None:
+    """The placement the registrations give the JAX name stack being traced now (None: none matches)."""
+    return implicit_placement(source_info_util.current_name_stack())
 
 
 def implicit_placement(name_stack: Any) -> Placement | None:
