@@ -88,3 +88,36 @@ def test_register_a_task_and_a_callback_returning_one():
     reg = register_task(r"layers_(\d)", callback=where)
     p1 = place(reg, "layers_1")
     assert p1.name == "stage1" and p1.devices == frozenset(devs[4:]) and dict(p1.mesh.shape) == {"x": 2, "y": 2}
+
+
+def test_tasks_holds_only_the_registrations_the_configurable_makes():
+    from multimesh.jax import registered_tasks, tasks
+
+    before = register_task("kept", devices=[0])
+
+    def configurable():
+        return lambda: register_task("inside", devices=[1])
+
+    with tasks(configurable):
+        assert [r.pattern.pattern for r in registered_tasks()] == ["inside"]
+    assert registered_tasks() == [before]
+
+
+def test_loop_dependent_slices_are_checked():
+    from multimesh.jax import MultiMesh
+
+    mm = MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "data"))
+    with mm:
+        same = register_task("a", task=Task(loop_dependent_mesh_slice=lambda i: {"stage": 1}))
+        m = same.pattern.fullmatch("a")
+        assert same.placement_for(m, False, 3).devices == frozenset(jax.devices()[4:])
+        rotating = register_task("b", task=Task(loop_dependent_mesh_slice=lambda i: {"stage": i % 2}))
+        m = rotating.pattern.fullmatch("b")
+        assert rotating.placement_for(m, False, 0).devices == frozenset(jax.devices()[:4])
+        with pytest.raises(NotImplementedError, match=r"loop_dependent_mesh_slice\(1\) = \{'stage': 1\} is another "
+                                                      r"submesh than the task's default slice"):
+            rotating.placement_for(m, False, 1)
+        uneven = register_task("c", task=Task(mesh_slice={"stage": 0},
+                                              loop_dependent_mesh_slice=lambda i: {"stage": 0, "data": 0}))
+        with pytest.raises(ValueError, match=r"gives 1 devices, the task's default slice 4"):
+            uneven.placement_for(uneven.pattern.fullmatch("c"), False, 2)

@@ -19,7 +19,7 @@ from ..run.mjit import MJitFunction, mjit
 from ..run.mpmd import MPMDFunction
 from ..run.parallelize import ShardedFunction, parallelize
 from ..trace.constraints import shard_map, with_sharding_constraint
-from ..trace.context import Context, MultiMesh
+from ..trace.context import Context, MultiMesh, tasks
 from ..trace.implicit import (
     MatchedName,
     clear_tasks,
@@ -81,5 +81,6 @@ __all__ = [
     "standard_rules",
     "task",
     "task_scope",
+    "tasks",
     "with_sharding_constraint",
 ]

@@ -31,15 +31,17 @@ from .implicit import (
     MatchedName,
     Registration,
     add_registration,
+    clear_tasks,
     make_registration,
     pop_context,
     push_context,
     scope_names,
+    task_scope,
 )
 from .task import _as_devices
 from .taskspec import Task, slice_mesh_keep, use_global_mesh
 
-__all__ = ["Context", "MultiMesh"]
+__all__ = ["Context", "MultiMesh", "tasks"]
 
 
 class Context:
@@ -171,3 +173,15 @@ class MultiMesh(Context):
 
     def __repr__(self) -> str:
         return f"MultiMesh({dict(self.mesh.shape)}, {len(self._registrations)} registered tasks)"
+
+
+@contextlib.contextmanager
+def tasks(configurable: Callable[[], Callable[[], Any]]) -> Any:
+    """MultiMesh's ``tasks``: no registration in force but those ``configurable()()`` makes, for the block.
+
+    The registrations in force before come back after it.
+    """
+    with task_scope():
+        clear_tasks()
+        configurable()()
+        yield

@@ -261,6 +261,11 @@ class Task:
         if sub.size != base.size:
             raise ValueError(f"{who}: loop_dependent_mesh_slice({iteration}) = {dict(got)} gives {sub.size} devices, "
                              f"the task's default slice {base.size}; every iteration's slice must hold as many")
+        if sub != base:
+            raise NotImplementedError(
+                f"{who}: loop_dependent_mesh_slice({iteration}) = {dict(got)} is another submesh than the task's "
+                f"default slice; multimesh's pipeline schedules run a task on one submesh for every microbatch, "
+                f"so a slice that changes per iteration is not supported. Give mesh_slice= (see MIGRATING.md)")
         return sub
 
     def placement(self, default_name: str = "task", *, global_mesh: Mesh | None = None,
