@@ -218,8 +218,9 @@ _SCOPES: dict[str, Placement] = {}  # flax.task classes: permanent, not cleared 
 
 
 def register_task(
-    regex: str,
+    regex: str | None = None,
     *,
+    matcher: str | None = None,
     name: str | None = None,
     mesh: Mesh | None = None,
     dims: Sequence[int] | None = None,
@@ -234,7 +235,7 @@ def register_task(
     Args:
       regex: matched (`re.fullmatch`) against each name in an equation's scope
         stack, outermost first: a module's name (``"layers_3"``) or a named scope.
-        (MultiMesh v0.2 calls it ``matcher``.)
+        (MultiMesh v0.2 calls it ``matcher``, accepted as a keyword too.)
       name: the task's name in plans and errors (default: ``regex``).
       task: where matches run, as a `Task` (MultiMesh v0.2); or
       mesh / devices / device_axes / logical_axes: a fixed placement, as for `task`;
@@ -254,6 +255,9 @@ def register_task(
     Returns:
       A handle: ``.remove()`` unregisters, and ``with register_task(...):`` scopes it.
     """
+    if (regex is None) == (matcher is None):
+        raise TypeError("register_task needs the name pattern: register_task(regex, ...) or register_task(matcher=...)")
+    regex = regex if regex is not None else matcher
     reg = make_registration(regex, name=name, mesh=mesh, dims=dims, callback=callback, devices=devices,
                             device_axes=device_axes, logical_axes=logical_axes, task=task)
     if _CONTEXTS:
