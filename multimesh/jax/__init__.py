@@ -3,6 +3,7 @@
     from multimesh.jax import parallelize, task, with_sharding_constraint
 """
 
+from .._version import __version__
 from ..core.meshes import build_mesh, place_mesh, slice_mesh
 from ..core.report import ShardingReport
 from ..core.rules import PathRules, RuleError, Rules, resolve, standard_rules
@@ -35,6 +36,7 @@ from ..trace.knobs import (
     enable_task_fusion,
     only_fuse_loop_tasks,
 )
+from ..trace.lifecycle import custom_partitioning, shutdown
 from ..trace.microbatch import microbatch
 from ..trace.task import ignore_transforms, task
 from ..trace.taskspec import Task, TaskMesh, slice_global_mesh
@@ -58,10 +60,12 @@ __all__ = [
     "TaskMesh",
     "ZeroBubbleH1",
     "ZeroBubbleH2",
+    "__version__",
     "autoshard",
     "build_mesh",
     "clear_tasks",
     "context",
+    "custom_partitioning",
     "enable_fast_path",
     "enable_recomputation",
     "enable_task_fusion",
@@ -76,6 +80,7 @@ __all__ = [
     "registered_tasks",
     "resolve",
     "shard_map",
+    "shutdown",
     "slice_global_mesh",
     "slice_mesh",
     "standard_rules",
