@@ -70,7 +70,7 @@ def problem(model):
 def test_with_partitioning_names_resolve_through_the_task_rules():
     devs = jax.devices()
     init, batch, step = problem(Net())
-    register_task(r"layers_0", devices=devs[:4], dims=(2, 2), device_axes=("x", "y"), logical_axes=RULES)
+    register_task(r"layers_0", devices=[0, 1, 2, 3], dims=[2, 2], device_axes=("x", "y"), logical_axes=RULES)
     register_task(r"layers_1", devices=devs[4:], dims=(2, 2), device_axes=("x", "y"), logical_axes=RULES)
     _fn, state = check_mpmd_against_reference(step, init, batch)
     w0 = state["p"]["params"]["layers_0"]["w"].value

@@ -121,3 +121,19 @@ def test_loop_dependent_slices_are_checked():
                                               loop_dependent_mesh_slice=lambda i: {"stage": 0, "data": 0}))
         with pytest.raises(ValueError, match=r"gives 1 devices, the task's default slice 4"):
             uneven.placement_for(uneven.pattern.fullmatch("c"), False, 2)
+
+
+def test_relative_device_numbers_follow_the_global_mesh_in_force():
+    from multimesh.jax import MultiMesh
+
+    reg = register_task("a", task=Task(mesh=TaskMesh(devices=(0, 1))))
+    m = reg.pattern.fullmatch("a")
+    assert reg.placement_for(m, False).devices == frozenset(jax.devices()[:2])
+    from multimesh.trace.implicit import implicit_placement
+
+    assert implicit_placement("a").devices == frozenset(jax.devices()[:2])
+    with MultiMesh(devices=jax.devices()[::-1]):  # the global mesh's devices, in its order
+        assert reg.placement_for(m, False).devices == frozenset(jax.devices()[6:])
+        assert implicit_placement("a").devices == frozenset(jax.devices()[6:])
+    assert implicit_placement("a").devices == frozenset(jax.devices()[:2])
+

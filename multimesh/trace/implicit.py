@@ -117,11 +117,12 @@ class Registration:
             return got
         if got.loop_dependent_mesh_slice is None:
             iteration = None
-        if (key, iteration) not in self._cache:
+        mesh = self.global_mesh or current_global_mesh()  # relative device numbers index its devices
+        if (key, iteration, mesh) not in self._cache:
             default = match.group(0) if self.callback is not None else self.pattern.pattern
-            self._cache[(key, iteration)] = got.placement(
-                self.name or default, global_mesh=self.global_mesh or current_global_mesh(), iteration=iteration)
-        return self._cache[(key, iteration)]
+            self._cache[(key, iteration, mesh)] = got.placement(self.name or default, global_mesh=mesh,
+                                                                iteration=iteration)
+        return self._cache[(key, iteration, mesh)]
 
     def _from_callback(self, match: re.Match, backprop: bool) -> Placement | Task | None:
         got = self.callback(MatchedName(match), backprop)
@@ -329,6 +330,7 @@ _CONTEXTS: list[Any] = []  # the active registration contexts (`multimesh.trace.
 def push_context(ctx: Any) -> None:
     """``ctx`` becomes the innermost context: `register_task` calls give it their registrations (``ctx.adopt``)."""
     _CONTEXTS.append(ctx)
+    _lookup.cache_clear()  # its global mesh may place Tasks' relative device numbers elsewhere
 
 
 def pop_context(ctx: Any) -> None:
@@ -336,6 +338,7 @@ def pop_context(ctx: Any) -> None:
         _CONTEXTS.pop()
     elif ctx in _CONTEXTS:
         _CONTEXTS.remove(ctx)
+    _lookup.cache_clear()
 
 
 def clear_tasks() -> None:
