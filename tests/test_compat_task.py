@@ -218,3 +218,33 @@ def test_flax_task_takes_the_v02_forms():
     assert mmflax.with_sharding_constraint is with_sharding_constraint
     with pytest.raises(ValueError, match=r"flax.task\(Dense\): task= says where the module runs; give it alone"):
         mmflax.task(nn.Dense, task=Task(mesh=mesh), devices=[0])
+
+
+@pytest.mark.filterwarnings("ignore:`with mesh:` context manager has been deprecated")  # the reference's own form
+def test_the_reference_docstring_examples():
+    """`with_sharding_constraint`'s: arange(16) constrained to P("x") in a task on a 4-device mesh, run
+    under ``with mesh, autoshard(True)``; `task`'s: a square with logical constraints on a 2x2 submesh."""
+    from jax.sharding import Mesh
+
+    from multimesh.jax import autoshard
+
+    mesh = Mesh(np.asarray(jax.devices()[:4]), ("x",))
+
+    def f():
+        return with_sharding_constraint(jnp.arange(16), P("x"))
+
+    with mesh, autoshard(True):
+        out = jax.jit(task(f, mesh=mesh))()
+    assert out.sharding.spec == P("x")
+    assert sorted(s.data.tolist() for s in out.addressable_shards) == [list(range(4 * i, 4 * i + 4)) for i in range(4)]
+
+    def square(x):
+        x = with_sharding_constraint(x, P("batch", "model"))
+        return with_sharding_constraint(x * x, P("batch", "model"))
+
+    sq = task(square, devices=np.asarray(jax.devices()[:4]).reshape(2, 2), device_axes=("x", "y"),
+              logical_axes=(("batch", "x"), ("model", "y")))
+    x = jnp.arange(16.0).reshape(4, 4)
+    got = jax.jit(sq)(x)
+    np.testing.assert_allclose(got, x * x)
+    assert got.sharding.spec == P("x", "y") and got.addressable_shards[0].data.shape == (2, 2)
