@@ -236,3 +236,16 @@ def test_shard_map_inside_a_sliced_scope_runs_on_the_slice():
     assert seen == [(2, 2)]  # 8 rows over the slice's 4 data devices
     assert out.sharding.device_set == set(mm.slice(stage=1).devices.flat)
     assert [p.name for p in fn.plan.placements] == ["stage_0", "stage_1"]
+
+
+def test_parallelize_inside_a_multimesh_uses_its_mesh():
+    from multimesh.jax import parallelize
+
+    mm = MultiMesh(axis_sizes=(4, 2), axis_names=("data", "model"))
+    with mm:
+        fn, init = parallelize(lambda p, b: jnp.sum(b["x"] @ p), init_params=lambda: jnp.ones((4, 2)),
+                               initial_batch={"x": np.ones((8, 4), np.float32)}, rules=[("batch", "data")])
+    assert fn.mesh == mm.mesh
+    b = {"x": np.ones((8, 4), np.float32)}
+    assert float(fn(init(), b)) == 64.0
+    assert fn.batch_shardings["x"].spec == P("data") and fn.batch_shardings["x"].mesh == mm.mesh
