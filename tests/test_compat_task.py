@@ -220,7 +220,7 @@ def test_flax_task_takes_the_v02_forms():
         mmflax.task(nn.Dense, task=Task(mesh=mesh), devices=[0])
 
 
-@pytest.mark.filterwarnings("ignore:`with mesh:` context manager has been deprecated")  # the reference's own form
+@pytest.mark.filterwarnings("ignore:.*context manager has been deprecated:DeprecationWarning")  # the reference's own form
 def test_the_reference_docstring_examples():
     """`with_sharding_constraint`'s: arange(16) constrained to P("x") in a task on a 4-device mesh, run
     under ``with mesh, autoshard(True)``; `task`'s: a square with logical constraints on a 2x2 submesh."""
