@@ -4,7 +4,6 @@ The public API lives in `multimesh.jax` (and `multimesh.jax.flax`); the same
 names are re-exported here.
 """
 
-from .jax import *  # noqa: F401,F403
+from ._version import __version__  # noqa: F401
+from .jax import *
 from .jax import __all__  # noqa: F401
-
-__version__ = "0.1.0"

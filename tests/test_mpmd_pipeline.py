@@ -341,7 +341,7 @@ def test_register_task_pipelines_an_unmodified_linen_model():
 
     def where(match, backprop):
         calls.append((match.group(0), backprop))
-        return ((0, 4), "first") if int(match[1]) < 2 else ((4, 8), "second")
+        return ((0, 4), "first") if int(match.group(1)) < 2 else ((4, 8), "second")
 
     init, batch, step = flax_problem(Net())
     with register_task(r"layers_(\d+)", callback=where, dims=(2, 2), device_axes=("data", "model"),

@@ -33,7 +33,7 @@ def place(reg, name: str, backprop: bool = False):
 
 def test_index_range_runs_on_those_of_jax_devices():
     devs = jax.devices()
-    reg = register_task(r"layers_(\d+)", callback=lambda m, bp: ((4, 8), f"s{m[1]}"), dims=(2, 2),
+    reg = register_task(r"layers_(\d+)", callback=lambda m, bp: ((4, 8), f"s{m.group(1)}"), dims=(2, 2),
                         device_axes=("data", "model"))
     p = place(reg, "layers_1")
     assert p.name == "s1" and dict(p.mesh.shape) == {"data": 2, "model": 2}
@@ -47,7 +47,7 @@ def test_index_range_runs_on_those_of_jax_devices():
 def test_devices_form_lists_and_arrays():
     devs = jax.devices()
     mine = devs[::-1]  # not a prefix of jax.devices(): a range could not say this
-    reg = register_task(r"layers_(\d+)", callback=lambda m, bp: (mine[2 * int(m[1]):2 * int(m[1]) + 2], "stage"))
+    reg = register_task(r"layers_(\d+)", callback=lambda m, bp: (mine[2 * int(m.group(1)):2 * int(m.group(1)) + 2], "stage"))
     p = place(reg, "layers_1")
     assert p.mesh.devices.tolist() == [devs[5], devs[4]] and p.mesh.axis_names == ("devices",)
     # reshaped to dims=
@@ -69,7 +69,7 @@ def test_devices_form_lists_and_arrays():
                                  r"'cpu:0' is a str, not a jax device")),
     (([], "s"), re.escape(f"register_task({REGEX!r}): callback for 'layers_3' returned [] where")),
     ((0, "s"), r"callback for 'layers_3' returned 0 where"),
-    ((1, 2, 3), (r"callback must return \(\(start, stop\), name\), \(devices, name\) or None, "
+    ((1, 2, 3), (r"callback must return a Task, \(\(start, stop\), name\), \(devices, name\) or None, "
                  r"got \(1, 2, 3\) for 'layers_3'")),
     (((0, 99), "s"), r"placed 'layers_3' on devices 0..98, but only 8 devices exist"),
 ])
@@ -111,7 +111,7 @@ def test_devices_from_a_callback_end_to_end():
     first, second = devs[7:3:-1], devs[3::-1]
 
     def where(match, backprop):
-        return (first, "first") if int(match[1]) < 2 else (np.array(second, dtype=object), "second")
+        return (first, "first") if int(match.group(1)) < 2 else (np.array(second, dtype=object), "second")
 
     def init():
         params = model.init(jax.random.key(0), jnp.zeros((8, 16)))

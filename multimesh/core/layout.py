@@ -106,7 +106,7 @@ def derive_layout(
                 ann = Annotation(None, "none")
         if ann.physical:
             try:
-                sharding = where.physical(ann.spec, shape, path=label)
+                sharding = where.physical(ann.spec, shape, path=label, logical_fallback=ann.source != "path rule")
             except RuleError as e:
                 if ann.source != "path rule":
                     raise

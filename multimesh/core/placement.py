@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .fmt import device_span
-from .rules import LogicalSpec, Rules, check_physical
+from .rules import LogicalSpec, RuleError, Rules, check_physical
 
 __all__ = ["Placement", "current_placement", "use_placement"]
 
@@ -62,8 +62,32 @@ class Placement:
     def sharding(self, logical: LogicalSpec | None, shape: Sequence[int] | None = None, *, path: str | None = None) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(logical, shape, path=path))
 
-    def physical(self, spec: PartitionSpec, shape: Sequence[int] | None = None, *, path: str | None = None) -> NamedSharding:
-        """A `PartitionSpec` of mesh axes, validated against this mesh."""
+    def physical(self, spec: PartitionSpec, shape: Sequence[int] | None = None, *, path: str | None = None,
+                 logical_fallback: bool = True) -> NamedSharding:
+        """A `PartitionSpec` of mesh axes, validated against this mesh.
+
+        As in MultiMesh, every annotation name is logical at heart: when the
+        spec names something that is not an axis of this mesh but is a logical
+        name of the rules (``nn.with_partitioning(init, ("data", "model"))``
+        in a task whose rules map ``data``/``model`` to its axes), the whole
+        spec is resolved by the rules. A name neither a mesh axis nor covered
+        by a rule stays an error. ``logical_fallback=False``: mesh axes only
+        (a `PartitionSpec` in ``param_rules`` says it holds mesh axes).
+        """
+        names = {a for entry in spec if entry is not None and entry is not PartitionSpec.UNCONSTRAINED
+                 for a in ((entry,) if isinstance(entry, str) else tuple(entry))}
+        foreign = names - set(self.axis_sizes)
+        if logical_fallback and foreign:
+            uncovered = [a for entry in spec if entry is not None and entry is not PartitionSpec.UNCONSTRAINED
+                         for a in ((entry,) if isinstance(entry, str) else tuple(entry))
+                         if a in foreign and a not in self.rules.logical_names]
+            if not uncovered:
+                return NamedSharding(self.mesh, self.spec(tuple(spec), shape, path=path))
+            a = uncovered[0]
+            where = f" of the array of {path!r}" if path else ""
+            raise RuleError(f"PartitionSpec {spec}{where} names mesh axis {a!r}, but the mesh has axes "
+                            f"{self.axis_sizes} and no rule maps {a!r} as a logical name; name a mesh axis, "
+                            f"or add a rule ({a!r}, <mesh axis>) (a task's logical_axes=)")
         return NamedSharding(self.mesh, check_physical(spec, self.axis_sizes, shape, path=path))
 
     @functools.cached_property

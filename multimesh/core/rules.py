@@ -358,7 +358,8 @@ def check_physical(
             if a not in axis_sizes:
                 raise RuleError(
                     f"PartitionSpec {spec} of the array{_where(path)} names mesh axis {a!r}, "
-                    f"but the mesh has axes {dict(axis_sizes)}"
+                    f"but the mesh has axes {dict(axis_sizes)} and no rule maps {a!r} as a logical name; "
+                    f"name a mesh axis, or add a rule ({a!r}, <mesh axis>) (a task's logical_axes=)"
                 )
             if a in used:
                 raise RuleError(

@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from ..core.rules import MeshAxes
 from ..trace.implicit import register_scope
 from ..trace.task import make_placement
+from ..trace.taskspec import Task, TaskMesh
 
 __all__ = ["task"]
 
@@ -35,10 +36,15 @@ def task(
     devices: Any = None,
     device_axes: Sequence[str] | None = None,
     logical_axes: Iterable[tuple[str, MeshAxes]] | None = None,
+    task: Task | None = None,
+    **task_fields: Any,
 ) -> type[nn.Module]:
     """A subclass of the Linen ``module`` whose calls run as a task on the given submesh.
 
-    Placement keywords are those of `multimesh.jax.task`. Example::
+    Placement keywords are those of `multimesh.jax.task`, including the v0.2
+    forms: ``task=Task(...)``, ``mesh=TaskMesh(...)``, and `Task` fields as
+    keywords (``mesh_slice={"stage": 0}`` needs the `MultiMesh` in force when
+    the class is made). Example::
 
         Stage0 = flax.task(Block, "stage0", devices=jax.devices()[:4])
         y = Stage0(features=64)(x)        # inside a model's compact method
@@ -46,7 +52,17 @@ def task(
     if not (isinstance(module, type) and issubclass(module, nn.Module)):
         raise TypeError(f"flax.task needs a Flax Linen Module class, got {module!r}")
     label = name or module.__name__
-    placement = make_placement(label, mesh, devices, device_axes, logical_axes)
+    if task is not None or task_fields or isinstance(mesh, TaskMesh):
+        if task is None:
+            if devices is not None or device_axes is not None:
+                raise ValueError(f"flax.task({module.__name__}): devices=/device_axes= do not combine with "
+                                 f"mesh=TaskMesh(...) or Task fields")
+            task = Task(name=label, mesh=mesh, logical_axes=logical_axes, **task_fields)
+        elif task_fields or any(x is not None for x in (mesh, devices, device_axes, logical_axes)):
+            raise ValueError(f"flax.task({module.__name__}): task= says where the module runs; give it alone")
+        placement = task.placement(label)
+    else:
+        placement = make_placement(label, mesh, devices, device_axes, logical_axes)
     scope = f"task_{label}_{next(_ids)}"
     register_scope(scope, placement)
 

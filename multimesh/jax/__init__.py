@@ -3,6 +3,7 @@
     from multimesh.jax import parallelize, task, with_sharding_constraint
 """
 
+from .._version import __version__
 from ..core.meshes import build_mesh, place_mesh, slice_mesh
 from ..core.report import ShardingReport
 from ..core.rules import PathRules, RuleError, Rules, resolve, standard_rules
@@ -16,18 +17,40 @@ from ..core.schedules import (
     get_schedule,
 )
 from ..run.checks import DonatedArrayError, StepInputError
+from ..run.mjit import MJitFunction, mjit
 from ..run.mpmd import MPMDFunction
 from ..run.parallelize import ShardedFunction, parallelize
 from ..trace.constraints import shard_map, with_sharding_constraint
-from ..trace.implicit import clear_tasks, register_task, registered_tasks, task_scope
+from ..trace.context import Context, MultiMesh, tasks
+from ..trace.implicit import (
+    MatchedName,
+    clear_tasks,
+    register_task,
+    registered_tasks,
+    task_scope,
+)
+from ..trace.knobs import (
+    autoshard,
+    context,
+    enable_fast_path,
+    enable_recomputation,
+    enable_task_fusion,
+    only_fuse_loop_tasks,
+)
+from ..trace.lifecycle import custom_partitioning, shutdown
 from ..trace.microbatch import microbatch
 from ..trace.task import ignore_transforms, task
+from ..trace.taskspec import Task, TaskMesh, slice_global_mesh
 
 __all__ = [
+    "Context",
     "DonatedArrayError",
     "GPipe",
     "Interleaved1F1B",
+    "MJitFunction",
     "MPMDFunction",
+    "MatchedName",
+    "MultiMesh",
     "OneFOneB",
     "PathRules",
     "RuleError",
@@ -36,22 +59,36 @@ __all__ = [
     "ShardedFunction",
     "ShardingReport",
     "StepInputError",
+    "Task",
+    "TaskMesh",
     "ZeroBubbleH1",
     "ZeroBubbleH2",
+    "__version__",
+    "autoshard",
     "build_mesh",
     "clear_tasks",
+    "context",
+    "custom_partitioning",
+    "enable_fast_path",
+    "enable_recomputation",
+    "enable_task_fusion",
     "get_schedule",
     "ignore_transforms",
     "microbatch",
+    "mjit",
+    "only_fuse_loop_tasks",
     "parallelize",
     "place_mesh",
     "register_task",
     "registered_tasks",
     "resolve",
     "shard_map",
+    "shutdown",
+    "slice_global_mesh",
     "slice_mesh",
     "standard_rules",
     "task",
     "task_scope",
+    "tasks",
     "with_sharding_constraint",
 ]

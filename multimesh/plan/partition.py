@@ -19,6 +19,7 @@ segments to follow the schedule.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,9 +33,12 @@ from ..core.fmt import format_bytes
 from ..core.schedules import Schedule
 from ..trace.implicit import implicit_placement, is_backprop, microbatch_of
 from ..trace.interpret import bind_equation, interpret
+from ..trace.knobs import current_knobs
 from ..trace.microbatch import Pipeline
 from ..trace.task import Placement, task_call_p
+from ..trace.taskspec import split_names
 from .order import schedule_segments
+from .recompute import recompute_constants
 from .segment import Segment, Unit
 from .split import inline_backward_tasks
 
@@ -280,9 +284,23 @@ def partition(closed: ClosedJaxpr, pipelines: Sequence[Pipeline] = ()) -> Plan:
         raise ValueError("partition() needs a function that calls at least one task")
     _check_overlaps(tasks)
     units = _units(eqns, colour)
-    segments = _group(eqns, _propagate(eqns, colour), units)
+    colour = _propagate(eqns, colour)
+    if current_knobs().enable_recomputation:  # constant-only values: computed where read, not copied there
+        eqns, colour, units, _ = recompute_constants(eqns, colour, units, closed.jaxpr.outvars)
+    segments = _group(eqns, colour, units)
     segments, schedule = schedule_segments(segments, pipelines)
+    _check_split_backprop(segments, schedule)
     return link_segments(closed.jaxpr, consts, segments, schedule)
+
+
+def _check_split_backprop(segments: Sequence[Segment], schedule: Schedule | None) -> None:
+    """A `Task` asked for its backward to be split, but the schedule does not split any: say so."""
+    asked = sorted({s.placement.name for s in segments if split_names(s.placement) is not None})
+    if asked and (schedule is None or not schedule.split_backward):
+        what = f"the schedule {schedule!r}" if schedule is not None else "a step without microbatch()"
+        warnings.warn(f"tasks {asked} ask for split_backprop, but {what} does not split backward passes; use "
+                      f"microbatch(..., schedule='zero-bubble-h1' or 'zero-bubble-h2') to run the input and "
+                      f"weight gradients apart", stacklevel=4)
 
 
 def _check_overlaps(placements: Sequence[Placement]) -> None:

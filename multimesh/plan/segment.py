@@ -8,6 +8,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 
 from ..core.schedules import Action
 from ..trace.task import Placement, task_call_p
+from ..trace.taskspec import split_names
 
 __all__ = ["Segment", "Unit"]
 
@@ -37,6 +38,9 @@ class Segment:
     @property
     def label(self) -> str:
         if self.action is not None:
+            names = split_names(self.placement) if self.action.kind in ("B", "W") else None
+            if names is not None:  # Task(split_backprop=(input_gradient, weight_gradient)) names the halves
+                return f"{self.placement.name}/{names[self.action.kind == 'W']}:{self.action}"
             return f"{self.placement.name}:{self.action}"
         kinds = [e.params["kind"] for e in self.eqns if e.primitive is task_call_p]
         what = "+".join(dict.fromkeys(kinds)) if kinds else "glue"

@@ -23,6 +23,7 @@ from ..core.rules import MeshAxes, PathRules, Rules
 from ..plan.partition import Plan, make_plan
 from ..trace.implicit import names_in, registered_tasks
 from ..trace.microbatch import collect_pipelines
+from ..trace.taskspec import current_global_mesh
 from .checks import check_arrays, check_outputs, checked, fun_name
 from .mpmd import MPMDFunction
 from .spmd import ShardedFunction
@@ -66,15 +67,18 @@ def parallelize(
     """Compile ``fun(params, batch, *args)`` into a sharded function.
 
     Args:
-      fun: the one-device step; parameters first, the batch second.
+      fun: the one-device step; parameters first, the batch second (without
+        ``init_params``: ``fun(batch)``).
       init_params: zero-argument function returning the parameters (or the
         whole train state); evaluated abstractly, then compiled so that each
-        parameter is created directly in its sharding.
+        parameter is created directly in its sharding. Optional when ``fun``
+        takes no parameters: the sharded function is then called as ``fn(batch)``.
       get_input_batch: zero-argument function returning an example batch.
       initial_batch: instead of ``get_input_batch``, a batch (array or pytree).
       devices: the devices to use (default: all).
       mesh: a `Mesh`, or an ``{axis: size}`` shape laid over ``devices``
-        (default: 1-D ``{"data": len(devices)}``).
+        (default: the global mesh of the `MultiMesh` in force, else 1-D
+        ``{"data": len(devices)}``).
       rules: logical axis rules (see `multimesh.rules`); without rules, only
         annotations that name mesh axes shard anything.
       param_rules: ``{regex: spec}`` for parameters that carry no metadata.
@@ -85,12 +89,20 @@ def parallelize(
 
     Returns:
       ``(sharded_fun, sharded_init_params, sharded_get_input_batch)`` with
-      ``get_input_batch``, else ``(sharded_fun, sharded_init_params)``.
+      ``get_input_batch``, else ``(sharded_fun, sharded_init_params)``; without
+      ``init_params`` the same less ``sharded_init_params``.
     """
     if not callable(fun):
         raise TypeError(f"parallelize needs a function, got {type(fun).__name__}")
     if init_params is None:
-        raise TypeError("parallelize needs init_params=, a zero-argument function returning the parameters")
+        if (get_input_batch is None) == (initial_batch is None):
+            raise TypeError(
+                "parallelize needs get_input_batch= (a zero-argument function returning a batch) or "
+                "initial_batch= (an already built batch), and init_params= when fun takes parameters")
+        made = parallelize(_batch_only(fun), init_params=tuple, get_input_batch=get_input_batch,
+                           initial_batch=initial_batch, devices=devices, mesh=mesh, rules=rules,
+                           param_rules=param_rules, batch_spec=batch_spec, donate=donate, strict=strict)
+        return (BatchFunction(made[0]),) + tuple(made[2:])
     _check_zero_arg(init_params, "init_params")
     if (get_input_batch is None) == (initial_batch is None):
         raise TypeError(
@@ -100,6 +112,8 @@ def parallelize(
     if get_input_batch is not None:
         _check_zero_arg(get_input_batch, "get_input_batch")
 
+    if mesh is None and devices is None and current_global_mesh() is not None:
+        mesh = current_global_mesh()  # inside `with MultiMesh(...)`: its mesh
     the_mesh = build_mesh(mesh, devices)
     placement = Placement(the_mesh, Rules(rules if rules is not None else (), strict=strict))
     path_rules = PathRules(param_rules) if param_rules is not None else PathRules()
@@ -124,7 +138,8 @@ def parallelize(
         sharded = MPMDFunction(fun, plan, params, batch, abstract_params, abstract_batch,
                                jax.tree.structure(out_shape), out_shape, donate)
         return _with_initializers(sharded, init_params, get_input_batch, None)
-    if rules is None and all(leaf.spec == jax.sharding.PartitionSpec() or not any(leaf.spec) for leaf in params.leaves):
+    if rules is None and params.leaves and all(leaf.spec == jax.sharding.PartitionSpec() or not any(leaf.spec)
+                                               for leaf in params.leaves):
         warnings.warn(
             f"parallelize: no rules= and no annotation names a mesh axis, so every parameter is replicated "
             f"on all {the_mesh.size} devices; pass rules=[(logical_name, mesh_axis), ...] to shard",
@@ -133,6 +148,39 @@ def parallelize(
 
     sharded = ShardedFunction(fun, placement, params, batch, abstract_params, abstract_batch, donate, plan)
     return _with_initializers(sharded, init_params, get_input_batch, placement)
+
+
+def _batch_only(fun: Callable) -> Callable:
+    """``fun(batch, *args)`` as a step of no parameters: ``step((), batch, *args)``."""
+
+    def step(params: Any, batch: Any, *args: Any) -> Any:
+        return fun(batch, *args)
+
+    step.__name__ = getattr(fun, "__name__", "step")
+    return step
+
+
+class BatchFunction:
+    """What `parallelize` returns for a ``fun(batch)`` without parameters: ``fn(batch, *args)``.
+
+    Everything else (``plan``, ``batch_shardings``, ``report``, ...) is the
+    underlying sharded function's.
+    """
+
+    def __init__(self, sharded: Any):
+        self.sharded = sharded
+
+    def __call__(self, batch: Any, *args: Any) -> Any:
+        return self.sharded((), batch, *args)
+
+    def lower(self, batch: Any, *args: Any) -> Any:
+        return self.sharded.lower((), batch, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sharded, name)
+
+    def __repr__(self) -> str:
+        return f"BatchFunction({self.sharded!r})"
 
 
 def _unmatched_registrations(plan: Plan, strict: bool) -> None:

@@ -6,12 +6,14 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..core.placement import Placement, current_placement
 from ..core.rules import _as_axes
 from .deferred import logical_constraint_p
+from .implicit import placement_in_scope
 from .interpret import bind_equation
+from .knobs import current_knobs
 
 __all__ = ["logical_spec_to_mesh", "resolve_deferred", "shard_map", "with_sharding_constraint"]
 
@@ -60,11 +62,13 @@ def with_sharding_constraint(x: Any, shardings: Any) -> Any:
     Names are resolved by the rules of the enclosing task (or `parallelize`),
     with the array's shape (a mesh axis that does not divide a dimension is
     skipped). Inside a `shard_map` the axes that are manual there are dropped.
-    With no rules in scope this is exactly `jax.lax.with_sharding_constraint`,
+    Under ``autoshard(False)`` it is `jax.lax.with_sharding_constraint`. With no rules in scope this is exactly `jax.lax.with_sharding_constraint`,
     except that `PartitionSpec`s with no mesh anywhere in context (a model
     run on one device, e.g. as the reference) leave ``x`` as it is, as Flax's
     logical constraints do, instead of raising.
     """
+    if current_knobs().autoshard is False:  # MultiMesh's autoshard(False): JAX's own constraint
+        return jax.lax.with_sharding_constraint(x, shardings)
     placement = current_placement()
     if placement is None:
         if _no_mesh_in_context() and not _has_named_sharding(shardings):
@@ -123,6 +127,11 @@ def shard_map(
     * ``shard_map(f, mesh, in_specs, out_specs, check_rep=True, auto=frozenset())``
       (``auto``: axes left to the compiler, i.e. ``axis_names = mesh axes - auto``).
 
+    Without a mesh (or given a `MultiMesh`), inside the scope of a registered
+    task (a Flax module or named scope `register_task` matches) the mesh is
+    that task's submesh, e.g. its ``mesh_slice`` of the global mesh, as in
+    MultiMesh.
+
     Inside a task or `parallelize`, names in the specs may be logical; they
     are resolved by the rules in scope when the function is called.
     """
@@ -137,7 +146,14 @@ def shard_map(
     def decorate(fun: Callable) -> Callable:
         def wrapped(*args):
             placement = current_placement()
-            the_mesh = mesh if mesh is not None else (placement.mesh if placement is not None else None)
+            multi = mesh is not None and not isinstance(mesh, Mesh) and isinstance(getattr(mesh, "mesh", None), Mesh)
+            given = None if multi else mesh  # a MultiMesh: its slice for this scope, else its global mesh
+            if given is None and (placement is None or placement.defer):
+                # inside a registered task's scope (a Flax module, a named scope): that task's submesh
+                placement = placement_in_scope() or placement
+            if given is None and placement is None and multi:
+                given = mesh.mesh
+            the_mesh = given if given is not None else (placement.mesh if placement is not None else None)
             names = axis_names
             if auto is not None:
                 if the_mesh is None:

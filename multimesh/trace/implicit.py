@@ -11,9 +11,12 @@ recomputed.
 
     register_task(r"layers_[0-3]", devices=jax.devices()[:4])
     register_task(r"layers_(\\d+)", dims=(2, 2), device_axes=("data", "model"),
-                  callback=lambda m, backprop: ((0, 4), "first") if int(m[1]) < 2 else ((4, 8), "second"))
+                  callback=lambda name, backprop: ((0, 4), "first") if int(name.group(1)) < 2 else ((4, 8), "second"))
+    register_task(r"layers_0", task=Task(mesh=TaskMesh(devices=(0, 1, 2, 3), axis_sizes=(2, 2), axis_names=("x", "y"))))
 
-A callback may also name the devices themselves: ``(devices, name)`` with
+A callback receives the matched name (a `MatchedName`: a ``str``, as in
+MultiMesh, which also offers ``.group(n)``) and may return a `Task`, a
+``((start, stop), name)`` device range, or ``(devices, name)`` with
 ``devices`` a sequence or array of `jax.Device`s (e.g. ``my_devices[4:8]``).
 
 Registrations are global until `clear_tasks()` (or the ``with`` block of the
@@ -28,23 +31,27 @@ import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import jax
 import numpy as np
+from jax._src import source_info_util
 from jax.sharding import Mesh
 
 from ..core.fmt import device_span
 from ..core.rules import MeshAxes
 from .task import Placement, make_placement
+from .taskspec import Task, current_global_mesh
 
 __all__ = [
+    "MatchedName",
     "Registration",
     "clear_tasks",
     "implicit_placement",
     "is_backprop",
     "microbatch_of",
     "names_in",
+    "placement_in_scope",
     "register_scope",
     "register_task",
     "registered_tasks",
@@ -52,7 +59,33 @@ __all__ = [
     "task_scope",
 ]
 
-Callback = Callable[[re.Match, bool], "tuple[tuple[int, int] | Sequence[jax.Device] | np.ndarray, str] | None"]
+
+
+class MatchedName(str):
+    """The name a registration matched, as MultiMesh passes it to a callback (``name.split("_")``),
+    that also answers what an `re.Match` does: ``.group(n)``, ``.groups()``, ``.groupdict()``, ``.match``.
+
+    Indexing is a ``str``'s (``name[0]`` is the first character); groups are ``name.group(1)``.
+    """
+
+    match: re.Match
+
+    def __new__(cls, match: re.Match) -> Self:
+        obj = super().__new__(cls, match.group(0))
+        obj.match = match
+        return obj
+
+    def group(self, *which: int | str) -> Any:
+        return self.match.group(*which)
+
+    def groups(self, default: Any = None) -> tuple:
+        return self.match.groups(default)
+
+    def groupdict(self, default: Any = None) -> dict:
+        return self.match.groupdict(default)
+
+
+Callback = Callable[[MatchedName, bool], "Task | tuple[tuple[int, int] | Sequence[jax.Device] | np.ndarray, str] | None"]
 
 
 @dataclass(eq=False)
@@ -66,26 +99,41 @@ class Registration:
     dims: tuple[int, ...] | None = None
     device_axes: tuple[str, ...] | None = None
     logical_axes: tuple | None = None
+    task: Task | None = None
+    #: the global mesh a `Task`'s ``mesh_slice`` slices (the `MultiMesh` registered on; None: the one in force)
+    global_mesh: Mesh | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
-    def placement_for(self, match: re.Match, backprop: bool) -> Placement | None:
-        if self.callback is None:
+    def placement_for(self, match: re.Match, backprop: bool, iteration: int | None = None) -> Placement | None:
+        """Where ``match`` runs (``iteration``: its `microbatch` index, for loop-dependent slices)."""
+        if self.callback is None and self.task is None:
             return self.placement
         key = (match.group(0), backprop)
-        if key not in self._cache:
-            self._cache[key] = self._from_callback(match, backprop)
-        return self._cache[key]
+        if key not in self._cache:  # the callback is asked once per name and direction
+            got = self.task if self.callback is None else self._from_callback(match, backprop)
+            self._cache[key] = got
+        got = self._cache[key]
+        if not isinstance(got, Task):
+            return got
+        if got.loop_dependent_mesh_slice is None:
+            iteration = None
+        mesh = self.global_mesh or current_global_mesh()  # relative device numbers index its devices
+        if (key, iteration, mesh) not in self._cache:
+            default = match.group(0) if self.callback is not None else self.pattern.pattern
+            self._cache[(key, iteration, mesh)] = got.placement(self.name or default, global_mesh=mesh,
+                                                                iteration=iteration)
+        return self._cache[(key, iteration, mesh)]
 
-    def _from_callback(self, match: re.Match, backprop: bool) -> Placement | None:
-        got = self.callback(match, backprop)
-        if got is None:
-            return None
+    def _from_callback(self, match: re.Match, backprop: bool) -> Placement | Task | None:
+        got = self.callback(MatchedName(match), backprop)
+        if got is None or isinstance(got, Task):
+            return got
         who = f"register_task({self.pattern.pattern!r})"
         try:
             where, name = got
         except (TypeError, ValueError):
             raise ValueError(
-                f"{who}: callback must return ((start, stop), name), (devices, name) or None, "
+                f"{who}: callback must return a Task, ((start, stop), name), (devices, name) or None, "
                 f"got {got!r} for {match.group(0)!r}"
             ) from None
         if _is_index_range(where):
@@ -115,7 +163,7 @@ class Registration:
             _REGISTRY.remove(self)
         _lookup.cache_clear()
 
-    def __enter__(self) -> Registration:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -171,6 +219,55 @@ _SCOPES: dict[str, Placement] = {}  # flax.task classes: permanent, not cleared 
 
 
 def register_task(
+    regex: str | None = None,
+    *,
+    matcher: str | None = None,
+    name: str | None = None,
+    mesh: Mesh | None = None,
+    dims: Sequence[int] | None = None,
+    callback: Callback | None = None,
+    devices: Any = None,
+    device_axes: Sequence[str] | None = None,
+    logical_axes: Iterable[tuple[str, MeshAxes]] | None = None,
+    task: Task | None = None,
+) -> Registration:
+    """Run every Flax module (or `jax.named_scope`) whose name fully matches ``regex`` as a task.
+
+    Args:
+      regex: matched (`re.fullmatch`) against each name in an equation's scope
+        stack, outermost first: a module's name (``"layers_3"``) or a named scope.
+        (MultiMesh v0.2 calls it ``matcher``, accepted as a keyword too.)
+      name: the task's name in plans and errors (default: ``regex``).
+      task: where matches run, as a `Task` (MultiMesh v0.2); or
+      mesh / devices / device_axes / logical_axes: a fixed placement, as for `task`;
+        ``devices`` may be integer device ids, reshaped to ``dims`` when given.
+      callback: ``callback(name, backprop)``, ``name`` the matched text (a
+        `MatchedName`: a str with ``.group(n)``), ``backprop`` whether the
+        equation belongs to the backward pass. It returns a `Task`, or
+        ``((start, stop), name)``: ``jax.devices()[start:stop]`` shaped ``dims``
+        with axes ``device_axes`` and rules ``logical_axes``, or ``(devices, name)``
+        with ``devices`` a sequence or array of `jax.Device`s (reshaped to ``dims``
+        when given, else used as shaped), or None (not a task).
+      dims: the submesh shape (default: 1-D, or the shape of ``devices``).
+
+    Inside a `MultiMesh` (or `Context`) block, the registration belongs to it
+    and ends when the block ends.
+
+    Returns:
+      A handle: ``.remove()`` unregisters, and ``with register_task(...):`` scopes it.
+    """
+    if (regex is None) == (matcher is None):
+        raise TypeError("register_task needs the name pattern: register_task(regex, ...) or register_task(matcher=...)")
+    regex = regex if regex is not None else matcher
+    reg = make_registration(regex, name=name, mesh=mesh, dims=dims, callback=callback, devices=devices,
+                            device_axes=device_axes, logical_axes=logical_axes, task=task)
+    if _CONTEXTS:
+        _CONTEXTS[-1].adopt(reg)
+    add_registration(reg)
+    return reg
+
+
+def make_registration(
     regex: str,
     *,
     name: str | None = None,
@@ -180,25 +277,10 @@ def register_task(
     devices: Any = None,
     device_axes: Sequence[str] | None = None,
     logical_axes: Iterable[tuple[str, MeshAxes]] | None = None,
+    task: Task | None = None,
+    global_mesh: Mesh | None = None,
 ) -> Registration:
-    """Run every Flax module (or `jax.named_scope`) whose name fully matches ``regex`` as a task.
-
-    Args:
-      regex: matched (`re.fullmatch`) against each name in an equation's scope
-        stack, outermost first: a module's name (``"layers_3"``) or a named scope.
-      name: the task's name in plans and errors (default: ``regex``).
-      mesh / devices / device_axes / logical_axes: a fixed placement, as for `task`.
-      callback: ``callback(match, backprop) -> ((start, stop), name)`` (or None:
-        not a task): the match runs on ``jax.devices()[start:stop]`` shaped ``dims``
-        with axes ``device_axes`` and rules ``logical_axes``; ``backprop`` says
-        whether the equation belongs to the backward pass. The callback may
-        return ``(devices, name)`` instead, ``devices`` a sequence or array of
-        `jax.Device`s (reshaped to ``dims`` when given, else used as shaped).
-      dims: the submesh shape for callback placements (default 1-D).
-
-    Returns:
-      A handle: ``.remove()`` unregisters, and ``with register_task(...):`` scopes it.
-    """
+    """A `Registration` checked and built, not yet in force (`add_registration`)."""
     try:
         pattern = re.compile(regex)
     except (re.error, TypeError) as e:
@@ -206,19 +288,57 @@ def register_task(
                          f"matched against Flax module names and jax.named_scope names, e.g. r'layers_(\\d+)'") from None
     axes = tuple(device_axes) if device_axes is not None else None
     rules = tuple(logical_axes) if logical_axes is not None else None
+    who = f"register_task({regex!r})"
+    if task is not None:
+        if not isinstance(task, Task):
+            raise TypeError(f"{who}: task= must be a multimesh Task, got {task!r}")
+        if callback is not None or any(x is not None for x in (mesh, dims, devices, axes, rules)):
+            raise ValueError(f"{who}: task= says where matches run; give it alone, or use callback=/mesh=/devices=")
+        if task.needs_global_mesh() and global_mesh is None and current_global_mesh() is None:
+            raise ValueError(f"{who}: task {task.name!r} has a mesh_slice, which slices the global mesh; register "
+                             f"it inside `with MultiMesh(...):` or with multi_mesh.register_task(...)")
+        return Registration(pattern, name or task.name, None, None, task=task, global_mesh=global_mesh)
     if callback is not None:
         if mesh is not None or devices is not None:
-            raise ValueError(f"register_task({regex!r}): give callback= or mesh=/devices=, not both")
+            raise ValueError(f"{who}: give callback= or mesh=/devices=, not both")
         if not callable(callback):
-            raise TypeError(f"register_task({regex!r}): callback must be callable, got {callback!r}")
-        reg = Registration(pattern, name, None, callback, tuple(dims) if dims is not None else None, axes, rules)
-    else:
-        if dims is not None:
-            raise ValueError(f"register_task({regex!r}): dims= shapes callback placements; give it with callback=")
-        reg = Registration(pattern, name, make_placement(name or regex, mesh, devices, axes, rules))
-    _REGISTRY.append(reg)
+            raise TypeError(f"{who}: callback must be callable, got {callback!r}")
+        return Registration(pattern, name, None, callback, tuple(dims) if dims is not None else None, axes, rules,
+                            global_mesh=global_mesh)
+    if dims is not None:
+        if devices is None:
+            raise ValueError(f"{who}: dims={tuple(dims)} shapes devices=; give devices= too (or mesh=)")
+        arr = np.asarray(devices, dtype=object)
+        if math.prod(dims) != arr.size:
+            raise ValueError(f"{who}: dims={tuple(dims)} needs {math.prod(dims)} devices, but devices= holds "
+                             f"{arr.size}")
+        devices = arr.reshape(tuple(dims))
+    return Registration(pattern, name, make_placement(name or regex, mesh, devices, axes, rules),
+                        global_mesh=global_mesh)
+
+
+def add_registration(reg: Registration) -> None:
+    """Put ``reg`` in force (after those already there)."""
+    if reg not in _REGISTRY:
+        _REGISTRY.append(reg)
     _lookup.cache_clear()
-    return reg
+
+
+_CONTEXTS: list[Any] = []  # the active registration contexts (`multimesh.trace.context.Context`), innermost last
+
+
+def push_context(ctx: Any) -> None:
+    """``ctx`` becomes the innermost context: `register_task` calls give it their registrations (``ctx.adopt``)."""
+    _CONTEXTS.append(ctx)
+    _lookup.cache_clear()  # its global mesh may place Tasks' relative device numbers elsewhere
+
+
+def pop_context(ctx: Any) -> None:
+    if _CONTEXTS and _CONTEXTS[-1] is ctx:
+        _CONTEXTS.pop()
+    elif ctx in _CONTEXTS:
+        _CONTEXTS.remove(ctx)
+    _lookup.cache_clear()
 
 
 def clear_tasks() -> None:
@@ -291,6 +411,11 @@ def microbatch_of(name_stack: Any) -> int | None:
     return _read_stack(name_stack)[1]
 
 
+def placement_in_scope() -> Placement | None:
+    """The placement the registrations give the JAX name stack being traced now (None: none matches)."""
+    return implicit_placement(source_info_util.current_name_stack())
+
+
 def implicit_placement(name_stack: Any) -> Placement | None:
     """The placement of an equation with this scope stack, or None when no registration matches."""
     if not _REGISTRY and not _SCOPES:
@@ -300,13 +425,14 @@ def implicit_placement(name_stack: Any) -> Placement | None:
 
 @functools.lru_cache(maxsize=4096)
 def _lookup(text: str, backprop: bool) -> Placement | None:
+    iteration = microbatch_of(text)
     for n in scope_names(text):
         if n in _SCOPES:
             return _SCOPES[n]
         for reg in _REGISTRY:
             m = reg.pattern.fullmatch(n)
             if m:
-                placement = reg.placement_for(m, backprop)
+                placement = reg.placement_for(m, backprop, iteration)
                 if placement is not None:
                     return placement
     return None

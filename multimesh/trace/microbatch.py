@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from ..core.schedules import KNOWN_SCHEDULES, Schedule, get_schedule
+from .constraints import with_sharding_constraint
 from .task import transforms_ignored
 
 __all__ = ["Pipeline", "collect_pipelines", "microbatch"]
@@ -106,6 +107,9 @@ def microbatch(
     schedule: str | Schedule | type[Schedule] | None = None,
     num_stages: int | None = None,
     interleave: int | None = None,
+    unrolling: int | None = None,
+    arg_shardings: Any = None,
+    custom_schedule: Any = None,
 ) -> Callable:
     """``fun`` run on microbatches of argument ``argnum``, its results summed.
 
@@ -120,6 +124,12 @@ def microbatch(
         ``"1f1b"`` (default), ``"interleaved"``, or a `Schedule`.
       num_stages: the number of stages the tasks are expected to form (checked).
       interleave: virtual stages per device group for the interleaved schedule.
+      unrolling: accepted for MultiMesh compatibility; the loop is always
+        unrolled here (each microbatch is traced once).
+      arg_shardings: a `PartitionSpec` (logical names) or a prefix tree of them
+        for argument ``argnum``: constrained before it is sliced (MultiMesh's).
+      custom_schedule: MultiMesh's per-mesh lists of task names; not supported
+        (pass a `Schedule` as ``schedule`` instead).
 
     Raises:
       ValueError: a size that does not divide the batch, or an unknown schedule.
@@ -130,6 +140,13 @@ def microbatch(
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
             raise TypeError(f"microbatch: {what} must be an int (a dimension / a positional argument index), "
                             f"got {value!r}")
+    if custom_schedule is not None:
+        raise NotImplementedError(
+            "microbatch(custom_schedule=...) is not supported: a schedule here is a Schedule object over "
+            "(stage, microbatch, F/B/W) actions; subclass multimesh.jax.Schedule (or pick one of "
+            f"{', '.join(KNOWN_SCHEDULES)}) and pass it as schedule= (see MIGRATING.md)")
+    if unrolling is not None and (not isinstance(unrolling, (int, np.integer)) or unrolling < 1):
+        raise ValueError(f"microbatch: unrolling must be a positive integer, got {unrolling!r}")
     if schedule is None:
         schedule = "1f1b"
     if isinstance(schedule, str):
@@ -145,6 +162,9 @@ def microbatch(
             return fun(*args)
         if not -len(args) <= argnum < len(args):
             raise ValueError(f"microbatch({name}): argnum={argnum}, but it was called with {len(args)} arguments")
+        if arg_shardings is not None:
+            args = list(args)
+            args[argnum] = with_sharding_constraint(args[argnum], arg_shardings)
         leaves, treedef = jax.tree.flatten(args[argnum])
         if not leaves:
             raise ValueError(f"microbatch({name}): argument {argnum} has no arrays to split")

@@ -16,19 +16,22 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Callable, Iterable, Sequence
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from jax._src import core as jcore
+from jax._src import source_info_util
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..core.placement import Placement, current_placement, use_placement
 from ..core.rules import MeshAxes, Rules, identity_rules
 from ..core.transfer import reshard_to
+from .taskspec import Task, TaskMesh, current_global_mesh
 
 __all__ = [
     "DEFAULT_AXIS",
@@ -61,9 +64,12 @@ _IGNORED: contextvars.ContextVar[bool] = contextvars.ContextVar("multimesh_ignor
 
 
 @contextlib.contextmanager
-def ignore_transforms():
-    """Tasks and microbatching become no-ops: the plain one-program reference."""
-    token = _IGNORED.set(True)
+def ignore_transforms(ignore: bool = True):
+    """Tasks and microbatching become no-ops (``ignore=True``): the plain one-program reference.
+
+    ``ignore_transforms(False)`` turns them back on inside an ignoring block.
+    """
+    token = _IGNORED.set(bool(ignore))
     try:
         yield
     finally:
@@ -224,40 +230,201 @@ def _check_not_nested(placement: Placement) -> None:
 
 
 def task(
-    fun: Callable | None = None,
+    fun: Callable | type | None = None,
     name: str | None = None,
     *,
-    mesh: Mesh | None = None,
+    task: Task | None = None,
+    mesh: Mesh | TaskMesh | None = None,
     devices: Any = None,
     device_axes: Sequence[str] | None = None,
     logical_axes: Iterable[tuple[str, MeshAxes]] | None = None,
+    mesh_slice: Mapping[str, int] | None = None,
+    extra_axes: Iterable[tuple[str, MeshAxes]] | None = None,
+    split_backprop: tuple[str, str] | None = None,
+    loop_dependent_mesh_slice: Callable[[int], Mapping[str, int]] | None = None,
+    out_shardings: Any = None,
+    configure: Callable[..., Any] | None = None,
+    configure_args: Any = None,
 ) -> Callable:
     """Run ``fun`` as a task on a submesh (MPMD).
 
     Args:
-      fun: the computation (any pytrees in and out). Without it, a decorator.
+      fun: the computation (any pytrees in and out), or a class whose
+        instances' ``__call__`` runs as the task. Without it, a decorator.
       name: shown in plans and errors (default: ``fun.__name__``).
-      mesh: the task's `Mesh`; or
+      mesh: the task's `Mesh`, or a `TaskMesh` (MultiMesh v0.2); or
       devices: a numpy array of devices (or integer device ids) shaped as the
         submesh (a flat list is 1-D), with ``device_axes`` naming each
         dimension. A device may appear once.
       logical_axes: ``(logical, device_axis)`` pairs, the task's rules
         (default: each device axis maps to itself).
-    Neither ``mesh`` nor ``devices``: all devices in 1-D (axis ``"devices"``).
+      task: a `Task` saying all of the above (MultiMesh v0.2); ``mesh_slice``,
+        ``extra_axes``, ``split_backprop`` and ``loop_dependent_mesh_slice``
+        are its fields, given here as keywords (``task(f, mesh_slice={"stage": 1})``).
+      out_shardings: a `PartitionSpec` (logical names, resolved by the task's
+        rules), `NamedSharding` or None per output (a prefix tree of the
+        outputs): constraints on what the task returns.
+      configure: a function returning a context manager, entered (called with
+        ``configure_args``: a mapping as keywords, a tuple as positional
+        arguments, anything else as one argument) while the task's body runs
+        or is traced; e.g. ``configure=jax.default_matmul_precision,
+        configure_args="float32"``.
+    Neither ``mesh`` nor ``devices``: all devices in 1-D (axis ``"devices"``;
+    ``"x"`` for the v0.2 forms).
     """
+    options = {"task": task, "mesh": mesh, "devices": devices, "device_axes": device_axes,
+               "logical_axes": logical_axes, "mesh_slice": mesh_slice, "extra_axes": extra_axes,
+               "split_backprop": split_backprop, "loop_dependent_mesh_slice": loop_dependent_mesh_slice,
+               "out_shardings": out_shardings, "configure": configure, "configure_args": configure_args}
     if fun is None:
-        return lambda f: task(f, name, mesh=mesh, devices=devices, device_axes=device_axes, logical_axes=logical_axes)
+        return lambda f: _make_task(f, name, options)
+    return _make_task(fun, name, options)
+
+
+def _make_task(fun: Callable | type, name: str | None, options: dict) -> Callable:
     label = name or getattr(fun, "__name__", "task")
-    placement = make_placement(label, mesh, devices, device_axes, logical_axes)
+    resolve = _placement_source(label, options)
+    out_shardings = options["out_shardings"]
+    configured = _configured(label, options["configure"], options["configure_args"])
+    if isinstance(fun, type):
+        return _task_class(fun, label, resolve, out_shardings, configured)
 
     @functools.wraps(fun)
     def wrapped(*args: Any) -> Any:
-        if transforms_ignored():
-            return fun(*args)
-        _check_not_nested(placement)
-        if _is_tracing(args):
-            return _traced_call(placement, fun, args)
-        return _eager_call(placement, fun, args)
+        return _run_task(fun, resolve, out_shardings, configured, args)
 
-    wrapped.placement = placement  # type: ignore[attr-defined]
+    static = resolve(None) if not getattr(resolve, "lazy", False) else None
+    wrapped.placement = static  # type: ignore[attr-defined]
     return wrapped
+
+
+def _run_task(fun: Callable, resolve: Callable, out_shardings: Any, configured: Callable, args: tuple) -> Any:
+    if transforms_ignored():
+        with configured():
+            return fun(*args)
+    placement = resolve(_current_iteration())
+    _check_not_nested(placement)
+    body = _with_outputs(fun, placement, out_shardings, configured)
+    if _is_tracing(args):
+        return _traced_call(placement, body, args)
+    return _eager_call(placement, body, args)
+
+
+def _task_class(cls: type, label: str, resolve: Callable, out_shardings: Any, configured: Callable) -> type:
+    """A subclass of ``cls`` whose instances' ``__call__`` runs as the task (MultiMesh accepts classes)."""
+    if any(c.__module__.startswith("flax.linen") for c in cls.__mro__):
+        raise TypeError(f"task({cls.__name__}): a Flax Linen Module class runs as a task through "
+                        f"multimesh.jax.flax.task({cls.__name__}, ...), which keeps its parameters")
+    call = next((c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__), None)
+    if call is None:
+        raise TypeError(f"task({cls.__name__}): the class has no __call__ to run as the task")
+
+    def __call__(self, *args: Any) -> Any:
+        return _run_task(functools.partial(call, self), resolve, out_shardings, configured, args)
+
+    __call__.__doc__ = call.__doc__
+    sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
+                                      "__qualname__": cls.__qualname__})
+    sub.placement = resolve(None) if not getattr(resolve, "lazy", False) else None  # type: ignore[attr-defined]
+    return sub
+
+
+def _placement_source(label: str, options: dict) -> Callable[[int | None], Placement]:
+    """``f(iteration) -> Placement``: fixed now, or (slices of the global mesh) found when the task runs."""
+    spec = options["task"]
+    v2 = {k: options[k] for k in ("mesh_slice", "extra_axes", "split_backprop", "loop_dependent_mesh_slice")
+          if options[k] is not None}
+    if spec is not None or v2 or isinstance(options["mesh"], TaskMesh):
+        if spec is not None:
+            if not isinstance(spec, Task):
+                raise TypeError(f"task {label!r}: task= must be a multimesh Task, got {spec!r}")
+            if v2 or any(options[k] is not None for k in ("mesh", "devices", "device_axes", "logical_axes")):
+                raise ValueError(f"task {label!r}: task= says where the task runs; give it alone, or the "
+                                 f"placement keywords without it")
+        else:
+            if options["devices"] is not None or options["device_axes"] is not None:
+                raise ValueError(f"task {label!r}: devices=/device_axes= do not combine with mesh=TaskMesh(...) "
+                                 f"or mesh_slice=; a TaskMesh names its devices and axes")
+            spec = Task(name=label, mesh=options["mesh"], logical_axes=options["logical_axes"], **v2)
+        if not spec.needs_global_mesh():
+            fixed = spec.placement(label)
+            return lambda iteration: fixed
+        cache: dict = {}
+
+        def lazy(iteration: int | None) -> Placement:
+            gm = current_global_mesh()
+            key = (id(gm), gm, iteration if spec.loop_dependent_mesh_slice is not None else None)
+            if key not in cache:
+                cache[key] = spec.placement(label, iteration=key[2])
+            return cache[key]
+
+        lazy.lazy = True  # type: ignore[attr-defined]
+        return lazy
+    fixed = make_placement(label, options["mesh"], options["devices"], options["device_axes"], options["logical_axes"])
+    return lambda iteration: fixed
+
+
+def _configured(label: str, configure: Callable | None, args: Any) -> Callable[[], Any]:
+    if configure is None:
+        if args is not None:
+            raise ValueError(f"task {label!r}: configure_args= without configure=")
+        return contextlib.nullcontext
+    if not callable(configure):
+        raise TypeError(f"task {label!r}: configure must be a function returning a context manager, got {configure!r}")
+
+    def enter() -> Any:
+        if args is None:
+            cm = configure()
+        elif isinstance(args, Mapping):
+            cm = configure(**args)
+        elif isinstance(args, tuple):
+            cm = configure(*args)
+        else:
+            cm = configure(args)
+        if not (hasattr(cm, "__enter__") and hasattr(cm, "__exit__")):
+            raise TypeError(f"task {label!r}: configure(...) returned {cm!r}, not a context manager")
+        return cm
+
+    return enter
+
+
+def _with_outputs(fun: Callable, placement: Placement, out_shardings: Any, configured: Callable) -> Callable:
+    """``fun`` under its configuration, its outputs constrained to ``out_shardings`` (resolved on ``placement``)."""
+
+    def body(*args: Any) -> Any:
+        with configured():
+            out = fun(*args)
+        if out_shardings is None:
+            return out
+        return _constrain_outputs(out, out_shardings, placement)
+
+    return body
+
+
+def _constrain_outputs(out: Any, shardings: Any, placement: Placement) -> Any:
+    def is_spec(s: Any) -> bool:
+        return s is None or isinstance(s, (PartitionSpec, NamedSharding))
+
+    def one(leaf: Any, s: Any) -> Any:
+        if s is None:
+            return leaf
+        if isinstance(s, PartitionSpec):
+            s = placement.sharding(tuple(s), np.shape(leaf))
+        return jax.lax.with_sharding_constraint(leaf, s)
+
+    if is_spec(shardings):
+        return jax.tree.map(lambda leaf: one(leaf, shardings), out)
+    try:
+        return jax.tree.map(lambda s, sub: jax.tree.map(lambda leaf: one(leaf, s), sub), shardings, out,
+                            is_leaf=is_spec)
+    except ValueError as e:
+        raise ValueError(f"task {placement.name!r}: out_shardings must be a prefix of the outputs' tree: {e}") from None
+
+
+_MICROBATCH_SCOPE = re.compile(r"microbatch_(\d+)")
+
+
+def _current_iteration() -> int | None:
+    """The `microbatch` iteration being traced (its named scope), or None."""
+    found = _MICROBATCH_SCOPE.findall(str(source_info_util.current_name_stack()))
+    return int(found[-1]) if found else None

@@ -9,5 +9,6 @@ are read by the same rule engine as everything else.
 from ...core.metadata import Annotation, is_box, read_box
 from ...flax.step import parallelize_step, shard_axes
 from ...flax.task import task
+from ...trace.constraints import with_sharding_constraint
 
-__all__ = ["Annotation", "is_box", "parallelize_step", "read_box", "shard_axes", "task"]
+__all__ = ["Annotation", "is_box", "parallelize_step", "read_box", "shard_axes", "task", "with_sharding_constraint"]

@@ -1,0 +1,211 @@
+"""`mjit`: a `jax.jit`-like entry point for functions that call tasks on different submeshes.
+
+Unlike `parallelize` it builds nothing: it takes arguments as they are
+(already sharded, on any submeshes) and keeps their shardings. On the first
+call with a given signature (tree, shapes, dtypes, shardings) it traces the
+function once, plans it (`plan.partition.make_plan`), and compiles it: one
+`jax.jit` when the function calls no task on another submesh, else the MPMD
+runtime, where each argument is read where it lives and copied only to the
+other submeshes that need it. Donated arguments are given to the program of
+their last use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ..core.meshes import build_mesh
+from ..core.placement import Placement, use_placement
+from ..core.rules import MeshAxes, Rules
+from ..plan.partition import Plan, make_plan
+from ..trace.microbatch import collect_pipelines
+from ..trace.taskspec import current_global_mesh
+from .runtime import Runtime
+
+__all__ = ["MJitFunction", "mjit"]
+
+
+def mjit(
+    fun: Callable | None = None,
+    *,
+    mesh: Mesh | None = None,
+    devices: Sequence | None = None,
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+    donate_argnums: int | Iterable[int] = (),
+    rules: Iterable[tuple[str, MeshAxes]] | Rules | None = None,
+) -> MJitFunction | Callable[[Callable], MJitFunction]:
+    """Compile ``fun`` like `jax.jit`, tasks included (MultiMesh's ``mjit``).
+
+    Args:
+      fun: any function of arrays (pytrees); it may call tasks. Without it, a decorator.
+      mesh / devices: the mesh for the work outside tasks, and for logical names
+        in `with_sharding_constraint` there (default: the `MultiMesh` in force,
+        else all devices in 1-D, axis ``"x"``).
+      in_shardings: optional, per positional argument (a prefix tree): a
+        `NamedSharding`, or a `PartitionSpec` of logical names resolved on
+        ``mesh`` with ``rules``; arguments are moved there first. Default:
+        each argument stays as it is.
+      out_shardings: the same for the outputs (default: where they are computed).
+      donate_argnums: positional arguments whose buffers the function may reuse.
+      rules: logical axis rules for ``mesh``.
+    """
+    if fun is None:
+        return lambda f: mjit(f, mesh=mesh, devices=devices, in_shardings=in_shardings,  # type: ignore[return-value]
+                              out_shardings=out_shardings, donate_argnums=donate_argnums, rules=rules)
+    if not callable(fun):
+        raise TypeError(f"mjit needs a function, got {type(fun).__name__}")
+    donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    return MJitFunction(fun, mesh, devices, in_shardings, out_shardings, donate, rules)
+
+
+@dataclass
+class _Compiled:
+    plan: Plan | None
+    call: Callable[[list], list]
+    out_tree: Any
+    spmd: bool
+
+
+def _sharding_of(x: Any) -> Any:
+    return x.sharding if isinstance(x, jax.Array) else None
+
+
+def _sharding_key(x: Any) -> Any:
+    """A sharding as a cache key: ``P('y', None)`` and ``P('y')`` are the same layout."""
+    s = _sharding_of(x)
+    if isinstance(s, NamedSharding):
+        spec = list(s.spec)
+        while spec and spec[-1] is None:
+            spec.pop()
+        return (s.mesh, tuple(spec), s.memory_kind)
+    return s
+
+
+class MJitFunction:
+    """What `mjit` returns: call it like the function; ``plan`` is the latest signature's plan."""
+
+    def __init__(self, fun: Callable, mesh: Mesh | None, devices: Sequence | None, in_shardings: Any,
+                 out_shardings: Any, donate: tuple[int, ...], rules: Any):
+        self.fun = fun
+        self._mesh, self._devices, self._rules = mesh, devices, rules
+        self.in_shardings, self.out_shardings, self.donate_argnums = in_shardings, out_shardings, donate
+        self._cache: dict[Any, _Compiled] = {}
+        self.plan: Plan | None = None
+        self.runtime: Runtime | None = None
+        self.__name__ = getattr(fun, "__name__", "mjit")
+
+    def _placement(self) -> Placement:
+        mesh = self._mesh
+        if mesh is None and self._devices is None:
+            mesh = current_global_mesh()
+        if mesh is None:
+            mesh = build_mesh(None, self._devices, default_axis="x")
+        return Placement(mesh, Rules(self._rules if self._rules is not None else ()), name=None)
+
+    def _resolve(self, tree: Any, shardings: Any, placement: Placement, what: str) -> Any:
+        """``shardings`` (a prefix of ``tree``) as a full tree of `NamedSharding`s or None."""
+        def is_leaf(s: Any) -> bool:
+            return s is None or isinstance(s, (PartitionSpec, NamedSharding))
+
+        def one(s: Any, sub: Any) -> Any:
+            def leaf(x: Any) -> Any:
+                if s is None or isinstance(s, NamedSharding):
+                    return s
+                return placement.sharding(tuple(s), np.shape(x))
+
+            return jax.tree.map(leaf, sub)
+
+        if is_leaf(shardings):
+            return jax.tree.map(lambda x: one(shardings, x), tree)
+        try:
+            return jax.tree.map(one, shardings, tree, is_leaf=is_leaf)
+        except ValueError as e:
+            which = "arguments" if what == "in_shardings" else "outputs"
+            raise ValueError(f"mjit({self.__name__}): {what} must be a prefix of the {which}' tree: {e}") from None
+
+    def __call__(self, *args: Any) -> Any:
+        for i in self.donate_argnums:
+            if not 0 <= i < len(args):
+                raise ValueError(f"mjit({self.__name__}): donate_argnums names argument {i}, but the call has "
+                                 f"{len(args)} positional arguments")
+        placement = self._placement()
+        if self.in_shardings is not None:
+            targets = self._resolve(args, self.in_shardings, placement, "in_shardings")
+            args = jax.tree.map(lambda x, s: x if s is None or _sharding_of(x) == s else jax.device_put(x, s),
+                                args, targets, is_leaf=lambda s: s is None)
+        flat, tree = jax.tree.flatten(args)
+        key = (tree, tuple((np.shape(x), jax.numpy.result_type(x), _sharding_key(x)) for x in flat),
+               placement.mesh, placement.rules)
+        if key not in self._cache:
+            self._cache[key] = self._compile(args, flat, tree, placement)
+        compiled = self._cache[key]
+        self.plan = compiled.plan
+        outs = jax.tree.unflatten(compiled.out_tree, compiled.call(flat))
+        if self.out_shardings is not None and not compiled.spmd:
+            targets = self._resolve(outs, self.out_shardings, placement, "out_shardings")
+            outs = jax.tree.map(lambda x, s: x if s is None or _sharding_of(x) == s else jax.device_put(x, s),
+                                outs, targets, is_leaf=lambda s: s is None)
+        return outs
+
+    def _compile(self, args: tuple, flat: list, tree: Any, placement: Placement) -> _Compiled:
+        avals = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)) for x in flat]
+
+        def traced(*leaves: Any) -> Any:  # a fresh function: JAX's trace cache cannot see our placement
+            return self.fun(*jax.tree.unflatten(tree, list(leaves)))
+
+        with use_placement(placement.deferring()), collect_pipelines() as pipelines:
+            closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(*avals)
+        out_tree = jax.tree.structure(out_shape)
+        plan = make_plan(closed, placement, pipelines)
+        donated_leaves = self._donated_leaves(args)
+        if plan.placements == [placement]:
+            return self._spmd(plan, tree, out_tree, out_shape, placement, donated_leaves)
+        donated = {plan.jaxpr.invars[i] for i in donated_leaves}
+        shardings = {v: s for v, x in zip(plan.jaxpr.invars, flat)
+                     if isinstance(s := _sharding_of(x), NamedSharding)}
+        runtime = Runtime(plan, shardings, donated=donated)
+        self.runtime = runtime
+        return _Compiled(plan, runtime, out_tree, spmd=False)
+
+    def _donated_leaves(self, args: tuple) -> list[int]:
+        out, offset = [], 0
+        for i, a in enumerate(args):
+            n = len(jax.tree.leaves(a))
+            if i in self.donate_argnums:
+                out.extend(range(offset, offset + n))
+            offset += n
+        return out
+
+    def _spmd(self, plan: Plan, tree: Any, out_tree: Any, out_shape: Any, placement: Placement,
+              donated: list[int]) -> _Compiled:
+        fun = self.fun
+
+        def body(*leaves: Any) -> Any:
+            with use_placement(placement):
+                return fun(*jax.tree.unflatten(tree, list(leaves)))
+
+        body.__name__ = self.__name__
+        outs = None
+        if self.out_shardings is not None:
+            outs = self._resolve(out_shape, self.out_shardings, placement, "out_shardings")
+        options = {} if outs is None else {"out_shardings": outs}
+        jitted = jax.jit(body, donate_argnums=tuple(donated), **options)
+
+        def call(flat: list) -> list:
+            return jax.tree.leaves(jitted(*flat))
+
+        return _Compiled(plan, call, out_tree, spmd=True)
+
+    @property
+    def stats(self) -> Any:
+        return self.runtime.stats if self.runtime is not None else None
+
+    def __repr__(self) -> str:
+        return f"mjit({self.__name__}, {len(self._cache)} compiled signatures)"
