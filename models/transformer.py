@@ -100,7 +100,10 @@ class TransformerConfig:
     ``num_kv_heads`` defaults to ``num_heads`` (plain multi-head attention),
     ``head_dim`` to ``d_model // num_heads`` and ``d_ff`` to ``4 * d_model``.
     ``dtype`` is the compute dtype (``'float32'`` or ``'bfloat16'``),
-    ``param_dtype`` the storage dtype of parameters.
+    ``param_dtype`` the storage dtype of parameters. ``api`` says which
+    implementation a trainer builds from the config: ``'linen'`` (this
+    module's :class:`Transformer`) or ``'nnx'`` (:mod:`models.nnx_transformer`,
+    the same model and parameter tree in Flax NNX).
     """
 
     vocab_size: int = 256
@@ -117,8 +120,11 @@ class TransformerConfig:
     remat: bool = False
     rope_base: float = 10_000.0
     norm_eps: float = 1e-6
+    api: str = "linen"
 
     def __post_init__(self) -> None:
+        if self.api not in ("linen", "nnx"):
+            raise ValueError(f"api={self.api!r}: use 'linen' (flax.linen) or 'nnx' (flax.nnx)")
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.head_dim is None:

@@ -26,7 +26,9 @@ _EPILOG = textwrap.dedent("""\
       train.steps=200  optimizer.lr=1e-3  layout.mesh='{data: 8}'  layout.pipeline=null
       model.dtype=bfloat16  train.out_dir=runs/try1
     outputs (train.out_dir, default runs/<config name>): metrics.jsonl, loss.png, checkpoints/,
-      config.yaml, sharding.txt, summary.json. A run resumes from the latest checkpoint there.
+      config.yaml, sharding.txt, summary.json, and schedule.png for a pipeline (the timeline
+      of its schedule; --plan writes it without training). A run resumes from the latest
+      checkpoint there. model.api=nnx trains the Flax NNX version of the same model.
 
     sampling: multimesh-train sample --run runs/tiny --prompt "def " --tokens 200
       (see multimesh-train sample --help)
@@ -36,7 +38,7 @@ _EPILOG = textwrap.dedent("""\
 def _train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="multimesh-train",
-        usage="multimesh-train [CONFIG] [key.sub=value ...] [--print-config] [--report] [-q]\n"
+        usage="multimesh-train [CONFIG] [key.sub=value ...] [--print-config] [--plan] [--report] [-q]\n"
               "       multimesh-train sample --run DIR [--prompt TEXT] [--tokens N] [...]",
         description="Train the example byte-level transformer on any parallel layout, by config.",
         epilog=_EPILOG,
@@ -45,6 +47,8 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]",
                    help="a config name (configs/NAME.yaml) or YAML path, then key.sub=value overrides")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--plan", action="store_true",
+                   help="print the layout (and a pipeline's schedule), write train.out_dir/schedule.png, exit")
     p.add_argument("--report", action="store_true", help="also print the parameters' sharding table")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or messages; only the summary")
     multi = p.add_argument_group(
@@ -118,6 +122,8 @@ def _train(argv: Sequence[str]) -> int:
     if opts.print_config:
         print(cfg.to_yaml(), end="")
         return 0
+    if opts.plan:
+        return _plan(cfg)
     _start_processes(opts.coordinator, opts.num_processes, opts.process_id)
     from trainers.train import train
 
@@ -130,6 +136,25 @@ def _train(argv: Sequence[str]) -> int:
         if opts.report:
             print((result.out_dir / "sharding.txt").read_text())
         print(result.summary())
+    return 0
+
+
+def _plan(cfg) -> int:
+    """``--plan``: the layout in words; for a pipeline its schedule, as text and as schedule.png."""
+    lay = cfg.layout
+    mesh = "x".join(f"{k}={v}" for k, v in lay.mesh.items())
+    if lay.pipeline is None:
+        print(f"{cfg.name}: SPMD on {lay.num_devices} devices, mesh {mesh}, rules {lay.rule_pairs()}; no pipeline")
+        return 0
+    from trainers.layout import pipeline_schedule, write_schedule_png
+
+    p = lay.pipeline
+    print(f"{cfg.name}: {p.stages}-stage pipeline on {lay.num_devices} devices, stage mesh {mesh}, "
+          f"{p.microbatches} microbatches\n{pipeline_schedule(p)}")
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    path = cfg.out_dir / "schedule.png"
+    write_schedule_png(p, path, title=None)
+    print(f"wrote {path}")
     return 0
 
 

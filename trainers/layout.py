@@ -23,10 +23,13 @@ from typing import Any
 import jax
 
 from multimesh.core.fmt import device_span
+from multimesh.core.schedules import Schedule, get_schedule
+from multimesh.core.timeline import plot_schedule
 from multimesh.jax import microbatch, parallelize, register_task
 from trainers.config import LayoutConfig, PipelineConfig
 
-__all__ = ["RunLayout", "build_layout", "sharding_rows", "sharding_table", "stage_of_layer"]
+__all__ = ["RunLayout", "build_layout", "pipeline_schedule", "sharding_rows", "sharding_table", "stage_of_layer",
+           "write_schedule_png"]
 
 #: Module names placed on pipeline stages: the embedding, each block, the head.
 STAGE_MODULES = r"embed|head|layers_(\d+)"
@@ -103,6 +106,17 @@ class RunLayout:
         spmd = {} if self.is_pipeline else {"mesh": dict(self.mesh), "rules": list(self.rules)}
         return parallelize(fun, init_params=init, initial_batch=batch, devices=list(self.devices),
                            donate=donate, **spmd)
+
+
+def pipeline_schedule(cfg: PipelineConfig) -> Schedule:
+    """The schedule object a pipeline layout runs (stages, microbatches, order of F/B actions)."""
+    return get_schedule(cfg.schedule, num_stages=cfg.stages, num_microbatches=cfg.microbatches)
+
+
+def write_schedule_png(cfg: PipelineConfig, path: Any, title: str | None = None) -> int:
+    """The pipeline's timeline (stages x time, a box per forward/backward, bubbles empty) as a PNG at
+    ``path``; returns the number of boxes (the schedule's actions)."""
+    return plot_schedule(pipeline_schedule(cfg), path, title=title)
 
 
 def build_layout(cfg: LayoutConfig, devices: Any = None) -> RunLayout:

@@ -13,12 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models.transformer import Transformer
 from multimesh.checkpoint import CheckpointManager
 from trainers.config import Config, ConfigError, config_from_dict
 from trainers.data import DOC_SEPARATOR, decode, encode
 from trainers.optim import make_optimizer
-from trainers.step import initializers
+from trainers.step import Model, build_model, initializers
 
 __all__ = ["Checkpointed", "generate", "load_checkpoint", "sample_text"]
 
@@ -28,7 +27,7 @@ class Checkpointed:
     """A run's model and (unboxed) parameters, restored from ``step`` onto one device."""
 
     config: Config
-    model: Transformer
+    model: Model
     params: Any = dataclasses.field(repr=False)
     step: int = 0
 
@@ -44,7 +43,7 @@ def load_checkpoint(run_dir: str | os.PathLike, step: int | None = None, device:
         if "config" not in meta:
             raise ConfigError(f"checkpoint {info.path} has no config in its metadata")
         cfg = config_from_dict(meta["config"])
-        model = Transformer(cfg.model)
+        model = build_model(cfg.model)
         _, init_state = initializers(cfg, model, make_optimizer(cfg.optimizer, cfg.train.steps))
         mesh = Mesh(np.asarray([device or jax.devices()[0]]), ("devices",))
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -54,7 +53,7 @@ def load_checkpoint(run_dir: str | os.PathLike, step: int | None = None, device:
     return Checkpointed(cfg, model, nn.meta.unbox(restored.state["params"]), info.step)
 
 
-def generate(model: Transformer, params: Any, prompt: np.ndarray, num_tokens: int, *, window: int,
+def generate(model: Model, params: Any, prompt: np.ndarray, num_tokens: int, *, window: int,
              temperature: float = 0.8, top_k: int | None = 40, seed: int = 0) -> np.ndarray:
     """Sample ``num_tokens`` tokens after ``prompt`` (1-D int), the model seeing the last ``window``."""
     if temperature < 0:

@@ -1,6 +1,10 @@
 """The train and eval steps of a config, written for one device and parallelized by the layout.
 
-The train state is ``{"params": flax variables, "opt": optax state}``; the
+The model is the config's ``model.api``: the Linen :class:`models.transformer.Transformer`
+or the NNX one behind :class:`models.nnx_transformer.FunctionalModel` (both
+``init(key, tokens)`` and ``apply(params, tokens)``; the NNX parameters are an
+``nnx.State`` created by a ``rngs -> module`` factory, so sharded at birth).
+The train state is ``{"params": the model's parameters, "opt": optax state}``; the
 step returns ``({"loss", "grad_norm"}, new_state)``. The loss is the sum of the
 next-token cross-entropies divided by the *global* token count, so that it
 is the mean whether or not a pipeline splits the batch into microbatches.
@@ -18,22 +22,31 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from models.transformer import Transformer, next_token_loss
+from models.nnx_transformer import FunctionalModel
+from models.transformer import Transformer, TransformerConfig, next_token_loss
 from trainers.config import Config
 from trainers.layout import RunLayout
 from trainers.optim import learning_rate_schedule, make_optimizer
 
-__all__ = ["Program", "build_program", "initializers", "loss_sum_over"]
+__all__ = ["Model", "Program", "build_model", "build_program", "initializers", "loss_sum_over"]
+
+#: What ``model.api`` builds; both have ``init(key, tokens)`` and ``apply(params, tokens)``.
+Model = Transformer | FunctionalModel
 
 
-def loss_sum_over(model: Transformer, params: Any, batch: dict, n_tokens: int) -> jax.Array:
+def build_model(config: TransformerConfig) -> Model:
+    """The model of ``config.api``: Linen ``Transformer`` or the NNX ``FunctionalModel``."""
+    return FunctionalModel(config) if config.api == "nnx" else Transformer(config)
+
+
+def loss_sum_over(model: Model, params: Any, batch: dict, n_tokens: int) -> jax.Array:
     """Next-token cross-entropy summed over ``batch["tokens"]`` [B, T+1], divided by ``n_tokens``."""
     tokens = batch["tokens"]
     logits = model.apply(params, tokens[:, :-1])
     return next_token_loss(logits, tokens, reduction="sum") / n_tokens
 
 
-def initializers(cfg: Config, model: Transformer, tx: optax.GradientTransformation) -> tuple[Callable, Callable]:
+def initializers(cfg: Config, model: Model, tx: optax.GradientTransformation) -> tuple[Callable, Callable]:
     """``(init_params, init_state)``: zero-argument initializers of the parameters (from
     ``train.seed``) and of the train state ``{"params", "opt"}``."""
 
@@ -58,7 +71,7 @@ class Program:
 
     config: Config
     layout: RunLayout
-    model: Transformer
+    model: Model
     optimizer: optax.GradientTransformation
     lr_schedule: optax.Schedule
     step: Any
@@ -77,7 +90,7 @@ class Program:
 def build_program(cfg: Config, layout: RunLayout, train_batch: dict[str, np.ndarray],
                   val_batch: dict[str, np.ndarray]) -> Program:
     """Build and parallelize the steps (for a pipeline: inside ``layout.tasks(...)``)."""
-    model = Transformer(cfg.model)
+    model = build_model(cfg.model)
     schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
     tx = make_optimizer(cfg.optimizer, cfg.train.steps)
 

@@ -11,7 +11,9 @@ layout and writes to ``config.out_dir``:
 * ``checkpoints/<step>/``: asynchronous, every ``checkpoint_every`` steps and at the
   end: the train state, the data position, the config as metadata;
 * ``config.yaml`` (the resolved config), ``sharding.txt`` (where each array
-  lives), ``summary.json`` (the final numbers).
+  lives), ``summary.json`` (the final numbers);
+* ``schedule.png`` (pipeline layouts): the schedule's timeline, stages x time,
+  a box per forward/backward pass of each microbatch, the bubbles empty.
 
 If ``out_dir`` holds a checkpoint (and ``train.resume``), the run continues
 from the latest one, onto the current layout: the same config gives the same
@@ -36,7 +38,7 @@ from multimesh.checkpoint import CheckpointManager
 from trainers.config import Config, ConfigError, config_from_dict
 from trainers.data import TextDataset, make_datasets
 from trainers.feed import Feed
-from trainers.layout import build_layout
+from trainers.layout import build_layout, write_schedule_png
 from trainers.metrics import MetricsLog, Throughput, plot_losses, read_metrics
 from trainers.step import Program, build_program
 
@@ -128,6 +130,8 @@ def _write_run_files(out: Path, program: Program) -> None:
     plan = f"\n\n{step.plan}" if hasattr(step, "plan") else ""
     (out / "sharding.txt").write_text(f"{step.report()}{plan}\n")
     (out / "config.yaml").write_text(program.config.to_yaml())
+    if program.layout.pipeline is not None:
+        write_schedule_png(program.layout.pipeline, out / "schedule.png")
 
 
 def train(cfg: Config, *, devices: Any = None, quiet: bool = False, stop_after: int | None = None) -> TrainResult:
