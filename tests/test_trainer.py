@@ -521,8 +521,21 @@ def test_two_processes_follow_one_process_and_resume_in_one(name, tmp_path):
                                rtol=RTOL)
 
 
-def test_a_pipeline_refuses_several_processes(tmp_path):
-    procs = _spawn(["pipeline", *SMALL, "train.steps=1", f"train.out_dir={tmp_path}"], 2)
-    errors = _finish(procs)
-    assert all(p.returncode == 2 for p in procs), errors
-    assert "layout.pipeline runs in one process" in errors[0]
+@pytest.mark.slow  # ~4 min: a 20-step pipeline in 2 fresh processes and in this one
+@pytest.mark.parametrize("name", ["pipeline", "pipeline4"])
+def test_a_pipeline_on_two_processes_follows_one_process_and_resumes_in_one(name, tmp_path):
+    """Stages on the processes' devices in order (pipeline: one stage per process; pipeline4: two each):
+    the losses of 20 steps equal one process's, and the 2-process checkpoint resumes in one process."""
+    over = [*SMALL, "train.steps=20", "train.checkpoint_every=10", "train.log_every=1"]
+    _run_processes([name, *over, f"train.out_dir={tmp_path / 'two'}"], 2)
+    two = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    one = train(load_config(name, [*over, f"train.out_dir={tmp_path / 'one'}"]), quiet=True)
+    assert [r["step"] for r in two] == list(range(1, 21))
+    np.testing.assert_allclose([r["loss"] for r in two], [one.losses[s] for s in range(1, 21)], rtol=RTOL)
+
+    more = [*over, "train.steps=22"]
+    from_two = train(load_config(name, [*more, f"train.out_dir={tmp_path / 'two'}"]), quiet=True)
+    from_one = train(load_config(name, [*more, f"train.out_dir={tmp_path / 'one'}"]), quiet=True)
+    assert from_two.start_step == from_one.start_step == 20
+    np.testing.assert_allclose([from_two.losses[s] for s in (21, 22)], [from_one.losses[s] for s in (21, 22)],
+                               rtol=RTOL)
