@@ -31,6 +31,16 @@ from .spmd import ShardedFunction
 __all__ = ["ShardedFunction", "parallelize"]
 
 
+def _required_positional(fn: Any) -> int:
+    """How many positional arguments ``fn`` requires (0 when its signature cannot be read)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return 0
+    return sum(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+               for p in sig.parameters.values())
+
+
 def _check_zero_arg(fn: Any, name: str) -> None:
     if not callable(fn):
         raise TypeError(f"{name} must be a zero-argument function, got {type(fn).__name__}")
@@ -99,6 +109,11 @@ def parallelize(
             raise TypeError(
                 "parallelize needs get_input_batch= (a zero-argument function returning a batch) or "
                 "initial_batch= (an already built batch), and init_params= when fun takes parameters")
+        if _required_positional(fun) > 1:
+            raise TypeError(
+                f"parallelize: {getattr(fun, '__name__', 'fun')!r} takes (params, batch), so it needs "
+                f"init_params= (a zero-argument function returning the parameters); init_params may be left out "
+                f"only for a fun(batch) without parameters")
         made = parallelize(_batch_only(fun), init_params=tuple, get_input_batch=get_input_batch,
                            initial_batch=initial_batch, devices=devices, mesh=mesh, rules=rules,
                            param_rules=param_rules, batch_spec=batch_spec, donate=donate, strict=strict)
@@ -266,8 +281,7 @@ def _trace(fun: Callable, params: Any, batch: Any):
     except (TypeError, ValueError):
         sig = None
     if sig is not None:
-        required = [p for p in sig.parameters.values() if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        if len(required) > 2:
+        if _required_positional(fun) > 2:
             return None
         try:
             sig.bind(params, batch)
