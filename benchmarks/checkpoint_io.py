@@ -339,7 +339,6 @@ def main() -> None:
     if args.baseline:
         before = load_baseline(args.baseline)
         libs["before"] = Ours(checksums=True, manager=before)
-        libs["before, no checksums"] = Ours(checksums=False, manager=before)
     root = tempfile.mkdtemp(prefix="multimesh-ckpt-bench-", dir=args.dir)
     try:
         if args.size_gb > 0:

@@ -415,6 +415,29 @@ def test_target_mismatch_lists_every_difference(tmp_path):
     assert e.missing and e.unexpected and len(e.mismatched) == 2
 
 
+def test_target_sharding_that_does_not_divide_a_leaf_names_it(tmp_path):
+    """A target sharding that cannot lay out a saved shape (30 rows over 8
+    devices) is a mismatch naming the leaf, its shape and the sharding, found
+    before any array is read (it used to be jax's IndivisibleError, without
+    the leaf)."""
+    rows = np.arange(30 * 4, dtype=np.float32).reshape(30, 4)
+    with CheckpointManager(tmp_path / "c") as mgr:
+        mgr.save(1, {"layer": {"w": jax.device_put(rows, NamedSharding(mesh((4, 2)), P()))}})
+    eight = NamedSharding(mesh((8, 1)), P("data"))
+    target = {"layer": {"w": jax.ShapeDtypeStruct((30, 4), np.float32, sharding=eight)}}
+    with CheckpointManager(tmp_path / "c") as mgr:
+        with pytest.raises(CheckpointMismatchError) as err:
+            mgr.restore(1, target=target)
+        msg = str(err.value)
+        assert re.search(r"sharding mismatch at layer/w: saved shape \(30, 4\), target NamedSharding\(.*"
+                         r"'data': 8.*P\('data',\).* does not divide it \(array axis 0 is partitioned 8 "
+                         r"times, but the dimension size is 30\)", msg), msg
+        assert [m[:2] for m in err.value.mismatched] == [("layer/w", "sharding")]
+        ok = {"layer": {"w": jax.ShapeDtypeStruct((30, 4), np.float32,
+                                                  sharding=NamedSharding(mesh((2, 4)), P(None, "model")))}}
+        assert np.array_equal(np.asarray(mgr.restore(1, target=ok).state["layer"]["w"]), rows)
+
+
 def test_targets_need_shardings_and_states_need_arrays(tmp_path):
     ref = _pipeline_state(14)
     with CheckpointManager(tmp_path / "c") as mgr:

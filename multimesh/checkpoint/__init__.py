@@ -33,6 +33,7 @@ from .errors import (
     CheckpointCorruptError,
     CheckpointExistsError,
     CheckpointMismatchError,
+    CheckpointSaveError,
 )
 from .jsonsafe import to_json_safe
 from .manager import CheckpointInfo, CheckpointManager, Restored
@@ -44,6 +45,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointMismatchError",
+    "CheckpointSaveError",
     "LeafRecord",
     "MeshRecord",
     "Restored",

@@ -69,3 +69,23 @@ class CheckpointMismatchError(ValueError):
         for p, what, saved, target in self.mismatched:
             lines.append(f"  {what} mismatch at {p}: saved {saved}, target {target}")
         super().__init__("\n".join(lines))
+
+
+class CheckpointSaveError(OSError):
+    """A save that could not write its step (the checkpoint path is a regular
+    file, a read-only directory, a full disk...). Nothing of the step is kept.
+
+    Attributes:
+        step: the checkpoint step.
+        directory: the checkpoint directory.
+    """
+
+    def __init__(self, step: int | None, directory: str, cause: BaseException):
+        self.step = step
+        self.directory = directory
+        what = f"checkpoint step {step}" if step is not None else "a checkpoint"
+        super().__init__(
+            f"could not save {what} in {directory}: {cause}. Nothing of it was "
+            f"kept; check that {directory} is a writable directory (not a file) "
+            f"with free space."
+        )

@@ -36,8 +36,8 @@ import jax
 import orbax.checkpoint as ocp
 
 from . import checksum as _checksum
-from . import ondisk
-from .errors import CheckpointCorruptError, CheckpointExistsError
+from . import ondisk, quiet, release
+from .errors import CheckpointCorruptError, CheckpointExistsError, CheckpointSaveError
 from .handlers import DocHandler, PendingDoc, StateHandler, registry
 from .jsonsafe import to_json_safe
 from .tree import (
@@ -162,6 +162,7 @@ class CheckpointManager:
         self._compression = bool(compression)
         self._read_only = bool(read_only)
         self._pending: int | None = None
+        self._save_threads: set = set()  # Orbax's threads of the last save
         self._closed = False
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
@@ -236,6 +237,9 @@ class CheckpointManager:
         Raises:
             CheckpointExistsError: the step already exists (checkpoints are never
                 overwritten).
+            CheckpointSaveError: the step could not be written (also raised
+                by ``wait_until_finished`` or ``close`` for a background save);
+                nothing of it is left on disk.
             TypeError: a leaf is not a ``jax.Array``.
         """
         self._check_open()
@@ -265,10 +269,15 @@ class CheckpointManager:
             STATE_ITEM: ocp.args.StandardSave(state),
             META_ITEM: ocp.args.JsonSave(doc),
         })
+        before = release.signaling_threads()
         try:
             saved = self._mgr.save(step, args=args, force=True)
         except ocp.checkpoint_manager.StepAlreadyExistsError as e:
             raise CheckpointExistsError(step, self._directory) from e
+        except Exception as e:
+            self._save_threads = release.signaling_threads() - before
+            raise self._save_failed(step, e) from e
+        self._save_threads = release.signaling_threads() - before
         if not saved:  # pragma: no cover - force=True always saves
             raise RuntimeError(f"Orbax declined to save step {step} in {self._directory}")
         self._pending = step if self._async else None
@@ -293,10 +302,30 @@ class CheckpointManager:
         return PendingDoc(doc, fill)
 
     def wait_until_finished(self) -> None:
-        """Blocks until a background save is committed (re-raising its error)."""
+        """Blocks until a background save is committed (re-raising its error,
+        as ``CheckpointSaveError`` when the files could not be written)."""
         self._check_open()
-        self._mgr.wait_until_finished()
-        self._pending = None
+        try:
+            self._mgr.wait_until_finished()
+        except Exception as e:
+            raise self._save_failed(self._pending, e) from e
+        finally:
+            self._pending = None
+
+    def _save_failed(self, step: int | None, e: BaseException) -> BaseException:
+        """Cleans up after a failed save and returns the error to raise.
+
+        Orbax's threads that wait for the step directory are released (else
+        the process waits ~300 s at exit), and a partly written step
+        directory is removed. A filesystem error becomes ``CheckpointSaveError``.
+        """
+        release.release(self._save_threads)
+        self._save_threads = set()
+        if step is not None and "://" not in self._directory and jax.process_index() == 0:
+            ondisk.remove_partial(self._directory, step)
+        if isinstance(e, OSError) and not isinstance(e, CheckpointSaveError):
+            return CheckpointSaveError(step, self._directory, e)
+        return e
 
     def delete(self, step: int) -> None:
         """Deletes a complete checkpoint."""
@@ -319,11 +348,7 @@ class CheckpointManager:
             raise CheckpointCorruptError(
                 step, path, f"no '{META_ITEM}' item: the step directory was not "
                 "written (completely) by multimesh.checkpoint")
-        try:
-            doc = self._mgr.restore(step, args=ocp.args.Composite(
-                **{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM]
-        except Exception as e:
-            raise _as_corrupt(e, step, os.path.join(path, META_ITEM)) from e
+        doc = self._read_item(step, META_ITEM, ocp.args.JsonRestore(), os.path.join(path, META_ITEM))
         if not isinstance(doc, dict) or doc.get("format") not in _READABLE:
             found = doc.get("format") if isinstance(doc, dict) else None
             if isinstance(found, str) and found.startswith("multimesh-checkpoint/"):
@@ -373,7 +398,8 @@ class CheckpointManager:
             FileNotFoundError: no such complete step (names the directory and
                 the steps that exist).
             CheckpointMismatchError (a ValueError): the target's paths, shapes or
-                dtypes differ from the saved ones (lists every difference).
+                dtypes differ from the saved ones, or a target sharding does
+                not divide a saved shape (lists every difference).
             CheckpointCorruptError: a file is damaged or a value fails its checksum.
         """
         target = normalize_target(target)
@@ -396,19 +422,38 @@ class CheckpointManager:
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
-            out = self._mgr.restore(step, args=ocp.args.Composite(
-                **{STATE_ITEM: ocp.args.StandardRestore(target)}))
-        except Exception as e:
-            raise _as_corrupt(e, step, os.path.join(path, STATE_ITEM)) from e
+            state = self._read_item(step, STATE_ITEM, ocp.args.StandardRestore(target),
+                                    os.path.join(path, STATE_ITEM))
         finally:
             if gc_was_enabled:
                 gc.enable()
             hasher, hashed = reader.hasher, reader.hashed
             reader.hasher, reader.hashed = None, set()
-        state = out[STATE_ITEM]
         if verify:
             self._verify(info, state, hasher, hashed)
         return Restored(state, info.metadata, info.data_position, step)
+
+    def _read_item(self, step: int, item: str, args: Any, path: str) -> Any:
+        """One item of a step, read by Orbax; storage errors become
+        ``CheckpointCorruptError`` with nothing else on stderr.
+
+        The error is raised without Orbax's exception as its context (its
+        traceback holds a page of TensorStore spec, and the error's text
+        already has TensorStore's status), and what Orbax's failed reads
+        leave behind is collected at once, its reports filtered off
+        stderr (``quiet``): the Orbax exception must be gone by then, so the
+        raise comes after the ``except`` block.
+        """
+        quiet.install()
+        failure = None
+        try:
+            return self._mgr.restore(step, args=ocp.args.Composite(**{item: args}))[item]
+        except Exception as e:
+            failure = _as_corrupt(e, step, path)
+            if failure is e:
+                raise
+        gc.collect()
+        raise failure
 
     def _verify(self, info: CheckpointInfo, state: PyTree,
                 hasher: _checksum.Hasher | None, hashed: set[str]) -> None:
@@ -455,6 +500,8 @@ class CheckpointManager:
             return
         try:
             self._mgr.wait_until_finished()
+        except Exception as e:
+            raise self._save_failed(self._pending, e) from e
         finally:
             self._pending = None
             self._closed = True

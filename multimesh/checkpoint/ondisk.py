@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 
 import orbax.checkpoint as ocp
 
@@ -59,6 +60,14 @@ def scan(directory: str) -> list[StepEntry]:
             continue
         out.append(StepEntry(step, path, complete, _time(path), _size(path)))
     return sorted(out, key=lambda e: (e.step, not e.complete))
+
+
+def remove_partial(directory: str, step: int) -> None:
+    """Removes what an unfinished save of ``step`` left (its temporary
+    directory); a committed step is never touched."""
+    for e in scan(directory):
+        if e.step == step and not e.complete and _TMP_RE.fullmatch(os.path.basename(e.path)):
+            shutil.rmtree(e.path, ignore_errors=True)
 
 
 def partial_steps(directory: str) -> list[int]:

@@ -4,6 +4,7 @@ restore targets, and the comparison of a target with what was saved."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import jax
@@ -229,9 +230,21 @@ def check_saveable(state: PyTree) -> list[tuple[str, jax.Array]]:
     return named
 
 
+def _indivisible(x: jax.ShapeDtypeStruct) -> str | None:
+    """Why ``x.sharding`` cannot lay out ``x.shape`` (None if it can)."""
+    try:
+        x.sharding.shard_shape(tuple(x.shape))
+    except ValueError as e:  # jax's IndivisibleError
+        text = str(e)
+        m = re.search(r"implies that (.*?) \(full shape", text)
+        return m.group(1) if m else text.splitlines()[0]
+    return None
+
+
 def compare(saved: list[LeafRecord], target: PyTree, *, step: int, directory: str) -> None:
     """Raises ``CheckpointMismatchError`` listing every path where ``target``
-    (a normalised target) differs from the saved tree in presence, shape or dtype."""
+    (a normalised target) differs from the saved tree in presence, shape or
+    dtype, or whose sharding does not divide the saved shape."""
     want = {p: x for p, x in leaves_with_paths(target)}
     have = {r.path: r for r in saved}
     missing = [f"{p} {list(r.shape)} {r.dtype}" for p, r in have.items() if p not in want]
@@ -245,6 +258,10 @@ def compare(saved: list[LeafRecord], target: PyTree, *, step: int, directory: st
             mismatched.append((p, "shape", str(r.shape), str(tuple(x.shape))))
         if str(x.dtype) != r.dtype:
             mismatched.append((p, "dtype", r.dtype, str(x.dtype)))
+        if tuple(x.shape) == r.shape and (why := _indivisible(x)):
+            mismatched.append((p, "sharding", f"shape {r.shape}",
+                               (f"{x.sharding} does not divide it ({why}); pick mesh axes "
+                                "whose sizes divide the dimensions they shard")))
     if missing or unexpected or mismatched:
         raise CheckpointMismatchError(step, directory, missing, unexpected, mismatched)
 

@@ -1,0 +1,68 @@
+"""Keeps what a failed Orbax read leaves behind off stderr.
+
+Why: when a read fails (a damaged checkpoint), Orbax 0.12's ``asyncio.gather``
+returns at the first error and the other reads' coroutines and futures are
+dropped. When they are finalized, which may be long after the restore has
+raised, Python prints "Exception ignored in: <coroutine ...>"
+(``sys.unraisablehook``) or asyncio logs "Future exception was never
+retrieved", each with a page of TensorStore spec, on top of the
+``CheckpointCorruptError`` that already says what is wrong.
+
+``install()`` adds two narrow filters, for the life of the process: reports of
+exceptions in dropped coroutines of Orbax's or TensorStore's code, and
+"exception was never retrieved" logs that mention Orbax or TensorStore. Every
+other report goes through unchanged. (TensorStore may also print "Event loop
+is closed" from its own thread when it calls back into Orbax's closed loop;
+that one we cannot intercept.)
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import traceback
+
+_installed = False
+_lock = threading.Lock()
+
+
+def _mentions_orbax(text: str) -> bool:
+    text = text.lower()
+    return "orbax" in text or "tensorstore" in text
+
+
+class _DropNeverRetrieved(logging.Filter):
+    """Drops asyncio's "exception was never retrieved" about Orbax's reads."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "exception was never retrieved" not in message:
+            return True
+        if record.exc_info and record.exc_info[1] is not None:
+            message += "".join(traceback.format_exception(*record.exc_info))
+        return not _mentions_orbax(message)
+
+
+def _is_orbax_leftover(unraisable) -> bool:
+    """An exception from a dropped coroutine of Orbax / TensorStore code."""
+    obj = getattr(unraisable, "object", None)
+    code = getattr(obj, "cr_code", None) or getattr(obj, "gi_code", None)
+    return _mentions_orbax(getattr(code, "co_filename", "") or "")
+
+
+def install() -> None:
+    """Installs the filters (once; later calls do nothing)."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        previous = sys.unraisablehook
+
+        def hook(unraisable) -> None:
+            if not _is_orbax_leftover(unraisable):
+                previous(unraisable)
+
+        sys.unraisablehook = hook
+        logging.getLogger("asyncio").addFilter(_DropNeverRetrieved())
+        _installed = True

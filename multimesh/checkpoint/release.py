@@ -1,0 +1,57 @@
+"""Lets Orbax's background threads of a failed save end at once.
+
+Why: an Orbax 0.12 asynchronous save starts, besides the thread that creates
+the step directory, one thread per item that first waits for a "step
+directory created" signal (``_SignalingThread``). When the directory cannot be
+created (the checkpoint path is a regular file, a read-only directory...), the
+signal is never sent, and these non-daemon threads wait out Orbax's
+coordination timeout (300 s) before the process can exit. After a failed save
+we cancel the threads that save started and send the signals they wait for:
+a cancelled thread returns as soon as it wakes, without running its work.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+_log = logging.getLogger(__name__)
+
+
+def _thread_class() -> type | None:
+    try:
+        from orbax.checkpoint._src.futures import future
+    except ImportError:  # pragma: no cover - another Orbax layout
+        return None
+    return getattr(future, "_SignalingThread", None)
+
+
+def signaling_threads() -> set[threading.Thread]:
+    """Orbax's live signal-waiting threads (empty if this Orbax has none)."""
+    cls = _thread_class()
+    if cls is None:
+        return set()
+    return {t for t in threading.enumerate() if isinstance(t, cls) and t.is_alive()}
+
+
+def release(threads: set[threading.Thread]) -> int:
+    """Cancels ``threads`` (from ``signaling_threads``) that are still alive
+    and wakes them; returns how many. Never raises: it runs while another
+    error is being reported."""
+    released = 0
+    try:
+        from orbax.checkpoint._src.futures import future, signaling_client
+
+        client = signaling_client.get_signaling_client()
+        contract = future.AwaitableSignalsContract
+        for t in threads:
+            if not t.is_alive():
+                continue
+            t._cancelled = True  # read by _SignalingThread.run once its wait ends
+            for signal in getattr(t, "_receive_signals", ()):
+                key = contract.get_unique_awaitable_singal_key(signal, t._operation_id)
+                client.key_value_set(key, "cancelled", allow_overwrite=True)
+            released += 1
+    except Exception as e:  # noqa: BLE001 - never mask the save error; pragma: no cover
+        _log.warning("could not release Orbax's waiting threads after a failed save: %s", e)
+    return released
