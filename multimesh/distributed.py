@@ -30,7 +30,7 @@ import traceback
 
 import jax
 
-from .core.processes import ProcessLostError, heartbeat_timeout
+from .core.processes import ProcessLostError, heartbeat_timeout, lost_process_error
 
 __all__ = ["ProcessLostError", "initialize", "is_initialized"]
 
@@ -75,6 +75,10 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
 def _exit_on_uncaught(kind: type, error: BaseException, tb: object) -> None:
     """Print the error and leave now: JAX's shutdown would wait for processes that wait for this one."""
     traceback.print_exception(kind, error, tb)
+    if isinstance(error, jax.errors.JaxRuntimeError):  # a failed exchange: name the process this one lost
+        lost = lost_process_error(error, "this process's work")
+        if isinstance(lost, ProcessLostError):
+            print(f"multimesh: {lost}", file=sys.stderr)
     print(f"multimesh: process {jax.process_index()} of {jax.process_count()} stops on this error; "
           f"the other processes stop when they miss its heartbeat", file=sys.stderr)
     sys.stdout.flush()

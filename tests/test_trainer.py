@@ -539,3 +539,30 @@ def test_a_pipeline_on_two_processes_follows_one_process_and_resumes_in_one(name
     assert from_two.start_step == from_one.start_step == 20
     np.testing.assert_allclose([from_two.losses[s] for s in (21, 22)], [from_one.losses[s] for s in (21, 22)],
                                rtol=RTOL)
+
+@pytest.mark.slow  # ~3 min
+def test_a_process_killed_mid_pipeline_run_stops_the_other_and_the_last_checkpoint_resumes(tmp_path):
+    """SIGKILL process 1 of a 2-process pipeline run after step 6: process 0 stops within a bounded time with
+    an error naming it, and the newest committed checkpoint resumes in one process."""
+    out = tmp_path / "run"
+    over = [*SMALL, "train.steps=1000", "train.checkpoint_every=2", "train.log_every=1", f"train.out_dir={out}"]
+    procs = _spawn(["pipeline", *over], 2)
+    try:
+        metrics, deadline = out / "metrics.jsonl", time.monotonic() + 400
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 6):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no step 6"
+            time.sleep(0.5)
+        procs[1].kill()
+        killed = time.monotonic()
+        _, err = procs[0].communicate(timeout=120)
+        stopped = time.monotonic() - killed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs[0].returncode != 0 and stopped < 60, (procs[0].returncode, stopped, err[-3000:])
+    assert "process(es) [1] stopped" in err, err[-3000:]
+    resumed = train(load_config("pipeline", [*over, "train.steps=12"]), quiet=True)
+    assert 2 <= resumed.start_step < 12 and resumed.start_step % 2 == 0
+    assert sorted(resumed.losses) == list(range(resumed.start_step + 1, 13))
