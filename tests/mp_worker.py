@@ -36,7 +36,17 @@ from multimesh.jax import (
     with_sharding_constraint,
 )
 
-multimesh.distributed.initialize(f"127.0.0.1:{PORT}", NPROC, PID, heartbeat_timeout_seconds=10)
+if os.environ.get("MP_PLAIN_JAX_INIT"):  # the documented alternative: JAX's own start, two flags set first
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        transfer_port = s.getsockname()[1]
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_cross_host_transfer_socket_address", f"127.0.0.1:{transfer_port}")
+    jax.distributed.initialize(f"127.0.0.1:{PORT}", num_processes=NPROC, process_id=PID)
+else:
+    multimesh.distributed.initialize(f"127.0.0.1:{PORT}", NPROC, PID, heartbeat_timeout_seconds=10)
 
 B, D, H, N_MB = 16, 16, 32, 4
 STEPS = int(os.environ.get("MP_STEPS", "3"))  # the failure test runs long and kills a process mid-run

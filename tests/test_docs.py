@@ -77,11 +77,8 @@ def test_block_parser():
     assert blocks[0][0] == 3  # the first line of the block's code
 
 
-@pytest.mark.parametrize("page", pages(), ids=lambda p: p.name)
-def test_page_runs(page, tmp_path):
-    blocks = runnable(page)
-    if not blocks:
-        pytest.fail(f"{page.name} has no ```python block to run; a guide shows code that runs")
+def run_blocks(blocks: list[tuple[int, str]], name: str, tmp_path: Path) -> None:
+    """Run ``blocks`` in order in one namespace, in a fresh 8-device process (the convention above)."""
     (tmp_path / "blocks.json").write_text(json.dumps(blocks))
     (tmp_path / "runner.py").write_text(_RUNNER)
     work = tmp_path / "work"
@@ -90,13 +87,20 @@ def test_page_runs(page, tmp_path):
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
            "MPLBACKEND": "Agg"}
     try:
-        proc = subprocess.run([sys.executable, str(tmp_path / "runner.py"), f"docs/{page.name}",
-                               str(tmp_path / "blocks.json")], check=False, cwd=work, env=env,
-                              capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, str(tmp_path / "runner.py"), name, str(tmp_path / "blocks.json")],
+                              check=False, cwd=work, env=env, capture_output=True, text=True,
                               timeout=PAGE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"docs/{page.name} took more than {PAGE_TIMEOUT_S} s")
-    assert proc.returncode == 0, f"docs/{page.name}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        pytest.fail(f"{name} took more than {PAGE_TIMEOUT_S} s")
+    assert proc.returncode == 0, f"{name}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: p.name)
+def test_page_runs(page, tmp_path):
+    blocks = runnable(page)
+    if not blocks:
+        pytest.fail(f"{page.name} has no ```python block to run; a guide shows code that runs")
+    run_blocks(blocks, f"docs/{page.name}", tmp_path)
 
 
 def test_readme_and_index_link_every_guide():
@@ -104,3 +108,13 @@ def test_readme_and_index_link_every_guide():
     for page in pages():
         assert f"docs/{page.name}" in readme, f"README.md does not link docs/{page.name}"
         assert f"({page.name})" in index, f"docs/README.md does not link {page.name}"
+
+
+def test_readme_checkpoint_snippet_runs(tmp_path):
+    """The README's checkpoint section shows code that runs (same conditions as a docs page)."""
+    text = (REPO / "README.md").read_text()
+    start = text.index("## Checkpoints")
+    section = text[start:text.index("\n## ", start + 3)]
+    blocks = [(line, src) for line, info, src in code_blocks(section) if info.split() == ["python"]]
+    assert blocks, "the README's checkpoint section has no ```python block"
+    run_blocks(blocks, "README.md#checkpoints", tmp_path)

@@ -29,13 +29,15 @@ def _free_port() -> int:
 
 
 def run_processes(scenario: str, n: int, per: int, *, schedule: str = "1f1b", save_to: Path | None = None,
-                  restore_from: Path | None = None, timeout: float = 420) -> list[dict]:
+                  restore_from: Path | None = None, plain_jax_init: bool = False, timeout: float = 420) -> list[dict]:
     """Start ``n`` workers with ``per`` CPU devices each (saving their final state to ``save_to``, starting
     from the checkpoint in ``restore_from``); their JSON reports, in process order."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
     env["MP_SCHEDULE"] = schedule
     if restore_from is not None:
         env["MP_RESTORE"] = str(restore_from)
+    if plain_jax_init:
+        env["MP_PLAIN_JAX_INIT"] = "1"
     port = _free_port()
     out = [str(save_to)] if save_to is not None else []
     procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(i), str(n), str(port), str(per), *out],
@@ -83,8 +85,9 @@ def test_stages_spanning_both_processes():
 
 
 def test_stages_of_different_sizes_across_processes():
-    """2 devices on one process, 1 on the other: values cross as whole copies."""
-    check(run_processes("uneven_stages", 2, 2), 2)
+    """2 devices on one process, 1 on the other: values cross as whole copies. The processes start with
+    plain jax.distributed.initialize and the two documented flags."""
+    check(run_processes("uneven_stages", 2, 2, plain_jax_init=True), 2)
 
 
 @pytest.mark.slow
