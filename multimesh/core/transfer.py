@@ -9,8 +9,8 @@ only reshards in place across processes on the *same device set*. A move is
 therefore planned from facts every process shares (the device sets and
 their processes), as the first of these that applies:
 
-1. same device set: one `jax.device_put` (a reshard, across processes if need be);
-2. both sides in one process: that process copies, the others hold a placeholder;
+1. both sides in one process: that process copies, the others hold a placeholder;
+2. same device set: one `jax.device_put` (a reshard across processes);
 3. equal device counts, every device paired with one on the same process:
    reshard in place onto the bridge sharding (the target's shard indices on
    the source devices), then each process copies its shards locally;
