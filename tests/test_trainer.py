@@ -16,6 +16,7 @@ import difflib
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -562,7 +563,9 @@ def test_a_process_killed_mid_pipeline_run_stops_the_other_and_the_last_checkpoi
                 p.kill()
                 p.wait()
     assert procs[0].returncode != 0 and stopped < 60, (procs[0].returncode, stopped, err[-3000:])
-    assert "process(es) [1] stopped" in err, err[-3000:]
+    # ours (a step or the excepthook asked the coordinator), or JAX's own when its coordination service
+    # noticed first, e.g. in a checkpoint's commit barrier: "Task 1 heartbeat timeout"
+    assert "process(es) [1] stopped" in err or re.search(r"[Tt]ask:? ?1\b", err), err[-3000:]
     resumed = train(load_config("pipeline", [*over, "train.steps=12"]), quiet=True)
     assert 2 <= resumed.start_step < 12 and resumed.start_step % 2 == 0
     assert sorted(resumed.losses) == list(range(resumed.start_step + 1, 13))
