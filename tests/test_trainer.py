@@ -502,24 +502,29 @@ def _run_processes(args: list[str], n: int) -> None:
         assert p.returncode == 0, f"process {i} failed:\n{err[-4000:]}"
 
 
+def _two_processes_follow_one_and_resume_in_one(name: str, over: list[str], steps: int, tmp_path: Path) -> None:
+    """``name`` for ``steps`` steps in 2 processes and in this one: the same losses; both runs' final
+    checkpoints, resumed in this process for 2 more steps, go on the same way."""
+    _run_processes([name, *over, f"train.steps={steps}", f"train.out_dir={tmp_path / 'two'}"], 2)
+    two = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    one = train(load_config(name, [*over, f"train.steps={steps}", f"train.out_dir={tmp_path / 'one'}"]), quiet=True)
+    assert [r["step"] for r in two] == list(range(1, steps + 1))
+    np.testing.assert_allclose([r["loss"] for r in two], [one.losses[s] for s in range(1, steps + 1)], rtol=RTOL)
+
+    more = [*over, f"train.steps={steps + 2}"]
+    from_two = train(load_config(name, [*more, f"train.out_dir={tmp_path / 'two'}"]), quiet=True)
+    from_one = train(load_config(name, [*more, f"train.out_dir={tmp_path / 'one'}"]), quiet=True)
+    assert from_two.start_step == from_one.start_step == steps
+    np.testing.assert_allclose([from_two.losses[s] for s in (steps + 1, steps + 2)],
+                               [from_one.losses[s] for s in (steps + 1, steps + 2)], rtol=RTOL)
+
+
 @pytest.mark.parametrize("name", ["dp_tp", "tp"])  # the batch split over the processes / replicated on both
 def test_two_processes_follow_one_process_and_resume_in_one(name, tmp_path):
     """Two processes of 4 devices each (data read per process, global arrays, checkpoints written by both)
     give one process's losses, and their checkpoint resumes in one process."""
-    over = [*SMALL, SPMD_LAYERS, "train.steps=4", "train.checkpoint_every=2", "train.log_every=1"]
-    _run_processes([name, *over, f"train.out_dir={tmp_path / 'two'}"], 2)
-    two = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    one = train(load_config(name, [*over, f"train.out_dir={tmp_path / 'one'}"]), quiet=True)
-    assert [r["step"] for r in two] == [1, 2, 3, 4]
-    np.testing.assert_allclose([r["loss"] for r in two], [one.losses[s] for s in range(1, 5)], rtol=RTOL)
-
-    # Both runs' step-4 checkpoints, resumed in one process for 2 more steps, go on the same way.
-    more = [*over, "train.steps=6"]
-    from_two = train(load_config(name, [*more, f"train.out_dir={tmp_path / 'two'}"]), quiet=True)
-    from_one = train(load_config(name, [*more, f"train.out_dir={tmp_path / 'one'}"]), quiet=True)
-    assert from_two.start_step == from_one.start_step == 4
-    np.testing.assert_allclose([from_two.losses[s] for s in (5, 6)], [from_one.losses[s] for s in (5, 6)],
-                               rtol=RTOL)
+    over = [*SMALL, SPMD_LAYERS, "train.checkpoint_every=2", "train.log_every=1"]
+    _two_processes_follow_one_and_resume_in_one(name, over, 4, tmp_path)
 
 
 @pytest.mark.slow  # ~4 min: a 20-step pipeline in 2 fresh processes and in this one
@@ -527,19 +532,9 @@ def test_two_processes_follow_one_process_and_resume_in_one(name, tmp_path):
 def test_a_pipeline_on_two_processes_follows_one_process_and_resumes_in_one(name, tmp_path):
     """Stages on the processes' devices in order (pipeline: one stage per process; pipeline4: two each):
     the losses of 20 steps equal one process's, and the 2-process checkpoint resumes in one process."""
-    over = [*SMALL, "train.steps=20", "train.checkpoint_every=10", "train.log_every=1"]
-    _run_processes([name, *over, f"train.out_dir={tmp_path / 'two'}"], 2)
-    two = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    one = train(load_config(name, [*over, f"train.out_dir={tmp_path / 'one'}"]), quiet=True)
-    assert [r["step"] for r in two] == list(range(1, 21))
-    np.testing.assert_allclose([r["loss"] for r in two], [one.losses[s] for s in range(1, 21)], rtol=RTOL)
+    over = [*SMALL, "train.checkpoint_every=10", "train.log_every=1"]
+    _two_processes_follow_one_and_resume_in_one(name, over, 20, tmp_path)
 
-    more = [*over, "train.steps=22"]
-    from_two = train(load_config(name, [*more, f"train.out_dir={tmp_path / 'two'}"]), quiet=True)
-    from_one = train(load_config(name, [*more, f"train.out_dir={tmp_path / 'one'}"]), quiet=True)
-    assert from_two.start_step == from_one.start_step == 20
-    np.testing.assert_allclose([from_two.losses[s] for s in (21, 22)], [from_one.losses[s] for s in (21, 22)],
-                               rtol=RTOL)
 
 @pytest.mark.slow  # ~3 min
 def test_a_process_killed_mid_pipeline_run_stops_the_other_and_the_last_checkpoint_resumes(tmp_path):
