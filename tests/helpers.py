@@ -359,3 +359,12 @@ def check_placement(
     assert arr.sharding.device_set == devices
     shard = arr.addressable_shards[0].data.shape
     assert shard == expected_shard_shape(arr.shape, want, mesh_shape), f"{what}: shard shape {shard} for spec {want}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (for a coordinator of processes a test starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

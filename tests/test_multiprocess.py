@@ -10,22 +10,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 WORKER = Path(__file__).with_name("mp_worker.py")
 REPO = WORKER.parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_processes(scenario: str, n: int, per: int, *, schedule: str = "1f1b", save_to: Path | None = None,
@@ -38,7 +32,7 @@ def run_processes(scenario: str, n: int, per: int, *, schedule: str = "1f1b", sa
         env["MP_RESTORE"] = str(restore_from)
     if plain_jax_init:
         env["MP_PLAIN_JAX_INIT"] = "1"
-    port = _free_port()
+    port = free_port()
     out = [str(save_to)] if save_to is not None else []
     procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(i), str(n), str(port), str(per), *out],
                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -178,7 +172,7 @@ def _kill_mid_run(victim: int) -> tuple[subprocess.Popen, str, float]:
     stderr and how long it took to exit after the kill."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
     env["MP_STEPS"] = "1000000"
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, str(WORKER), "one_stage_per_process", str(i), "2", str(port), "2"],
                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]

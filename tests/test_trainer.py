@@ -27,6 +27,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import free_port
 
 from trainers.config import Config, ConfigError, load_config
 from trainers.layout import build_layout, sharding_rows, sharding_table
@@ -469,18 +470,10 @@ def test_console_script_help():
 # -- several processes ---------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(args: list[str], n: int) -> list[subprocess.Popen]:
     """``multimesh-train ARGS`` as ``n`` processes joined by jax.distributed (8/n CPU devices each)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    port = _free_port()
+    port = free_port("localhost")
     return [subprocess.Popen(_cli(*args, "--coordinator", f"localhost:{port}", "--num-processes", str(n),
                                   "--process-id", str(i), "-q"),
                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
