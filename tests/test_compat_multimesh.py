@@ -249,3 +249,34 @@ def test_parallelize_inside_a_multimesh_uses_its_mesh():
     b = {"x": np.ones((8, 4), np.float32)}
     assert float(fn(init(), b)) == 64.0
     assert fn.batch_shardings["x"].spec == P("data") and fn.batch_shardings["x"].mesh == mm.mesh
+
+
+def test_a_microbatch_body_sees_the_registered_scope_around_the_microbatch_call():
+    """`microbatch` traces its function once inside a `jax.jit`, whose trace starts with an empty name
+    stack; a shard_map there without a mesh still finds the registered scope around the call (its slice)."""
+    from multimesh.jax import microbatch, mjit, shard_map
+
+    mm = MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "data"))
+    mm.register_task(r"stage_(\d)", callback=lambda name, bp: Task(
+        name=name, mesh_slice={"stage": int(name.group(1))}, logical_axes=[("batch", "data")]))
+    seen = []
+
+    def per_shard(a):
+        seen.append(a.shape)
+        return a * 2
+
+    def body(x):
+        return shard_map(per_shard, in_specs=P("batch"), out_specs=P("batch"))(x + 1)
+
+    def f(x):
+        with jax.named_scope("stage_1"):
+            return microbatch(body, 0, 4)(x)  # 2 microbatches of 4 rows, summed
+
+    x = np.arange(16, dtype=np.float32).reshape(8, 2)
+    with mm:
+        fn = mjit(f)
+        out = fn(x)
+    np.testing.assert_allclose(out, (x[:4] + 1) * 2 + (x[4:] + 1) * 2)
+    assert seen == [(1, 2)]  # traced once: 4 rows over the slice's 4 data devices
+    assert out.sharding.device_set == set(mm.slice(stage=1).devices.flat)
+    assert [p.name for p in fn.plan.placements] == ["stage_1"]

@@ -23,7 +23,6 @@ from typing import Any, Self
 
 import jax
 import numpy as np
-from jax._src import source_info_util
 from jax.sharding import Mesh
 
 from ..core.placement import Placement, current_placement, use_placement
@@ -38,6 +37,7 @@ from .implicit import (
     scope_names,
     task_scope,
 )
+from .scopes import scope_stack
 from .task import _as_devices
 from .taskspec import Task, slice_mesh_keep, use_global_mesh
 
@@ -82,7 +82,7 @@ class Context:
     def find_matching_slice_in_scope(self) -> dict[str, int] | None:
         """The ``mesh_slice`` of the registered task whose pattern matches the JAX name stack being
         traced, innermost scope first (None: none matches, or it has no slice)."""
-        for name in reversed(scope_names(str(source_info_util.current_name_stack()))):
+        for name in reversed(scope_names(scope_stack())):
             for reg in self._registrations:
                 m = reg.pattern.fullmatch(name)
                 if m is None:

@@ -35,11 +35,11 @@ from typing import Any, Self
 
 import jax
 import numpy as np
-from jax._src import source_info_util
 from jax.sharding import Mesh
 
 from ..core.fmt import device_span
 from ..core.rules import MeshAxes
+from .scopes import scope_stack
 from .task import Placement, make_placement
 from .taskspec import Task, current_global_mesh
 
@@ -413,7 +413,7 @@ def microbatch_of(name_stack: Any) -> int | None:
 
 def placement_in_scope() -> Placement | None:
     """The placement the registrations give the JAX name stack being traced now (None: none matches)."""
-    return implicit_placement(source_info_util.current_name_stack())
+    return implicit_placement(scope_stack())
 
 
 def implicit_placement(name_stack: Any) -> Placement | None:

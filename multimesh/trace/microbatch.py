@@ -1,11 +1,14 @@
 """`microbatch`: split a batch, run a function per microbatch, sum the results.
 
-The loop is unrolled at trace time. Each microbatch runs under
-``jax.named_scope(f"microbatch_{i}")``, so every equation it produces, forward
-and backward, carries its index: the partitioner reads it back to form the
-(stage, microbatch, forward|backward) units that a pipeline schedule orders.
+The function is traced once, as one `jax.jit` (so the model is traced and
+differentiated once whatever the number of microbatches), and called once
+per microbatch: the calls are unrolled. Each call runs under
+``jax.named_scope(f"microbatch_{i}")``; the planner inlines the calls, so
+every equation, forward and backward, carries its microbatch index, from
+which it forms the (stage, microbatch, forward|backward) units that a
+pipeline schedule orders.
 
-The microbatches are traced last to first and summed first to last. Reverse
+The microbatches are called last to first and summed first to last. Reverse
 mode visits the trace backwards, so the gradient of a parameter used by every
 microbatch is accumulated in the order 0, 1, 2, ...: the order in which
 GPipe and 1F1B run the backward passes, which lets each microbatch's gradient
@@ -26,6 +29,7 @@ import numpy as np
 
 from ..core.schedules import KNOWN_SCHEDULES, Schedule, get_schedule
 from .constraints import with_sharding_constraint
+from .scopes import microbatch_body, scope_stack
 from .task import transforms_ignored
 
 __all__ = ["Pipeline", "collect_pipelines", "microbatch"]
@@ -124,8 +128,8 @@ def microbatch(
         ``"1f1b"`` (default), ``"interleaved"``, or a `Schedule`.
       num_stages: the number of stages the tasks are expected to form (checked).
       interleave: virtual stages per device group for the interleaved schedule.
-      unrolling: accepted for MultiMesh compatibility; the loop is always
-        unrolled here (each microbatch is traced once).
+      unrolling: accepted for MultiMesh compatibility; the calls are always
+        unrolled here (the function itself is traced once).
       arg_shardings: a `PartitionSpec` (logical names) or a prefix tree of them
         for argument ``argnum``: constrained before it is sliced (MultiMesh's).
       custom_schedule: MultiMesh's per-mesh lists of task names; not supported
@@ -172,15 +176,14 @@ def microbatch(
         collector = _COLLECTOR.get()
         if collector is not None:
             collector.append(Pipeline(name, n, schedule, num_stages, interleave))
+        body = _traced_once(fun, args, argnum, n)
         results: list[Any] = [None] * n
         for i in reversed(range(n)):
             with jax.named_scope(f"microbatch_{i}"):  # the slicing too: it belongs to this microbatch
-                mb_args = list(args)
                 # A dynamic slice at a literal offset: the segments of every microbatch then differ only
                 # in that literal, which the runtime passes as an argument (one program per stage).
-                mb_args[argnum] = jax.tree.unflatten(
-                    treedef, [jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=dim) for x in leaves])
-                results[i] = fun(*mb_args)
+                results[i] = body(jax.tree.unflatten(
+                    treedef, [jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=dim) for x in leaves]))
         total = results[0]
         for i, r in enumerate(results[1:], 1):
             with jax.named_scope(f"microbatch_{i}"):  # the sum is part of microbatch i's work
@@ -188,3 +191,31 @@ def microbatch(
         return total
 
     return wrapped
+
+
+def _traced_once(fun: Callable, args: tuple, argnum: int, n: int) -> Callable[[Any], Any]:
+    """``mb -> fun(*args with mb at argnum)`` as one `jax.jit`, traced for the first microbatch and
+    reused by the others (same shapes), so the model is traced and differentiated once, not n times.
+
+    Array leaves of the other arguments are the jit's arguments; any other leaf is fixed. The body is
+    traced under the scopes around this call (`scopes.microbatch_body`): JAX starts a jit's trace with
+    an empty name stack, and registered scopes and mesh slices are looked up on it. The planner inlines
+    the jit again, each copy under its ``microbatch_i`` scope.
+    """
+    flat, treedef = jax.tree.flatten([a for k, a in enumerate(args) if k != argnum])
+    dynamic = [k for k, x in enumerate(flat) if isinstance(x, (jax.Array, np.ndarray, np.generic))]
+    outer = scope_stack()
+
+    def body(dyn: list, mb: Any) -> Any:
+        others = list(flat)
+        for k, x in zip(dynamic, dyn):
+            others[k] = x
+        call = jax.tree.unflatten(treedef, others)
+        call.insert(argnum % len(args), mb)
+        with microbatch_body(outer, range(n)):
+            return fun(*call)
+
+    body.__name__ = f"microbatch_{getattr(fun, '__name__', 'fun')}"
+    jitted = jax.jit(body)
+    dyn = [flat[k] for k in dynamic]
+    return lambda mb: jitted(dyn, mb)

@@ -23,7 +23,6 @@ from typing import Any
 import jax
 import numpy as np
 from jax._src import core as jcore
-from jax._src import source_info_util
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -31,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ..core.placement import Placement, current_placement, use_placement
 from ..core.rules import MeshAxes, Rules, identity_rules
 from ..core.transfer import reshard_to
+from .scopes import microbatch_iterations, scope_stack
 from .taskspec import Task, TaskMesh, current_global_mesh
 
 __all__ = [
@@ -302,7 +302,10 @@ def _run_task(fun: Callable, resolve: Callable, out_shardings: Any, configured: 
     if transforms_ignored():
         with configured():
             return fun(*args)
-    placement = resolve(_current_iteration())
+    iterations = microbatch_iterations() or [_current_iteration()]
+    placement = resolve(iterations[0])
+    for i in iterations[1:]:  # one trace serves every microbatch: each iteration's slice must be this one
+        resolve(i)
     _check_not_nested(placement)
     body = _with_outputs(fun, placement, out_shardings, configured)
     if _is_tracing(args):
@@ -426,5 +429,5 @@ _MICROBATCH_SCOPE = re.compile(r"microbatch_(\d+)")
 
 def _current_iteration() -> int | None:
     """The `microbatch` iteration being traced (its named scope), or None."""
-    found = _MICROBATCH_SCOPE.findall(str(source_info_util.current_name_stack()))
+    found = _MICROBATCH_SCOPE.findall(scope_stack())
     return int(found[-1]) if found else None
