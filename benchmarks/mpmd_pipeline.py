@@ -3,8 +3,10 @@
 1. Dispatch overhead: a 2-stage pipeline of tiny stages (so compute is
    negligible) with M microbatches; the step time divided by the number of
    executions it makes, against calling one tiny `jax.jit` on a 4-device
-   submesh the same number of times, synchronously (the floor any runtime
-   built on `jax.jit` pays per execution).
+   submesh the same number of times, synchronously. Where the time goes: the
+   same step's programs and copies recorded once and replayed back to back
+   without the runtime ("replay": what any runtime calling these programs
+   pays), and its programs alone.
 2. Pipeline vs SPMD: the same MLP stack and train step (adam), as a 2-stage
    1F1B pipeline (4 devices per stage, data parallel inside) and as one
    `jax.jit` data-parallel over all 8 devices (what a user would write
@@ -76,6 +78,54 @@ def _blocks(ps, x):
     return x
 
 
+def replay_costs(step, init, get_batch, steps: int) -> tuple[float, float, int]:
+    """Seconds per execution of one step's programs and copies replayed back to back without the runtime,
+    and of its programs alone; and the number of executions. The calls are recorded from one step of the
+    same problem (parameters not donated, so the recorded arguments stay alive)."""
+    import multimesh.run.runtime as runtime_module
+
+    fn, init_p, get_b = parallelize(step, init_params=init, get_input_batch=get_batch)
+    state, b = init_p(), get_b()
+    calls, move = [], runtime_module.move
+
+    def recording_move(xs, targets):
+        calls.append((move, (list(xs), list(targets))))
+        return move(xs, targets)
+
+    def recorded(program):
+        def call(*args):
+            calls.append((program, args))
+            return program(*args)
+        return call
+
+    steps_ = fn.runtime._steps
+    programs = [s.fn for s in steps_]
+    runtime_module.move = recording_move
+    for s in steps_:
+        s.fn = recorded(s.fn)
+    try:
+        jax.block_until_ready(fn(state, b))
+    finally:
+        runtime_module.move = move
+        for s, program in zip(steps_, programs):
+            s.fn = program
+    n = len(steps_)
+
+    def run(only_programs: bool) -> float:
+        out = None
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            for f, args in calls:
+                if only_programs and f is move:
+                    continue
+                out = f(*args)
+            jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / steps / n
+
+    run(False)
+    return run(False), run(True), n
+
+
 def timed(fn, state, batch, steps: int):
     loss, state = fn(state, batch)  # warm
     jax.block_until_ready(loss)
@@ -118,21 +168,28 @@ def main() -> None:
     state, b = init_p(), get_b()
     tiny = jax.jit(lambda x: x + 1.0)  # the floor: one tiny program on a 4-device submesh, like a stage's
     x = jax.device_put(jnp.zeros((8,)), NamedSharding(build_mesh({"data": 4}, jax.devices()[:4]), P("data")))
-    per_exec, per_raw = [], []
+    per_exec, per_raw, per_replay, per_program = [], [], [], []
     for _ in range(args.rounds):
         t, state = timed(fn, state, b, args.steps)
         n = fn.stats.executions
         per_exec.append(t / n)
+        replay, programs, _ = replay_costs(step, init, get_batch, args.steps)
+        per_replay.append(replay)
+        per_program.append(programs)
         jax.block_until_ready(tiny(x))
         t0 = time.perf_counter()
         for _ in range(n * args.steps):
             jax.block_until_ready(tiny(x))
         per_raw.append((time.perf_counter() - t0) / (n * args.steps))
+    raw = min(per_raw)
     print(f"\n1. dispatch: {n} executions and {fn.stats.transfers} transfers per step "
-          f"({args.microbatches} microbatches, 2 stages)")
-    print(f"   runtime: {min(per_exec) * 1e6:8.1f} us per stage execution (transfers and bookkeeping included)")
-    print(f"   raw jit: {min(per_raw) * 1e6:8.1f} us per call of a tiny jitted function on 4 devices")
-    print(f"   ratio  : {min(per_exec) / min(per_raw):8.2f}")
+          f"({args.microbatches} microbatches, 2 stages); per stage execution, and its ratio to the raw jit:")
+    print(f"   runtime : {min(per_exec) * 1e6:8.1f} us {min(per_exec) / raw:6.2f}  (transfers and bookkeeping included)")
+    print(f"   replay  : {min(per_replay) * 1e6:8.1f} us {min(per_replay) / raw:6.2f}  (the same programs and copies, "
+          f"back to back, no runtime)")
+    print(f"   programs: {min(per_program) * 1e6:8.1f} us {min(per_program) / raw:6.2f}  (the programs alone)")
+    print(f"   raw jit : {raw * 1e6:8.1f} us {1:6.2f}  (a tiny jitted x + 1 on 4 devices, synchronously)")
+    print(f"   runtime / replay: {min(per_exec) / min(per_replay):.2f}")
 
     # 2. pipeline vs one SPMD jit
     init, get_batch, step = problem(args.width, args.layers, args.batch, args.microbatches)

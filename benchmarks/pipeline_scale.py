@@ -10,7 +10,8 @@ same tokens per step), each in a fresh process with no compilation cache:
 - steady: seconds per step and tokens/s after warm-up;
 - dispatch: per stage execution of a 2-stage pipeline of tiny stages
   (compute negligible, `mpmd_pipeline.py`'s problem) against a bare
-  synchronous call of a tiny `jax.jit` on a 4-device submesh, same run.
+  synchronous call of a tiny `jax.jit` on a 4-device submesh, same run; and
+  against the same step's programs and copies replayed without the runtime.
 
     python benchmarks/pipeline_scale.py [--microbatches 4 8 16 32] [--configs pipeline pipeline4] [--steps 8]
 """
@@ -78,7 +79,7 @@ def measure(config: str, n_mb: int, steps: int) -> dict:
 
     # dispatch cost per stage execution: tiny stages, compute negligible
     sys.path.insert(0, os.path.dirname(__file__))
-    from mpmd_pipeline import problem
+    from mpmd_pipeline import problem, replay_costs
 
     init, get_batch, step = problem(8, 1, 2 * n_mb, n_mb)
     fn, init_p, get_b = parallelize(step, init_params=init, get_input_batch=get_batch, donate=True)
@@ -100,10 +101,11 @@ def measure(config: str, n_mb: int, steps: int) -> dict:
         for _ in range(10 * n):
             jax.block_until_ready(tiny(x))
         per_raw.append((time.perf_counter() - t) / (10 * n))
+    replay, _, _ = replay_costs(step, init, get_batch, 10)
     return {"config": config, "stages": cfg.layout.pipeline.stages, "microbatches": n_mb, "programs": programs,
             "executions": executions, "build_s": t_build, "init_s": t_init - t_build, "first_step_s": first,
             "step_s": step_s, "tokens_per_s": BATCH * cfg.data.seq_len / step_s,
-            "dispatch_us": min(per_exec) * 1e6, "raw_us": min(per_raw) * 1e6}
+            "dispatch_us": min(per_exec) * 1e6, "raw_us": min(per_raw) * 1e6, "replay_us": replay * 1e6}
 
 
 def main() -> None:
@@ -118,7 +120,8 @@ def main() -> None:
         return
     print(f"global batch {BATCH} x 128 tokens; each row a fresh process without compilation cache; {os.cpu_count()} cores")
     print(f"{'config':10s} {'mb':>3s} {'programs':>8s} {'execs':>6s} {'build s':>8s} {'first s':>8s} {'x mb=4':>7s} "
-          f"{'step ms':>8s} {'tokens/s':>9s} {'x mb=4':>7s} {'disp us':>8s} {'raw us':>7s} {'ratio':>6s}")
+          f"{'step ms':>8s} {'tokens/s':>9s} {'x mb=4':>7s} {'disp us':>8s} {'raw us':>7s} {'ratio':>6s} "
+          f"{'replay us':>9s} {'x replay':>8s}")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for config in args.configs:
         base = None
@@ -133,7 +136,8 @@ def main() -> None:
             print(f"{config:10s} {n_mb:3d} {r['programs']:8d} {r['executions']:6d} {r['build_s']:8.1f} "
                   f"{r['first_step_s']:8.1f} {r['first_step_s'] / base['first_step_s']:7.2f} {r['step_s'] * 1e3:8.1f} "
                   f"{r['tokens_per_s']:9,.0f} {r['tokens_per_s'] / base['tokens_per_s']:7.2f} "
-                  f"{r['dispatch_us']:8.0f} {r['raw_us']:7.0f} {r['dispatch_us'] / r['raw_us']:6.2f}", flush=True)
+                  f"{r['dispatch_us']:8.0f} {r['raw_us']:7.0f} {r['dispatch_us'] / r['raw_us']:6.2f} "
+                  f"{r['replay_us']:9.0f} {r['dispatch_us'] / r['replay_us']:8.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -60,3 +60,50 @@ def test_the_mask_is_recomputed_on_the_second_submesh_instead_of_copied():
     assert off[0] - on[0] == mask_bytes, results
     assert off[1] - on[1] == mask_bytes, results
     assert on[2] == off[2] - 1, results
+
+
+def test_adam_scalars_are_computed_on_every_stage_from_one_copy_of_the_step_count():
+    """Adam's per-step scalars come from its int32 count, a small step input: with recomputation each stage
+    computes them from its own copy of the count (one 4-byte move a step, and each stage's update is one
+    segment); without, they are computed on one stage and sent to the other one by one. Both equal one
+    device for 3 steps; the count stays on the stage that updates it."""
+    import optax
+    from helpers import check_mpmd_against_reference
+
+    devs = jax.devices()
+    stages = [task(lambda w, x: jnp.tanh(x @ w), f"s{i}", devices=devs[4 * i:4 * i + 4]) for i in range(2)]
+    tx = optax.adam(1e-2)
+
+    def init():
+        p = [jnp.eye(8) + 0.1 * i for i in range(2)]
+        return {"p": p, "o": tx.init(p)}
+
+    def batch():
+        return {"x": jnp.sin(jnp.arange(64.0)).reshape(8, 8)}
+
+    def step(state, b):
+        def loss(p):
+            h = b["x"]
+            for s, w in zip(stages, p):
+                h = s(w, h)
+            return jnp.mean(h ** 2)
+
+        value, grads = jax.value_and_grad(loss)(state["p"])
+        updates, opt = tx.update(grads, state["o"], state["p"])
+        return value, grads, {"p": optax.apply_updates(state["p"], updates), "o": opt}
+
+    scalars, glue = {}, {}  # per setting: scalars moved, segment labels
+    for on in (False, True):
+        with enable_recomputation(on):
+            fn, state = check_mpmd_against_reference(step, init, batch)
+        scalars[on] = [(aval.str_short(), "input" if src < 0 else fn.plan.segments[src].label)
+                       for _, src, _, aval, _ in fn.plan.transfers() if aval.shape == ()]
+        glue[on] = [s.label for s in fn.plan.segments]
+        if on:
+            count = state["o"][0].count
+            assert count.sharding.device_set == set(devs[:4]) and int(count) == 3
+    assert scalars[False] == [("float32[]", "s0:bwd")] * 2, scalars  # Adam's two bias corrections
+    assert scalars[True] == [("int32[]", "input")], scalars  # the count, from the step's input
+    # without the scalars to wait for, stage 1's update joins its backward segment: one execution less
+    assert glue[False] == ["s0:fwd", "s1:fwd+bwd", "s0:bwd", "s1:glue"], glue
+    assert glue[True] == ["s0:fwd", "s1:fwd+bwd", "s0:bwd"], glue

@@ -87,10 +87,10 @@ def test_plan_structure(n_stages):
     for i, p in enumerate(plan.placements):
         assert p.devices == frozenset(devs[i * per:(i + 1) * per])
         assert p.mesh == stages[i].placement.mesh
-    # Forward down the stages, the last stage's forward and backward together, backward up the stages,
-    # then the optimizer updates of stages 1.. (stage 0's runs in its backward segment).
+    # Forward down the stages, the last stage's forward and backward together, backward up the stages;
+    # each stage's optimizer update runs in its backward segment (adam's scalars are recomputed per stage).
     labels = ([f"stage{i}:fwd" for i in range(n - 1)] + [f"stage{n - 1}:fwd+bwd"]
-              + [f"stage{i}:bwd" for i in reversed(range(n - 1))] + [f"stage{i}:glue" for i in range(1, n)])
+              + [f"stage{i}:bwd" for i in reversed(range(n - 1))])
     assert [s.label for s in plan.segments] == labels
     assert [s.index for s in plan.segments] == list(range(len(labels)))
     for s in plan.segments:
@@ -100,18 +100,19 @@ def test_plan_structure(n_stages):
         assert all(plan.producer.get(v, -1) < s.index for v in s.invars)
 
     # Transfers: the activations ([8, 16] float32) down the pipeline and their cotangents back up,
-    # one segment to the next; then adam's two bias corrections (scalars), computed once on stage 0,
-    # to every other stage's update.
-    last_bwd = 2 * n - 2
-    want = [(k, k + 1, (8, 16)) for k in range(last_bwd)]
-    want += [(last_bwd, glue, ()) for glue in range(last_bwd + 1, len(labels)) for _ in range(2)]
+    # one segment to the next; and adam's step count (an int32 step input, kept on stage 0, which
+    # updates it) to each other stage's first segment that updates parameters (its backward).
+    count = next(v for v in plan.jaxpr.invars if v.aval.dtype == np.int32)
+    assert plan.input_placement[count] is plan.placements[0]
+    activations = [(k, k + 1, "float32[8,16]") for k in range(2 * n - 2)]
+    counts = [(-1, n - 1 + (n - 1 - i), "int32[]") for i in range(n - 1, 0, -1)]  # stage i's bwd segment
     transfers = plan.transfers()
-    assert [(src, dst, tuple(aval.shape)) for _, src, dst, aval, _ in transfers] == want
+    assert sorted((src, dst, aval.str_short()) for _, src, dst, aval, _ in transfers) == sorted(activations + counts)
     for _, src, dst, aval, nbytes in transfers:
-        assert aval.dtype == np.float32
-        assert nbytes == int(np.prod(aval.shape)) * 4  # 512 B an activation, 4 B a scalar
-        assert plan.segments[src].placement.devices.isdisjoint(plan.segments[dst].placement.devices)
-    total = 512 * len(want[:last_bwd]) + 4 * len(want[last_bwd:])
+        assert nbytes == int(np.prod(aval.shape)) * 4  # 512 B an activation, 4 B the count
+        where = plan.input_placement[count] if src < 0 else plan.segments[src].placement
+        assert where.devices.isdisjoint(plan.segments[dst].placement.devices)
+    total = 512 * len(activations) + 4 * len(counts)
     assert sum(t[4] for t in transfers) == total
 
     # The printed plan says the same.
@@ -119,8 +120,8 @@ def test_plan_structure(n_stages):
     assert text[0] == f"MPMD plan: {len(labels)} segments on {n} submeshes"
     assert text[1:1 + n] == [f"  submesh {p.describe()}" for p in plan.placements]
     assert text[1] == f"  submesh stage0 on {dict(stages[0].placement.mesh.shape)} devices [0-{per - 1}]"
-    assert sum("<- reshard float32[8,16]" in line and "(512 B)" in line for line in text) == last_bwd
-    assert sum("<- reshard float32[] " in line and "(4 B)" in line for line in text) == 2 * (n - 1)
+    assert sum("<- reshard float32[8,16]" in line and "(512 B)" in line for line in text) == 2 * n - 2
+    assert sum("<- reshard int32[] from input (4 B)" in line for line in text) == n - 1
     assert text[-1] == f"  total resharded per step: {total} B"
 
 
@@ -174,3 +175,35 @@ def test_a_parameter_constrained_outside_tasks_is_sharded_by_the_consuming_tasks
     assert {s.data.shape for s in w.addressable_shards} == {(2, 8)}  # 4 row blocks
     want = jnp.sum(jnp.tanh(jnp.ones((4, 8)) @ (jnp.arange(64.0).reshape(8, 8) / 64)))
     np.testing.assert_allclose(float(fn(params, batch)), float(want), rtol=1e-6)
+
+
+def test_move_copies_shard_for_shard_like_device_put():
+    """`core.transfer.move`'s direct batched copy (same spec on a mesh of the same shape) gives what
+    `jax.device_put` gives: values, sharding, shard shapes, dtype and weak type; other moves and a
+    deleted array still go through `jax.device_put` (and its errors)."""
+    from jax.sharding import NamedSharding
+
+    from multimesh.core import transfer
+
+    devs = np.array(jax.devices())
+    src = build_mesh({"data": 2, "model": 2}, devs[:4])
+    dst = build_mesh({"data": 2, "model": 2}, devs[4:])
+    xs = [jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(src, P("data", "model"))),
+          jax.device_put(jnp.arange(8, dtype=jnp.int32), NamedSharding(src, P("model"))),
+          jax.device_put(jnp.asarray(2.5), NamedSharding(src, P()))]  # weakly typed scalar
+    targets = [NamedSharding(dst, x.sharding.spec) for x in xs]
+    assert all(transfer._shard_for_shard(x, t) for x, t in zip(xs, targets))
+    moved, expected = transfer.move(xs, targets), jax.device_put(xs, targets)
+    for m, e, t in zip(moved, expected, targets):
+        assert m.sharding == e.sharding == t and m.aval == e.aval and m.weak_type == e.weak_type
+        assert [s.data.shape for s in m.addressable_shards] == [s.data.shape for s in e.addressable_shards]
+        assert {s.device for s in m.addressable_shards} == set(devs[4:])
+        np.testing.assert_array_equal(np.asarray(m), np.asarray(e))
+
+    other = NamedSharding(build_mesh({"data": 4}, devs[4:]), P("data"))  # a reshard, not shard for shard
+    assert not transfer._shard_for_shard(xs[0], other)
+    np.testing.assert_array_equal(np.asarray(transfer.move([xs[0]], [other])[0]), np.asarray(xs[0]))
+    xs[0].delete()
+    assert not transfer._shard_for_shard(xs[0], targets[0])
+    with pytest.raises(RuntimeError, match="deleted"):
+        transfer.move([xs[0]], [targets[0]])

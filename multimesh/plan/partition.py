@@ -241,24 +241,39 @@ def _group(eqns: Sequence, colour: Sequence[Placement], units: Sequence[Unit | N
     return segments
 
 
-def link_segments(jaxpr: Jaxpr, consts: dict, segments: list[Segment], schedule: Schedule | None = None) -> Plan:
-    """Number ``segments`` (in execution order) and work out what flows between them."""
+def link_segments(jaxpr: Jaxpr, consts: dict, segments: list[Segment], schedule: Schedule | None = None,
+                  recomputed: set[int] = frozenset()) -> Plan:
+    """Number ``segments`` (in execution order) and work out what flows between them.
+
+    A step input lives on the submesh of its first consumer, not counting
+    ``recomputed`` equations (ids): a recomputed copy reads a copy of the input
+    (`recompute`), and the original's submesh is where its updated value (a
+    step counter's) is made.
+    """
     producer: dict[Var, int] = {}
     input_placement: dict[Var, Placement] = {}
+    read_by_copies: dict[Var, Placement] = {}
     for k, seg in enumerate(segments):
         seg.index = k
         defined, needed = set(), []
         for e in seg.eqns:
             for v in e.invars:
-                if not isinstance(v, Literal) and v not in defined and v not in needed:
+                if isinstance(v, Literal) or v in defined:
+                    continue
+                if v not in needed:
                     needed.append(v)
+                if v in producer:
+                    continue
+                if id(e) in recomputed:
+                    read_by_copies.setdefault(v, seg.placement)
+                else:
+                    input_placement.setdefault(v, seg.placement)
             defined.update(e.outvars)
         seg.invars = needed
-        for v in needed:
-            if v not in producer:
-                input_placement.setdefault(v, seg.placement)
         for v in defined:
             producer[v] = k
+    for v, placement in read_by_copies.items():
+        input_placement.setdefault(v, placement)
     outputs = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
     used_later: set[Var] = set(outputs)
     for seg in reversed(segments):
@@ -279,18 +294,22 @@ def partition(closed: ClosedJaxpr, pipelines: Sequence[Pipeline] = ()) -> Plan:
     if any(p.split_backward for p in pipelines):  # zero-bubble: a task's backward splits into B and W
         eqns, consts, placed = inline_backward_tasks(eqns, consts)
     colour = _initial_colours(eqns, placed)
+    pinned = [c is not None for c in colour]
     tasks = [c for c in colour if c is not None]
     if not tasks:
         raise ValueError("partition() needs a function that calls at least one task")
     _check_overlaps(tasks)
     units = _units(eqns, colour)
     colour = _propagate(eqns, colour)
-    if current_knobs().enable_recomputation:  # constant-only values: computed where read, not copied there
-        eqns, colour, units, _ = recompute_constants(eqns, colour, units, closed.jaxpr.outvars)
+    if current_knobs().enable_recomputation:  # values of constants and small inputs: computed where read
+        eqns, colour, units, copies = recompute_constants(eqns, colour, units, closed.jaxpr.outvars,
+                                                          closed.jaxpr.invars, pinned)
+    else:
+        copies = set()
     segments = _group(eqns, colour, units)
     segments, schedule = schedule_segments(segments, pipelines)
     _check_split_backprop(segments, schedule)
-    return link_segments(closed.jaxpr, consts, segments, schedule)
+    return link_segments(closed.jaxpr, consts, segments, schedule, recomputed=copies)
 
 
 def _check_split_backprop(segments: Sequence[Segment], schedule: Schedule | None) -> None:

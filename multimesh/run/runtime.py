@@ -72,14 +72,19 @@ class _Step:
     """One segment's execution, worked out once: what to copy in, call, keep and free."""
 
     segment: Segment
+    label: str
     fn: Any
     literals: list
     inputs: list[tuple[Var, Key]]  # step inputs to place here (a copy only when not already here)
     copies: list[tuple[Var, Key, Key]]  # produced on another submesh: (value, original, copy here)
+    copy_bytes: int  # what the copies move
     args: list[Key]
     outs: list[Key]
     frees: list[Key]
     local: bool  # some of its devices belong to this process (it computes here, not only a placeholder)
+    targets: list[NamedSharding] | None = None  # where the copies go, learnt from the first originals
+    stashed_in: list[Key] = field(default_factory=list)  # its copies and outputs that are stashed activations
+    stashed_out: list[Key] = field(default_factory=list)  # its frees that are
 
 
 class Runtime:
@@ -106,7 +111,9 @@ class Runtime:
             for key in step.outs + [c for _, _, c in step.copies]:
                 if key[0] in stash and key[1] in stage_at:
                     self._stash[key] = (stage_at[key[1]], stash[key[0]])
-        self._targets: dict[Key, NamedSharding] = {}  # where a copy goes, learnt from its first original
+        for step in self._steps:
+            step.stashed_in = [k for k in [c for _, _, c in step.copies] + step.outs if k in self._stash]
+            step.stashed_out = [k for k in step.frees if k in self._stash]
 
     def _home(self, v: Var) -> frozenset | None:
         k = self.plan.producer.get(v)
@@ -147,18 +154,14 @@ class Runtime:
         return moved
 
     def _copy(self, step: _Step, held: dict[Key, Any]) -> None:
-        """Copy the values ``step`` reads from other submeshes, in one `jax.device_put`."""
-        xs, targets = [], []
-        for v, src, dst in step.copies:
-            x = held[src]
-            if dst not in self._targets:
-                self._targets[dst] = target_on(x, step.segment.placement.mesh)
-            xs.append(x)
-            targets.append(self._targets[dst])
+        """Copy the values ``step`` reads from other submeshes, in one `core.transfer.move`."""
+        xs = [held[src] for _, src, _ in step.copies]
+        if step.targets is None:
+            step.targets = [target_on(x, step.segment.placement.mesh) for x in xs]
         try:
-            moved = move(xs, targets)
+            moved = move(xs, step.targets)
         except Exception as e:
-            for (v, _, _), x, t in zip(step.copies, xs, targets):  # name the value that cannot move
+            for (v, _, _), x, t in zip(step.copies, xs, step.targets):  # name the value that cannot move
                 try:
                     move([x], [t])
                 except Exception as one:
@@ -166,7 +169,7 @@ class Runtime:
             raise self._reshard_error(step.copies[0][0], xs[0], step.segment, e) from e
         for (_, _, dst), x in zip(step.copies, moved):
             held[dst] = x
-            self.stats.bytes_moved += x.nbytes
+        self.stats.bytes_moved += step.copy_bytes
         self.stats.transfers += len(moved)
 
     def __call__(self, flat_inputs: Sequence[Any]) -> list:
@@ -179,31 +182,32 @@ class Runtime:
 
         def count(keys: Sequence[Key], delta: int) -> None:
             for key in keys:
-                if key in self._stash:
-                    stage, label = self._stash[key]
-                    c = live.setdefault(stage, Counter())
-                    c[label] += delta
-                    if c[label] == 0:
-                        del c[label]
-                    peak[stage] = max(peak.get(stage, 0), len(c))
+                stage, label = self._stash[key]
+                c = live.setdefault(stage, Counter())
+                c[label] += delta
+                if c[label] == 0:
+                    del c[label]
+                peak[stage] = max(peak.get(stage, 0), len(c))
 
-        last = None
-        for step in self._steps:
-            seg = step.segment
+        last, sync_every, executed = None, self.sync_every, stats.executed
+        for n, step in enumerate(self._steps, 1):
             for v, key in step.inputs:
-                held[key] = self._place_input(v, held[(v, None)], seg)
+                held[key] = self._place_input(v, held[(v, None)], step.segment)
             if step.copies:
                 self._copy(step, held)
-                count([c for _, _, c in step.copies], 1)
             outs = step.fn(*[held[k] for k in step.args], *step.literals)
             held.update(zip(step.outs, outs))
-            count(step.outs, 1)
-            stats.executions += 1
-            stats.executed.append(seg.label)
-            count([k for k in step.frees if held.pop(k, _GONE) is not _GONE], -1)
+            executed.append(step.label)
+            stats.executions = n
+            if step.stashed_in:
+                count(step.stashed_in, 1)
+            if step.stashed_out:
+                count([k for k in step.stashed_out if held.pop(k, _GONE) is not _GONE], -1)
+            for k in step.frees:
+                held.pop(k, None)
             if outs and step.local:
                 last = outs[0]
-            if self.sync_every and stats.executions % self.sync_every == 0 and last is not None:
+            if sync_every and n % sync_every == 0 and last is not None:
                 jax.block_until_ready(last)
         return [v.val if isinstance(v, Literal) else held[(v, self._home(v))] for v in plan.jaxpr.outvars]
 
@@ -241,7 +245,8 @@ def _steps(plan: Plan, calls: Sequence[tuple[Any, list]]) -> list[_Step]:
             else:
                 copies.append((v, (v, home), (v, here)))
         local = any(d.process_index == jax.process_index() for d in here)
-        steps.append(_Step(seg, fn, literals, inputs, copies, [(v, here) for v in seg.invars],
+        copy_bytes = sum(v.aval.size * v.aval.dtype.itemsize for v, _, _ in copies)
+        steps.append(_Step(seg, seg.label, fn, literals, inputs, copies, copy_bytes, [(v, here) for v in seg.invars],
                            [(v, here) for v in seg.outvars], free_after[seg.index], local))
     return steps
 
@@ -279,12 +284,18 @@ def _lifetimes(plan: Plan) -> dict[int, list[Key]]:
 
 
 def _donations(plan: Plan, donated: set[Var]) -> dict[int, tuple[int, ...]]:
-    """Per segment, the arguments to donate: donated step inputs at their last use, on their only submesh."""
+    """Per segment, the arguments to donate: donated step inputs at their last use on a submesh, once
+    every other submesh reading them has taken its copy (they are copied before their first use there)."""
     uses = _uses(plan)
     outputs = {v for v in plan.jaxpr.outvars if not isinstance(v, Literal)}
-    return {seg.index: tuple(i for i, v in enumerate(seg.invars)
-                             if v in donated and v not in outputs and len(uses[v]) == 1
-                             and max(uses[v][seg.placement.devices]) == seg.index)
+
+    def last_use(v: Var, seg: Segment) -> bool:
+        where = uses[v]
+        return max(where[seg.placement.devices]) == seg.index and all(
+            min(idx) < seg.index for devices, idx in where.items() if devices != seg.placement.devices)
+
+    return {seg.index: tuple(i for i, v in enumerate(seg.invars) if v in donated and v not in outputs
+                             and last_use(v, seg))
             for seg in plan.segments}
 
 
