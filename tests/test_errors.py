@@ -327,3 +327,16 @@ def test_register_task_matching_nothing_warns_or_raises_under_strict():
         with pytest.raises(ValueError, match="match no Flax module"):
             parallelize(make_train_step(model, tx), init_params=init, initial_batch=mlp_batch(), mesh=MESH,
                         rules=[("batch", "data")], strict=True)
+
+
+def test_a_task_mesh_given_as_a_shape_or_axes_given_as_a_string_is_refused():
+    from multimesh.jax import task
+
+    f = lambda x: x  # noqa: E731
+    with pytest.raises(TypeError, match=r"task 'f': mesh= must be a jax.sharding.Mesh or a TaskMesh, got dict "
+                                        r"\{'data': 4\}; make one with multimesh.jax.build_mesh\(\{'data': 4\}, devices\)"):
+        task(f, "f", mesh={"data": 4})
+    with pytest.raises(TypeError, match=r"task 'g': device_axes must be a sequence of axis names, got the string "
+                                        r"'xy'; write \('xy',\) for one axis"):
+        task(f, "g", devices=jax.devices()[:2], device_axes="xy")
+    assert task(f, "h", devices=jax.devices()[:2], device_axes=("xy",)).placement.mesh.axis_names == ("xy",)

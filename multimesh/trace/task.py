@@ -170,6 +170,14 @@ def make_placement(
 ) -> Placement:
     if mesh is not None and (devices is not None or device_axes is not None):
         raise ValueError(f"task {name!r}: give mesh= or devices=/device_axes=, not both")
+    if mesh is not None and not isinstance(mesh, Mesh):
+        hint = f"build_mesh({mesh!r}, devices)" if isinstance(mesh, Mapping) else "build_mesh({axis: size}, devices)"
+        raise TypeError(f"task {name!r}: mesh= must be a jax.sharding.Mesh or a TaskMesh, got "
+                        f"{type(mesh).__name__} {mesh!r}; make one with multimesh.jax.{hint}, or give "
+                        f"devices= and device_axes=")
+    if isinstance(device_axes, str):
+        raise TypeError(f"task {name!r}: device_axes must be a sequence of axis names, got the string "
+                        f"{device_axes!r}; write ({device_axes!r},) for one axis")
     if mesh is None:
         if devices is None:
             if device_axes is not None and len(tuple(device_axes)) != 1:
