@@ -23,7 +23,6 @@ read) are alive on each stage at once.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,8 +82,9 @@ class _Step:
     frees: list[Key]
     local: bool  # some of its devices belong to this process (it computes here, not only a placeholder)
     targets: list[NamedSharding] | None = None  # where the copies go, learnt from the first originals
-    stashed_in: list[Key] = field(default_factory=list)  # its copies and outputs that are stashed activations
-    stashed_out: list[Key] = field(default_factory=list)  # its frees that are
+    # (stage, label) of its copies and outputs that are stashed activations; (key, stage, label) of its frees that are
+    stashed_in: list[tuple[int, tuple]] = field(default_factory=list)
+    stashed_out: list[tuple[Key, int, tuple]] = field(default_factory=list)
 
 
 class Runtime:
@@ -112,8 +112,8 @@ class Runtime:
                 if key[0] in stash and key[1] in stage_at:
                     self._stash[key] = (stage_at[key[1]], stash[key[0]])
         for step in self._steps:
-            step.stashed_in = [k for k in [c for _, _, c in step.copies] + step.outs if k in self._stash]
-            step.stashed_out = [k for k in step.frees if k in self._stash]
+            step.stashed_in = [self._stash[k] for k in [c for _, _, c in step.copies] + step.outs if k in self._stash]
+            step.stashed_out = [(k, *self._stash[k]) for k in step.frees if k in self._stash]
 
     def _home(self, v: Var) -> frozenset | None:
         k = self.plan.producer.get(v)
@@ -177,17 +177,21 @@ class Runtime:
         self.stats = stats
         held: dict[Key, Any] = dict(zip(((v, None) for v in plan.jaxpr.invars), flat_inputs))
         held.update(((v, None), x) for v, x in plan.consts.items())
-        live: dict[int, Counter] = {}
+        live: dict[int, dict[tuple, int]] = {}  # per stage: stashed activations alive, per (microbatch, chunk)
         peak = stats.peak_live_activations
 
-        def count(keys: Sequence[Key], delta: int) -> None:
-            for key in keys:
-                stage, label = self._stash[key]
-                c = live.setdefault(stage, Counter())
-                c[label] += delta
-                if c[label] == 0:
+        def count(labels: Sequence[tuple[int, tuple]], delta: int) -> None:
+            for stage, label in labels:
+                c = live.get(stage)
+                if c is None:
+                    c = live[stage] = {}
+                n = c.get(label, 0) + delta
+                if n:
+                    c[label] = n
+                else:
                     del c[label]
-                peak[stage] = max(peak.get(stage, 0), len(c))
+                if len(c) > peak.get(stage, -1):
+                    peak[stage] = len(c)
 
         last, sync_every, executed = None, self.sync_every, stats.executed
         for n, step in enumerate(self._steps, 1):
@@ -202,7 +206,7 @@ class Runtime:
             if step.stashed_in:
                 count(step.stashed_in, 1)
             if step.stashed_out:
-                count([k for k in step.stashed_out if held.pop(k, _GONE) is not _GONE], -1)
+                count([(stage, label) for k, stage, label in step.stashed_out if held.pop(k, _GONE) is not _GONE], -1)
             for k in step.frees:
                 held.pop(k, None)
             if outs and step.local:
