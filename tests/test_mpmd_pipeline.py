@@ -443,8 +443,9 @@ def test_ignore_transforms_makes_microbatch_a_plain_call():
     with ignore_transforms():
         assert float(mb(None, jnp.ones((8, 3)))) == 24.0
     assert seen == [(8, 3)]
-    # not ignored: traced once, for a microbatch of 2 rows, and that trace serves all 4 microbatches
-    assert float(mb(None, jnp.ones((8, 3)))) == 24.0 and seen[1:] == [(2, 3)]
+    assert float(mb(None, jnp.ones((8, 3)))) == 24.0 and seen[1:] == [(2, 3)] * 4  # eagerly: once per microbatch
+    # traced: f is traced once, for a microbatch of 2 rows, and that trace serves all 4 microbatches
+    assert float(jax.jit(mb)(None, jnp.ones((8, 3)))) == 24.0 and seen[5:] == [(2, 3)]
 
 
 # -- parallelize_step with explicit and implicit tasks --------------------------------------

@@ -176,7 +176,10 @@ def microbatch(
         collector = _COLLECTOR.get()
         if collector is not None:
             collector.append(Pipeline(name, n, schedule, num_stages, interleave))
-        body = _traced_once(fun, args, argnum, n)
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+            body = _traced_once(fun, args, argnum, n)
+        else:  # called eagerly: run fun per microbatch (a jit made for this call would compile every call)
+            body = lambda mb: fun(*args[:argnum % len(args)], mb, *args[argnum % len(args) + 1:])
         results: list[Any] = [None] * n
         for i in reversed(range(n)):
             with jax.named_scope(f"microbatch_{i}"):  # the slicing too: it belongs to this microbatch
