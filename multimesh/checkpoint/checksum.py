@@ -466,13 +466,15 @@ def start(arrays: Sequence[jax.Array], *, on_device: bool | None = None) -> list
             x = jax.random.key_data(x)
         shape = tuple(int(d) for d in x.shape)
         owned = _owned(x.sharding, shape)
-        device_ok = _device_supported(x.dtype)
+        device_ok = None  # looked up once, only for a leaf with accelerator shards
         hasher._part(i)
         for shard in x.addressable_shards:
             box = _box_cached(shard.index, shape)
             if owned.get(box) != shard.device:
                 continue
             use_device = (shard.device.platform != "cpu") if on_device is None else on_device
+            if use_device and device_ok is None:
+                device_ok = _device_supported(x.dtype)
             if use_device and device_ok:
                 hasher.add_device(i, shard.data, box, shape)
             else:

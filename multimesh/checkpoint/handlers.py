@@ -7,6 +7,13 @@
   ``PendingDoc``: its checksums are filled in by the background commit, once
   the hashing that runs alongside the array writes is done.
 
+The save path is Orbax's, with two per-shard costs removed (found by
+profiling a 2,000-leaf save; together ~15% of its time on tmpfs): in one
+process, no replica-parallel writes (every replica is local; Orbax would cut
+each replicated shard into one jitted slice per replica), and a byte limiter
+with Orbax's limit but without its debug-log lines, whose sizes Orbax formats
+on every reservation even with the log off.
+
 Both report Orbax's own ``typestr``, so a step's ``_CHECKPOINT_METADATA`` is
 what raw Orbax writes and either can read the other's checkpoints.
 
@@ -39,6 +46,7 @@ from orbax.checkpoint._src.handlers import pytree_checkpoint_handler
 from orbax.checkpoint._src.metadata import (
     array_metadata_store as array_metadata_store_lib,
 )
+from orbax.checkpoint._src.serialization import limits as ocp_limits
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
 from . import checksum as _checksum
@@ -76,10 +84,27 @@ class ArrayHandler(StageLocalSerialize, ocp.type_handlers.ArrayHandler):
     def __init__(self):
         # Orbax's per-process write-shape records: its commit wants every array's record on process 0,
         # which does not write (nor record) the arrays of pipeline stages on other processes.
-        store = array_metadata_store_lib.Store() if jax.process_count() == 1 else None
-        super().__init__(array_metadata_store=store)
+        single = jax.process_count() == 1
+        store = array_metadata_store_lib.Store() if single else None
+        # Replica-parallel writes let the hosts holding replicas of a shard write a part each; in one
+        # process every replica is here, and splitting costs a jitted slice per replica and shard
+        # (a replicated (512,) vector on a 4x2 mesh: 8 slices).
+        super().__init__(array_metadata_store=store, use_replica_parallel=False if single else None)
         self.hasher: _checksum.Hasher | None = None
         self.hashed: set[str] = set()
+
+    async def serialize(self, values: Sequence[Any], infos: Sequence[Any], args: Sequence[Any] | None = None) -> list:
+        leaner: dict[int, _LeanLimit] = {}
+
+        def lean(info: Any) -> Any:
+            limiter = getattr(info, "byte_limiter", None)
+            if type(limiter) is not ocp_limits.LimitInFlightBytes:
+                return info
+            if id(limiter) not in leaner:
+                leaner[id(limiter)] = _LeanLimit(limiter.max_bytes)
+            return info.replace(byte_limiter=leaner[id(limiter)])
+
+        return await super().serialize(values, [lean(i) for i in infos], args)
 
     async def deserialize(self, infos: Sequence[Any], args: Sequence[Any] | None = None) -> list:
         if args is None:
@@ -156,6 +181,25 @@ class ArrayHandler(StageLocalSerialize, ocp.type_handlers.ArrayHandler):
             return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=dtype)
         return jax.make_array_from_callback(
             shape, sharding, lambda index: bufs[_checksum.box_of(index, shape)])
+
+
+class _LeanLimit(ocp_limits.LimitInFlightBytes):
+    """Orbax's ``LimitInFlightBytes`` (same limit, same waiting) without its
+    debug-log lines, whose sizes are formatted (``humanize``) on every
+    reservation even when the log is off (4 strings per shard written)."""
+
+    async def wait_for_bytes(self, requested_bytes: int):
+        if requested_bytes >= self._max_bytes:
+            raise ValueError(f"Requested more bytes than we reserved space for: "
+                             f"{requested_bytes} > {self._max_bytes}")
+        async with self._cv:
+            await self._cv.wait_for(lambda: self._available_bytes > requested_bytes)
+            self._available_bytes -= requested_bytes
+
+    async def release_bytes(self, requested_bytes: int):
+        async with self._cv:
+            self._available_bytes += requested_bytes
+            self._cv.notify_all()
 
 
 class _ByteBudget:
