@@ -8,7 +8,7 @@ import pytest
 from helpers import check_mpmd_against_reference
 from jax.sharding import PartitionSpec as P
 
-from multimesh.jax import build_mesh, parallelize, task, with_sharding_constraint
+from multimesh.jax import build_mesh, ignore_transforms, parallelize, task, with_sharding_constraint
 from multimesh.trace.task import task_call_p
 
 pytestmark = pytest.mark.devices(8)
@@ -72,6 +72,27 @@ def test_backward_does_not_recompute_forward():
     assert len(kinds["fwd"]) == 2 and len(kinds["bwd"]) == 2
     assert all("tanh" in p for p in kinds["fwd"])
     assert not any("tanh" in p for p in kinds["bwd"])  # the residuals carry the activations
+
+
+def test_the_forward_returns_no_copy_of_the_tasks_own_inputs():
+    """Residuals that are the task's inputs (its weights, its input activation) are read by the backward
+    where they already are: the forward task returns only what it computed, so a pipeline does not keep a
+    copy of the stage's weights per microbatch."""
+    stages, init, batch, step = build(2)
+    fn, _, _ = parallelize(step, init_params=init, get_input_batch=batch)
+    for seg in fn.plan.segments:
+        for eqn in seg.eqns:
+            if eqn.primitive is task_call_p and eqn.params["kind"] == "fwd":
+                inner = eqn.params["jaxpr"].jaxpr
+                assert not set(inner.invars) & set(inner.outvars), seg.label
+                # out: the activation, then tanh(x @ a) and its derivative's factor: all [8, 32] or [8, 16]
+                assert all(v.aval.shape in ((8, 16), (8, 32)) for v in eqn.outvars), seg.label
+    loss, grads, _ = fn(init(), batch())
+    with ignore_transforms():
+        want = jax.jit(step)(init(), batch())
+    np.testing.assert_allclose(loss, want[0], rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(want[1])):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("n_stages", [2, 4])

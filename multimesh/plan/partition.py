@@ -78,13 +78,16 @@ class Plan:
         return list(dict.fromkeys(s.placement for s in self.segments))
 
     def transfers(self) -> list[tuple[str, int, int, Any, int]]:
-        """(what, from segment or -1 for an input, to segment, aval, bytes) for every value crossing submeshes."""
-        out = []
+        """(what, from segment or -1 for an input, to segment, aval, bytes) for every value crossing submeshes:
+        once per submesh, to the first segment there that reads it (later ones read that copy)."""
+        out, moved = [], set()
         for seg in self.segments:
             for v in seg.invars:
                 src = self.producer.get(v)
                 where = self.segments[src].placement if src is not None else self.input_placement.get(v)
-                if where is not None and where.devices != seg.placement.devices:
+                if where is not None and where.devices != seg.placement.devices \
+                        and (v, seg.placement.devices) not in moved:
+                    moved.add((v, seg.placement.devices))
                     out.append((str(v), -1 if src is None else src, seg.index, v.aval, _nbytes(v)))
         return out
 

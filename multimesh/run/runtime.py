@@ -109,8 +109,8 @@ class Runtime:
         self._stash = {}  # key -> (stage, (microbatch, chunk)) for copies of stashed forward activations
         for step in self._steps:
             for key in step.outs + [c for _, _, c in step.copies]:
-                if key[0] in stash and key[1] in stage_at:
-                    self._stash[key] = (stage_at[key[1]], stash[key[0]])
+                if key in stash and key[1] in stage_at:
+                    self._stash[key] = (stage_at[key[1]], stash[key])
         for step in self._steps:
             step.stashed_in = [self._stash[k] for k in [c for _, _, c in step.copies] + step.outs if k in self._stash]
             step.stashed_out = [(k, *self._stash[k]) for k in step.frees if k in self._stash]
@@ -303,24 +303,31 @@ def _donations(plan: Plan, donated: set[Var]) -> dict[int, tuple[int, ...]]:
             for seg in plan.segments}
 
 
-def _stashed_activations(segments: Sequence[Segment]) -> dict[Var, tuple[int, int]]:
-    """Values computed in a microbatch's forward pass and read by a backward unit.
+def _stashed_activations(segments: Sequence[Segment]) -> dict[Key, tuple[int, int]]:
+    """Values computed in a microbatch's forward pass and read by a backward unit, on that unit's submesh.
 
-    var -> (microbatch, chunk of the backward unit reading it): counting
+    (var, devices) -> (microbatch, chunk of the backward unit reading it): counting
     distinct pairs per stage counts microbatches (interleaved: microbatch
-    chunks) whose activations are held, as schedules do.
+    chunks) whose activations are held, as schedules do. Only the copy that
+    the backward reads counts: a value another stage reads in its backward
+    (an input the task keeps as a residual) is not held by its producer.
     """
-    chunk_of: dict[Var, int] = {}
+    chunk_of: dict[Key, int] = {}
     for s in segments:
         for e in s.eqns:
             if is_backprop(e.source_info.name_stack) and microbatch_of(e.source_info.name_stack) is not None:
                 for v in e.invars:
                     if not isinstance(v, Literal):
-                        chunk_of.setdefault(v, s.action.chunk if s.action is not None else 0)
+                        chunk_of.setdefault((v, s.placement.devices), s.action.chunk if s.action is not None else 0)
+    read_where: dict[Var, list[frozenset]] = {}
+    for v, devices in chunk_of:
+        read_where.setdefault(v, []).append(devices)
     stash = {}
     for seg in segments:
         for e in seg.eqns:
             m = microbatch_of(e.source_info.name_stack)
             if m is not None and not is_backprop(e.source_info.name_stack):
-                stash.update((v, (m, chunk_of[v])) for v in e.outvars if v in chunk_of)
+                for v in e.outvars:
+                    for devices in read_where.get(v, ()):
+                        stash[(v, devices)] = (m, chunk_of[(v, devices)])
     return stash

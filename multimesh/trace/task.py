@@ -118,10 +118,16 @@ def _traced_call(placement: Placement, fun: Callable, args: tuple) -> Any:
             info["n_out"] = len(out)
             info["out_float"] = [_is_float(o) for o in out]
             info["out_shapes"] = [np.shape(o) for o in out]
-            return list(out) + residuals
+            # A residual that is one of the task's own inputs (a weight, say) is not returned: the backward
+            # reads the input itself, instead of a copy the forward would make for every microbatch.
+            position = {id(x): i for i, x in enumerate(leaves)}
+            info["forwarded"] = [position.get(id(r)) for r in residuals]
+            return list(out) + [r for r, i in zip(residuals, info["forwarded"]) if i is None]
 
         outs = _bind(placement, "fwd", forward, *leaves)
-        return outs[: info["n_out"]], outs[info["n_out"] :]
+        made = iter(outs[info["n_out"] :])
+        residuals = [next(made) if i is None else leaves[i] for i in info["forwarded"]]
+        return outs[: info["n_out"]], residuals
 
     def bwd(residuals, cts):
         float_cts = [c for c, f in zip(cts, info["out_float"]) if f]
