@@ -3,8 +3,9 @@
 Calling a task inside a trace binds `task_call_p`, a primitive that carries the
 task's closed jaxpr and its `Placement`. Under differentiation a
 `jax.custom_vjp` splits it into a forward task, which also returns the
-flattened `jax.vjp` residuals, and a backward task on the same placement that
-consumes them: the backward never recomputes the forward unless the user asks
+flattened `jax.vjp` residuals it computed (residuals that are its own inputs
+are passed on as they are, not copied), and a backward task on the same
+placement that consumes them: the backward never recomputes the forward unless the user asks
 (`jax.checkpoint` inside the task). Lowered as a plain inline call, so a
 function of tasks also runs as one ordinary program (the reference).
 
