@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import numpy as np
 from jax._src import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
@@ -39,7 +38,7 @@ from ..trace.task import Placement, task_call_p
 from ..trace.taskspec import split_names
 from .order import schedule_segments
 from .recompute import recompute_constants
-from .segment import Segment, Unit
+from .segment import Segment, Unit, nbytes
 from .split import inline_backward_tasks
 
 __all__ = ["Plan", "has_tasks", "inline_calls", "make_plan", "partition"]
@@ -55,11 +54,6 @@ def has_tasks(jaxpr: Jaxpr) -> bool:
             if isinstance(inner, Jaxpr) and has_tasks(inner):
                 return True
     return False
-
-
-def _nbytes(v: Var) -> int:
-    aval = v.aval
-    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
 @dataclass
@@ -88,7 +82,7 @@ class Plan:
                 if where is not None and where.devices != seg.placement.devices \
                         and (v, seg.placement.devices) not in moved:
                     moved.add((v, seg.placement.devices))
-                    out.append((str(v), -1 if src is None else src, seg.index, v.aval, _nbytes(v)))
+                    out.append((str(v), -1 if src is None else src, seg.index, v.aval, nbytes(v)))
         return out
 
     def __str__(self) -> str:
@@ -96,17 +90,17 @@ class Plan:
         for p in self.placements:
             lines.append(f"  submesh {p.describe()}")
         moves = {}
-        for what, src, dst, aval, nbytes in self.transfers():
-            moves.setdefault(dst, []).append((what, src, aval, nbytes))
+        for what, src, dst, aval, size in self.transfers():
+            moves.setdefault(dst, []).append((what, src, aval, size))
         for seg in self.segments:
-            n_in = sum(_nbytes(v) for v in seg.invars)
+            n_in = sum(nbytes(v) for v in seg.invars)
             lines.append(
                 f"  [{seg.index}] {seg.label:<28} {len(seg.eqns):4d} eqns  in {len(seg.invars)} ({_mib(n_in)})"
                 f"  out {len(seg.outvars)}"
             )
-            for what, src, aval, nbytes in moves.get(seg.index, []):
+            for what, src, aval, size in moves.get(seg.index, []):
                 origin = "input" if src < 0 else f"[{src}]"
-                lines.append(f"        <- reshard {aval.str_short()} from {origin} ({_mib(nbytes)})")
+                lines.append(f"        <- reshard {aval.str_short()} from {origin} ({_mib(size)})")
         total = sum(t[4] for t in self.transfers())
         lines.append(f"  total resharded per step: {_mib(total)}")
         if self.schedule is not None:
@@ -198,7 +192,7 @@ def _propagate(eqns: Sequence, colour: list[Placement | None]) -> list[Placement
                     colour[i], changed = found[0], True
         for i, e in enumerate(eqns):
             if colour[i] is None:
-                srcs = [(_nbytes(v), colour[made_by[v]]) for v in e.invars
+                srcs = [(nbytes(v), colour[made_by[v]]) for v in e.invars
                         if not isinstance(v, Literal) and v in made_by and colour[made_by[v]] is not None]
                 if srcs:
                     colour[i], changed = max(srcs, key=lambda s: s[0])[1], True

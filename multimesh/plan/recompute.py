@@ -27,6 +27,8 @@ from typing import Any
 
 from jax.extend.core import Literal, Var
 
+from .segment import nbytes
+
 __all__ = ["SMALL_INPUT_BYTES", "recompute_constants"]
 
 #: Step inputs up to this size are recomputed from like constants (each reading submesh gets a copy).
@@ -58,7 +60,7 @@ def recompute_constants(eqns: Sequence[Any], colour: Sequence[Any], units: Seque
     (``pinned``: in a task or a registered scope) is recomputed from literals
     only, never from inputs: it stays where it was put.
     """
-    small = {v for v in inputs if v.aval.size * v.aval.dtype.itemsize <= SMALL_INPUT_BYTES}
+    small = {v for v in inputs if nbytes(v) <= SMALL_INPUT_BYTES}
     made_from_literals: dict[Var, int] = {}
     from_inputs: set[Var] = set()  # those of them that read a small input
     for i, e in enumerate(eqns):

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Var
 
 from ..core.schedules import Action
 from ..trace.task import Placement, task_call_p
 from ..trace.taskspec import split_names
 
-__all__ = ["Segment", "Unit"]
+__all__ = ["Segment", "Unit", "nbytes"]
 
 
 @dataclass(frozen=True)
@@ -51,3 +52,8 @@ class Segment:
     def closed_jaxpr(self) -> ClosedJaxpr:
         jaxpr = Jaxpr(constvars=[], invars=list(self.invars), outvars=list(self.outvars), eqns=list(self.eqns))
         return ClosedJaxpr(jaxpr, [])
+
+
+def nbytes(v: Var) -> int:
+    """The size of a jaxpr value in bytes."""
+    return int(np.prod(v.aval.shape, dtype=np.int64)) * np.dtype(v.aval.dtype).itemsize

@@ -35,7 +35,7 @@ from ..core.placement import use_placement
 from ..core.transfer import move, put, target_on
 from ..plan.partition import Plan
 from ..plan.programs import Program, group_programs, run_program
-from ..plan.segment import Segment
+from ..plan.segment import Segment, nbytes
 from ..trace.constraints import resolve_deferred
 from ..trace.implicit import is_backprop, microbatch_of
 
@@ -249,7 +249,7 @@ def _steps(plan: Plan, calls: Sequence[tuple[Any, list]]) -> list[_Step]:
             else:
                 copies.append((v, (v, home), (v, here)))
         local = any(d.process_index == jax.process_index() for d in here)
-        copy_bytes = sum(v.aval.size * v.aval.dtype.itemsize for v, _, _ in copies)
+        copy_bytes = sum(nbytes(v) for v, _, _ in copies)
         steps.append(_Step(seg, seg.label, fn, literals, inputs, copies, copy_bytes, [(v, here) for v in seg.invars],
                            [(v, here) for v in seg.outvars], free_after[seg.index], local))
     return steps
