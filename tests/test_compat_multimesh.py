@@ -210,9 +210,9 @@ def test_autoshard_off_makes_constraints_jax_own():
             jax.jit(lambda x: f(x))(jnp.ones(8))
 
 
-def test_shard_map_inside_a_sliced_scope_runs_on_the_slice():
-    from multimesh.jax import mjit, shard_map
-
+def _sliced_stages():
+    """A 2 x 4 MultiMesh whose ``stage_i`` scopes run on stage slice i, and a per-shard function recording
+    the shard shapes it sees."""
     mm = MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "data"))
     mm.register_task(r"stage_(\d)", callback=lambda name, bp: Task(
         name=name, mesh_slice={"stage": int(name.group(1))}, logical_axes=[("batch", "data")]))
@@ -221,6 +221,14 @@ def test_shard_map_inside_a_sliced_scope_runs_on_the_slice():
     def per_shard(a):
         seen.append(a.shape)
         return a * 2
+
+    return mm, seen, per_shard
+
+
+def test_shard_map_inside_a_sliced_scope_runs_on_the_slice():
+    from multimesh.jax import mjit, shard_map
+
+    mm, seen, per_shard = _sliced_stages()
 
     def f(x):
         with jax.named_scope("stage_0"):
@@ -256,14 +264,7 @@ def test_a_microbatch_body_sees_the_registered_scope_around_the_microbatch_call(
     stack; a shard_map there without a mesh still finds the registered scope around the call (its slice)."""
     from multimesh.jax import microbatch, mjit, shard_map
 
-    mm = MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "data"))
-    mm.register_task(r"stage_(\d)", callback=lambda name, bp: Task(
-        name=name, mesh_slice={"stage": int(name.group(1))}, logical_axes=[("batch", "data")]))
-    seen = []
-
-    def per_shard(a):
-        seen.append(a.shape)
-        return a * 2
+    mm, seen, per_shard = _sliced_stages()
 
     def body(x):
         return shard_map(per_shard, in_specs=P("batch"), out_specs=P("batch"))(x + 1)
