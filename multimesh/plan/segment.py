@@ -55,5 +55,5 @@ class Segment:
 
 
 def nbytes(v: Var) -> int:
-    """The size of a jaxpr value in bytes."""
-    return int(np.prod(v.aval.shape, dtype=np.int64)) * np.dtype(v.aval.dtype).itemsize
+    """The size of a jaxpr value in bytes (``dtype.itemsize``: also defined for PRNG key dtypes)."""
+    return int(np.prod(v.aval.shape, dtype=np.int64)) * v.aval.dtype.itemsize
