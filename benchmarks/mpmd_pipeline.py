@@ -6,7 +6,10 @@
    submesh the same number of times, synchronously. Where the time goes: the
    same step's programs and copies recorded once and replayed back to back
    without the runtime ("replay": what any runtime calling these programs
-   pays), and its programs alone.
+   pays), its programs alone, and the replay on one thread per submesh
+   ("threads": whether issuing the submeshes' calls concurrently would beat
+   one thread: a call of a tiny program on XLA:CPU returns about when it is
+   done, so threads are the only other way a runtime could overlap them).
 2. Pipeline vs SPMD: the same MLP stack and train step (adam), as a 2-stage
    1F1B pipeline (4 devices per stage, data parallel inside) and as one
    `jax.jit` data-parallel over all 8 devices (what a user would write
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import threading
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -78,24 +82,27 @@ def _blocks(ps, x):
     return x
 
 
-def replay_costs(step, init, get_batch, steps: int) -> tuple[float, float, int]:
-    """Seconds per execution of one step's programs and copies replayed back to back without the runtime,
-    and of its programs alone; and the number of executions. The calls are recorded from one step of the
-    same problem (parameters not donated, so the recorded arguments stay alive)."""
+def replay_costs(step, init, get_batch, steps: int) -> tuple[float, float, float, int]:
+    """Seconds per execution of one step's programs and copies replayed without the runtime: back to back
+    on one thread, back to back without the copies, and on one thread per submesh (each waiting only for
+    the calls of other submeshes it reads from); and the number of executions. The calls are recorded
+    from one step of the same problem (parameters not donated, so the recorded arguments stay alive)."""
     import multimesh.run.runtime as runtime_module
 
     fn, init_p, get_b = parallelize(step, init_params=init, get_input_batch=get_batch)
     state, b = init_p(), get_b()
-    calls, move = [], runtime_module.move
+    calls, move = [], runtime_module.move  # (callable, args, outputs, submesh it runs on)
 
     def recording_move(xs, targets):
-        calls.append((move, (list(xs), list(targets))))
-        return move(xs, targets)
+        out = move(xs, targets)
+        calls.append((move, (list(xs), list(targets)), out, targets[0].device_set))
+        return out
 
     def recorded(program):
         def call(*args):
-            calls.append((program, args))
-            return program(*args)
+            out = program(*args)
+            calls.append((program, args, out, out[0].sharding.device_set))
+            return out
         return call
 
     steps_ = fn.runtime._steps
@@ -115,15 +122,50 @@ def replay_costs(step, init, get_batch, steps: int) -> tuple[float, float, int]:
         out = None
         t0 = time.perf_counter()
         for _ in range(steps):
-            for f, args in calls:
+            for f, args, _, _ in calls:
                 if only_programs and f is move:
                     continue
                 out = f(*args)
             jax.block_until_ready(out)
         return (time.perf_counter() - t0) / steps / n
 
+    made_by = {id(x): i for i, (_, _, out, _) in enumerate(calls) for x in out}
+    waits = []  # per call: the calls on other submeshes whose outputs it reads
+    for f, args, _, where in calls:
+        read = args[0] if f is move else args
+        waits.append(sorted({made_by[id(x)] for x in read if id(x) in made_by} - {
+            i for i in range(len(calls)) if calls[i][3] == where}))
+    lanes: dict[frozenset, list[int]] = {}
+    for i, (_, _, _, where) in enumerate(calls):
+        lanes.setdefault(frozenset(where), []).append(i)
+
+    def run_concurrently() -> float:
+        done = [[threading.Event() for _ in calls] for _ in range(steps)]
+        barrier = threading.Barrier(len(lanes))
+
+        def lane(mine: list[int]) -> None:
+            for k in range(steps):
+                out = None
+                for i in mine:
+                    for j in waits[i]:
+                        done[k][j].wait()
+                    f, args, _, _ = calls[i]
+                    out = f(*args)
+                    done[k][i].set()
+                jax.block_until_ready(out)
+                barrier.wait()  # steps do not overlap, as in the runtime
+
+        threads = [threading.Thread(target=lane, args=(mine,)) for mine in lanes.values()]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return (time.perf_counter() - t0) / steps / n
+
     run(False)
-    return run(False), run(True), n
+    run_concurrently()
+    return run(False), run(True), run_concurrently(), n
 
 
 def timed(fn, state, batch, steps: int):
@@ -168,14 +210,15 @@ def main() -> None:
     state, b = init_p(), get_b()
     tiny = jax.jit(lambda x: x + 1.0)  # the floor: one tiny program on a 4-device submesh, like a stage's
     x = jax.device_put(jnp.zeros((8,)), NamedSharding(build_mesh({"data": 4}, jax.devices()[:4]), P("data")))
-    per_exec, per_raw, per_replay, per_program = [], [], [], []
+    per_exec, per_raw, per_replay, per_program, per_concurrent = [], [], [], [], []
     for _ in range(args.rounds):
         t, state = timed(fn, state, b, args.steps)
         n = fn.stats.executions
         per_exec.append(t / n)
-        replay, programs, _ = replay_costs(step, init, get_batch, args.steps)
+        replay, programs, concurrent, _ = replay_costs(step, init, get_batch, args.steps)
         per_replay.append(replay)
         per_program.append(programs)
+        per_concurrent.append(concurrent)
         jax.block_until_ready(tiny(x))
         t0 = time.perf_counter()
         for _ in range(n * args.steps):
@@ -188,6 +231,8 @@ def main() -> None:
     print(f"   replay  : {min(per_replay) * 1e6:8.1f} us {min(per_replay) / raw:6.2f}  (the same programs and copies, "
           f"back to back, no runtime)")
     print(f"   programs: {min(per_program) * 1e6:8.1f} us {min(per_program) / raw:6.2f}  (the programs alone)")
+    print(f"   threads : {min(per_concurrent) * 1e6:8.1f} us {min(per_concurrent) / raw:6.2f}  (the replay on one "
+          f"thread per submesh)")
     print(f"   raw jit : {raw * 1e6:8.1f} us {1:6.2f}  (a tiny jitted x + 1 on 4 devices, synchronously)")
     print(f"   runtime / replay: {min(per_exec) / min(per_replay):.2f}")
 
