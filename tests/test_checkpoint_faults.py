@@ -292,10 +292,14 @@ _FAILED_SAVE_CHILD = textwrap.dedent("""
     import jax.numpy as jnp
     from multimesh.checkpoint import CheckpointManager
     path = {path!r}
-    if {how!r} == "file":
+    if {how!r} == "file":  # the directory replaced by a file after the manager was made
+        os.makedirs(path)
+        mgr = CheckpointManager(path)
+        os.rmdir(path)
         open(path, "w").write("not a directory")
     else:  # a read-only directory (we may run as root, whom chmod does not stop)
         os.makedirs(path)
+        mgr = None
         real = os.makedirs
         def makedirs(name, *args, **kwargs):
             if os.fspath(name).startswith(path + os.sep):
@@ -303,7 +307,7 @@ _FAILED_SAVE_CHILD = textwrap.dedent("""
             return real(name, *args, **kwargs)
         os.makedirs = makedirs
     try:
-        with CheckpointManager(path) as mgr:  # asynchronous save
+        with mgr or CheckpointManager(path) as mgr:  # asynchronous save
             mgr.save(1, {{"x": jnp.ones(16)}})
     except Exception as e:
         print("ERROR-AT", time.time(), flush=True)
@@ -329,6 +333,16 @@ def test_failed_async_save_exits_promptly_with_the_error(tmp_path, how, reason):
     assert exited - error_at < 10, f"exited {exited - error_at:.0f} s after the error"
     left = glob.glob(os.path.join(str(tmp_path), "**", "*orbax-checkpoint-tmp*"), recursive=True)
     assert not left, left
+
+
+def test_a_file_as_the_checkpoint_directory_is_refused_at_once(tmp_path):
+    path = tmp_path / "ckpt"
+    path.write_text("not a directory")
+    for read_only in (False, True):
+        with pytest.raises(NotADirectoryError, match=rf"checkpoint directory {re.escape(str(path))} is a file, "
+                                                     r"not a directory: give the path of a directory"):
+            CheckpointManager(path, read_only=read_only)
+    assert path.read_text() == "not a directory"  # left as it was
 
 
 _CORRUPT_READ_CHILD = textwrap.dedent("""

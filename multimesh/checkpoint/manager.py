@@ -136,6 +136,10 @@ class CheckpointManager:
             either kind restore either way.
         read_only: never create, write or delete anything (for inspection).
 
+    Raises:
+        NotADirectoryError: ``directory`` is an existing file.
+        ValueError: ``max_to_keep`` is not a positive int or ``None``.
+
     Use as a context manager, or call ``close()``, so that a background save
     is finished before the program exits.
     """
@@ -155,6 +159,10 @@ class CheckpointManager:
         directory = os.fspath(directory)
         if "://" not in directory:
             directory = os.path.abspath(os.path.expanduser(directory))
+            if os.path.exists(directory) and not os.path.isdir(directory):
+                raise NotADirectoryError(
+                    f"checkpoint directory {directory} is a file, not a directory: give the path of a "
+                    f"directory (it is created if missing)")
         self._directory = directory
         self._max_to_keep = max_to_keep
         self._async = bool(async_save)
