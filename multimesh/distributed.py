@@ -78,7 +78,7 @@ def _exit_on_uncaught(kind: type, error: BaseException, tb: object) -> None:
     if isinstance(error, jax.errors.JaxRuntimeError):  # a failed exchange: name the process this one lost
         lost = lost_process_error(error, "this process's work")
         if isinstance(lost, ProcessLostError):
-            print(f"multimesh: {lost}", file=sys.stderr)
+            print(f"multimesh: {type(lost).__name__}: {lost}", file=sys.stderr)
     print(f"multimesh: process {jax.process_index()} of {jax.process_count()} stops on this error; "
           f"the other processes stop when they miss its heartbeat", file=sys.stderr)
     sys.stdout.flush()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -194,8 +195,11 @@ def _kill_mid_run(victim: int) -> tuple[subprocess.Popen, str, float]:
 
 def test_a_killed_process_stops_the_other_with_an_error_naming_it():
     survivor, err, seconds = _kill_mid_run(victim=1)
-    assert survivor.returncode == 1 and seconds < 40, (survivor.returncode, seconds, err[-3000:])
-    assert "ProcessLostError" in err and "process(es) [1] stopped" in err, err[-3000:]
+    assert survivor.returncode != 0 and seconds < 40, (survivor.returncode, seconds, err[-3000:])
+    # ours (the step, or the excepthook for an error outside it, asked the coordinator), or JAX's own
+    # abort when its coordination service, which decides at the same heartbeat timeout, acted first
+    ours = "ProcessLostError" in err and "process(es) [1] stopped" in err and survivor.returncode == 1
+    assert ours or re.search(r"stopped sending heartbeats\):\s*1\b|[Tt]ask:? ?1 heartbeat", err), err[-3000:]
 
 
 @pytest.mark.slow
