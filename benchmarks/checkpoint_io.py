@@ -25,9 +25,9 @@ Each library first saves each state once, untimed (a process's first save
 is slow: it pays for page cache and Orbax's caches). Rounds rotate the order
 of the libraries and of the restore targets, and ``sync`` settles the disk
 before each operation; the tables show the best round, a last block the
-medians. Every restore (and the dd
-read) starts cold: the files' pages are dropped from the page cache first
-(``posix_fadvise(DONTNEED)``, per file, no root needed). The large state is
+medians. Every restore (and the dd read) starts cold: the files' pages are
+dropped from the page cache first (``posix_fadvise(DONTNEED)``, per file, no
+root needed). The large state is
 also restored onto an 8x1 mesh and onto 4 devices (another layout), the many
 leaves onto 8x1.
 

@@ -131,12 +131,10 @@ def replay_costs(step, init, get_batch, steps: int) -> tuple[float, float, float
 
     made_by = {id(x): i for i, (_, _, out, _) in enumerate(calls) for x in out}
     waits = []  # per call: the calls on other submeshes whose outputs it reads
-    for f, args, _, where in calls:
-        read = args[0] if f is move else args
-        waits.append(sorted({made_by[id(x)] for x in read if id(x) in made_by} - {
-            i for i in range(len(calls)) if calls[i][3] == where}))
-    lanes: dict[frozenset, list[int]] = {}
-    for i, (_, _, _, where) in enumerate(calls):
+    lanes: dict[frozenset, list[int]] = {}  # per submesh: its calls, in order
+    for i, (f, args, _, where) in enumerate(calls):
+        makers = {made_by.get(id(x)) for x in (args[0] if f is move else args)} - {None}
+        waits.append(sorted(j for j in makers if calls[j][3] != where))
         lanes.setdefault(frozenset(where), []).append(i)
 
     def run_concurrently() -> float:
