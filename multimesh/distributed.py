@@ -92,7 +92,15 @@ def is_initialized() -> bool:
 
 
 def _free_address(coordinator_host: str, coordinator_port: int) -> str:
-    """``"IP:PORT"``: this host's address on the route to the coordinator, and a port free now."""
+    """``"IP:PORT"``: this host's address on the route to the coordinator, and a port reserved for JAX.
+
+    A port merely free now could be taken, before JAX's transfer server binds it, by another process's
+    automatic bind: JAX's transfer sockets (its server and its bulk listeners) allow sharing a port
+    (``SO_REUSEPORT``), so both binds would succeed and the kernel would hand some connections to the
+    wrong process, which closes them ("SocketServer: Connection closed"). So the port stays bound here,
+    with ``SO_REUSEPORT``, for the life of the process: JAX's server may still bind it beside this socket,
+    which never listens, while no automatic bind elsewhere can pick it.
+    """
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         probe.connect((coordinator_host, coordinator_port))  # UDP: picks the route, sends nothing
@@ -101,6 +109,12 @@ def _free_address(coordinator_host: str, coordinator_port: int) -> str:
         ip = "127.0.0.1"
     finally:
         probe.close()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((ip, 0))
-        return f"{ip}:{s.getsockname()[1]}"
+    reserved = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if hasattr(socket, "SO_REUSEPORT"):
+        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    reserved.bind((ip, 0))
+    _RESERVED.append(reserved)
+    return f"{ip}:{reserved.getsockname()[1]}"
+
+
+_RESERVED: list[socket.socket] = []  # the transfer ports this process holds (see `_free_address`)

@@ -45,11 +45,10 @@ def run_processes(scenario: str, n: int, per: int, *, schedule: str = "1f1b", sa
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    reports = []
-    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"process {i} failed ({p.returncode}):\n{err[-4000:]}"
-        reports.append(json.loads(out.strip().splitlines()[-1]))
-    return reports
+    failed = [f"process {i} failed ({p.returncode}); last output: {out.strip().splitlines()[-1:]}\n{err[-3000:]}"
+              for i, (p, (out, err)) in enumerate(zip(procs, outs)) if p.returncode != 0]
+    assert not failed, "\n".join(failed)  # every failed process: the first to fail may not be process 0
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
 
 
 def check(reports: list[dict], n_stages: int) -> None:
@@ -207,3 +206,30 @@ def test_killing_the_coordinator_stops_the_other():
     survivor, err, seconds = _kill_mid_run(victim=0)
     assert survivor.returncode != 0 and seconds < 40, (survivor.returncode, seconds, err[-3000:])
     assert "leader task" in err or "process(es) [0]" in err or "coordinator (process 0)" in err, err[-3000:]
+
+
+def test_the_transfer_port_stays_reserved_for_jax():
+    """`initialize` picks this process's transfer port and keeps it bound (``SO_REUSEPORT``, never
+    listening) until the process ends: JAX's transfer server can still listen on it, while no other bind
+    can take it between the pick and JAX's start (which let two processes share a port and mix up
+    their connections)."""
+    import errno
+    import socket
+
+    from multimesh import distributed
+
+    address = distributed._free_address("127.0.0.1", 9)
+    ip, port = address.rsplit(":", 1)
+    try:
+        with socket.socket() as plain, pytest.raises(OSError) as taken:
+            plain.bind((ip, int(port)))
+        assert taken.value.errno == errno.EADDRINUSE
+        with socket.socket() as server:  # what JAX's transfer server does
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            server.bind((ip, int(port)))
+            server.listen()
+            with socket.create_connection((ip, int(port)), timeout=5):
+                conn, _ = server.accept()  # the connection reaches the listener, not the reservation
+                conn.close()
+    finally:
+        distributed._RESERVED.pop().close()
