@@ -18,7 +18,8 @@ multimesh's runtime needs:
 Plain `jax.distributed.initialize` works too when these flags are set before
 it: ``jax.config.update("jax_cpu_collectives_implementation", "gloo")`` and
 ``jax.config.update("jax_cross_host_transfer_socket_address", "HOST:PORT")``
-with a port free on each process's host.
+with a port free on each process's host, and kept from other processes until
+JAX binds it (a fixed port, or one held as `initialize` holds it).
 """
 
 from __future__ import annotations

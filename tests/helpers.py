@@ -362,9 +362,18 @@ def check_placement(
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (for a coordinator of processes a test starts)."""
+    """A TCP port for a coordinator of processes a test starts, held by this process until it ends.
+
+    Held with ``SO_REUSEPORT`` and never listening: the coordinator (gRPC, which shares ports too) can
+    still bind it, while no automatic bind of another process (JAX's transfer sockets) can take it
+    first, as a port merely free now could be (see `multimesh.distributed`)."""
     import socket
 
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind((host, 0))
+    _HELD_PORTS.append(s)
+    return s.getsockname()[1]
+
+
+_HELD_PORTS: list = []
