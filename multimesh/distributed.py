@@ -95,11 +95,12 @@ def is_initialized() -> bool:
 def _free_address(coordinator_host: str, coordinator_port: int) -> str:
     """``"IP:PORT"``: this host's address on the route to the coordinator, and a port reserved for JAX.
 
-    A port merely free now could be taken, before JAX's transfer server binds it, by another process's
-    automatic bind: JAX's transfer sockets (its server and its bulk listeners) allow sharing a port
-    (``SO_REUSEPORT``), so both binds would succeed and the kernel would hand some connections to the
-    wrong process, which closes them ("SocketServer: Connection closed"). So the port stays bound here,
-    with ``SO_REUSEPORT``, for the life of the process: JAX's server may still bind it beside this socket,
+    JAX binds its transfer server lazily, at the first cross-host transfer (after the first step is
+    traced and compiled), so a port merely free now could meanwhile be taken by another process's
+    automatic bind (a transfer listener, gloo): JAX's bind then fails ("Address already in use"), or,
+    where the other socket is a transfer server too (they bind with ``SO_REUSEPORT``), both listen and
+    the kernel hands connections to either process. So the port stays bound here, with
+    ``SO_REUSEPORT``, for the life of the process: JAX's server may still bind it beside this socket,
     which never listens, while no automatic bind elsewhere can pick it.
     """
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)

@@ -210,9 +210,8 @@ def test_killing_the_coordinator_stops_the_other():
 
 def test_the_transfer_port_stays_reserved_for_jax():
     """`initialize` picks this process's transfer port and keeps it bound (``SO_REUSEPORT``, never
-    listening) until the process ends: JAX's transfer server can still listen on it, while no other bind
-    can take it between the pick and JAX's start (which let two processes share a port and mix up
-    their connections)."""
+    listening) until the process ends: JAX's transfer server, which binds it only at the first transfer,
+    can still listen on it, while no other bind can take it in between."""
     import errno
     import socket
 
