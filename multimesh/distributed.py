@@ -19,7 +19,7 @@ Plain `jax.distributed.initialize` works too when these flags are set before
 it: ``jax.config.update("jax_cpu_collectives_implementation", "gloo")`` and
 ``jax.config.update("jax_cross_host_transfer_socket_address", "HOST:PORT")``
 with a port free on each process's host, and kept from other processes until
-JAX binds it (a fixed port, or one held as `initialize` holds it).
+JAX binds it (a fixed port, or `reserve_port()`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import jax
 
 from .core.processes import ProcessLostError, heartbeat_timeout, lost_process_error
 
-__all__ = ["ProcessLostError", "initialize", "is_initialized"]
+__all__ = ["ProcessLostError", "initialize", "is_initialized", "reserve_port"]
 
 _started = False
 
@@ -111,12 +111,19 @@ def _free_address(coordinator_host: str, coordinator_port: int) -> str:
         ip = "127.0.0.1"
     finally:
         probe.close()
+    return f"{ip}:{reserve_port(ip)}"
+
+
+def reserve_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host``, bound by this process until it ends, with ``SO_REUSEPORT`` and never
+    listening: a server that binds with ``SO_REUSEPORT`` (JAX's transfer server, gRPC's coordinator) can
+    still listen on it later, while no other process's automatic bind can take it meanwhile."""
     reserved = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     if hasattr(socket, "SO_REUSEPORT"):
         reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    reserved.bind((ip, 0))
+    reserved.bind((host, 0))
     _RESERVED.append(reserved)
-    return f"{ip}:{reserved.getsockname()[1]}"
+    return reserved.getsockname()[1]
 
 
-_RESERVED: list[socket.socket] = []  # the transfer ports this process holds (see `_free_address`)
+_RESERVED: list[socket.socket] = []  # the ports this process holds (see `reserve_port`)

@@ -362,18 +362,9 @@ def check_placement(
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port for a coordinator of processes a test starts, held by this process until it ends.
+    """A TCP port for a coordinator of processes a test starts, held by this process until it ends
+    (`multimesh.distributed.reserve_port`: gRPC's coordinator can still bind it, while no automatic bind
+    of another process, such as JAX's transfer sockets, can take it first)."""
+    from multimesh.distributed import reserve_port
 
-    Held with ``SO_REUSEPORT`` and never listening: the coordinator (gRPC, which shares ports too) can
-    still bind it, while no automatic bind of another process (JAX's transfer sockets) can take it
-    first, as a port merely free now could be (see `multimesh.distributed`)."""
-    import socket
-
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    s.bind((host, 0))
-    _HELD_PORTS.append(s)
-    return s.getsockname()[1]
-
-
-_HELD_PORTS: list = []
+    return reserve_port(host)

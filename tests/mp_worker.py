@@ -37,12 +37,7 @@ from multimesh.jax import (
 )
 
 if os.environ.get("MP_PLAIN_JAX_INIT"):  # the documented alternative: JAX's own start, two flags set first
-    import socket
-
-    held = socket.socket()  # kept bound until the process ends, as multimesh.distributed does (why: there)
-    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    held.bind(("127.0.0.1", 0))
-    transfer_port = held.getsockname()[1]
+    transfer_port = multimesh.distributed.reserve_port()  # held until JAX binds it (why: there)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_cross_host_transfer_socket_address", f"127.0.0.1:{transfer_port}")
     jax.distributed.initialize(f"127.0.0.1:{PORT}", num_processes=NPROC, process_id=PID)
