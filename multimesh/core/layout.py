@@ -3,8 +3,11 @@
 Per leaf, the first source that has something to say wins:
 1. Flax metadata on the leaf (Linen boxes, NNX variables);
 2. a per-path rule (`PathRules`);
-3. a `with_sharding_constraint` that the traced function applies to the leaf;
-4. the ``default`` logical spec (batches: leading dimension ``"batch"``);
+3. the leaf's own sharding, when the code that made it gave it one on a
+   mesh with Explicit axes (``jax.random.normal(..., out_sharding=P(...))``):
+   its type says where it lives;
+4. a `with_sharding_constraint` that the traced function applies to the leaf;
+5. the ``default`` logical spec (batches: leading dimension ``"batch"``);
 otherwise the leaf is replicated.
 """
 
@@ -95,8 +98,11 @@ def derive_layout(
         label = f"{what} {path!r}" if path else what
         if ann is None or ann.spec is None:
             matched = path_rules.match(path)
+            own = _own_spec(leaf)
             if matched is not None:
                 ann = Annotation(matched, "path rule", physical=isinstance(matched, PartitionSpec))
+            elif own is not None:
+                ann = Annotation(own, "its own sharding", physical=True)
             elif index in constraints:
                 spec = constraints[index]
                 ann = Annotation(spec, "constraint in fun", physical=isinstance(spec, PartitionSpec))
@@ -122,6 +128,16 @@ def derive_layout(
 
     shardings = map_with_annotations(place, abstract)
     return Layout(shardings, tuple(records))
+
+
+def _own_spec(leaf: Any) -> PartitionSpec | None:
+    """The spec an abstract leaf's type carries, when it names a mesh axis (explicit sharding), else None."""
+    sharding = getattr(leaf, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if not isinstance(spec, PartitionSpec) or not any(e is not None and e is not PartitionSpec.UNCONSTRAINED
+                                                      for e in spec):
+        return None
+    return spec
 
 
 def _check_exact(logical: tuple, dropped: Dropped, shape: tuple, placement: Placement, label: str) -> None:

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["build_mesh", "mesh_devices", "place_mesh", "slice_mesh"]
+__all__ = ["build_mesh", "constrain", "explicit_axes", "mesh_context", "no_mesh_context", "mesh_devices", "place_mesh", "slice_mesh"]
 
 MeshLike = Mesh | Mapping[str, int] | None
 
@@ -44,8 +45,9 @@ def _device_array(devices: Any | None) -> np.ndarray:
 def build_mesh(mesh: MeshLike = None, devices: Any | None = None, *, default_axis: str = "data") -> Mesh:
     """A `Mesh` from a mesh, an ``{axis: size}`` shape, or nothing (1-D over the devices).
 
-    Meshes are built with Auto axes (what Flax Linen's logical rules need).
-    A ``-1`` size takes the remaining devices.
+    A shape is built with the axis types of the mesh in context
+    (``jax.set_mesh``) for the axes it shares with it, else Auto (what Flax
+    Linen's logical rules need). A ``-1`` size takes the remaining devices.
     """
     if isinstance(mesh, Mesh):
         if devices is not None:
@@ -82,7 +84,14 @@ def build_mesh(mesh: MeshLike = None, devices: Any | None = None, *, default_axi
             f"{devs.size} devices do not fit mesh shape {dict(zip(names, sizes))}, which needs "
             f"{math.prod(sizes)}; change the shape or pass devices=jax.devices()[:{math.prod(sizes)}]"
         )
-    return Mesh(devs.reshape(-1).reshape(sizes), names)
+    return Mesh(devs.reshape(-1).reshape(sizes), names, axis_types=_context_axis_types(names))
+
+
+def _context_axis_types(names: Sequence[str]) -> tuple:
+    """The axis types that the mesh in context (``jax.set_mesh``) gives ``names``; Auto for the others."""
+    context = jax.sharding.get_abstract_mesh()
+    types = dict(zip(context.axis_names, context.axis_types)) if not context.empty else {}
+    return tuple(types.get(n, AxisType.Auto) for n in names)
 
 
 def mesh_devices(mesh: Mesh) -> frozenset:
@@ -111,3 +120,87 @@ def place_mesh(shape: Mapping[str, int] | Sequence[int], devices: Sequence, axis
         if axis_names is None or len(axis_names) != len(sizes):
             raise ValueError(f"give one axis name per dimension of {sizes}, got {axis_names}")
     return build_mesh(dict(zip(axis_names, sizes)), devices)
+
+
+@contextlib.contextmanager
+def mesh_context(mesh: Mesh | None) -> Iterator[None]:
+    """JAX's mesh in context (``jax.set_mesh``) as code running on ``mesh`` needs it; None: no change.
+
+    A mesh with Explicit axes is put in context: code in JAX's explicit-sharding
+    style (``out_sharding=P(...)``, ``jax.sharding.reshard``) resolves its
+    specs there. A mesh of Auto axes only is not (Flax would then apply its
+    boxes' names as constraints itself, while multimesh resolves them by the
+    rules of wherever they run), but a different mesh the caller put in
+    context is taken out of it: computations on other devices than the
+    context's are refused by `jax.jit`. Inside a trace JAX allows only its
+    abstract mesh to be set, which is what tracing reads.
+    """
+    if mesh is None:
+        yield
+        return
+    context = jax.sharding.get_abstract_mesh()
+    if explicit_axes(mesh):
+        target = mesh
+    elif context.empty or context == mesh.abstract_mesh:
+        yield
+        return
+    else:
+        target = None
+    try:
+        setter = jax.set_mesh(target)
+    except ValueError:  # "`set_mesh` can only be used outside of `jax.jit`"
+        # A task's submesh inside the step's trace: JAX lets a trace change its mesh's size only by way of
+        # no mesh (a task is a separate program on other devices; its body's values are its own).
+        with jax.sharding.use_abstract_mesh(_NO_MESH):
+            if target is None:
+                yield
+            else:
+                with jax.sharding.use_abstract_mesh(target.abstract_mesh):
+                    yield
+        return
+    with setter:
+        yield
+
+
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
+def explicit_axes(mesh: Any) -> frozenset[str]:
+    """The axes of ``mesh`` (concrete or abstract) whose type is Explicit."""
+    types = getattr(mesh, "axis_types", None) or ()
+    return frozenset(n for n, t in zip(mesh.axis_names, types) if t == AxisType.Explicit)
+
+
+def _keep_axes(spec: PartitionSpec, keep: frozenset[str]) -> PartitionSpec:
+    out = []
+    for entry in spec:
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            out.append(entry)
+            continue
+        axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a in keep)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*out)
+
+
+def constrain(x: Any, sharding: NamedSharding) -> Any:
+    """Put traced ``x`` in ``sharding``: `jax.lax.with_sharding_constraint` on Auto axes, and on Explicit
+    axes (which JAX's constraint refuses) `jax.sharding.reshard`, which changes the array's type."""
+    explicit = explicit_axes(sharding.mesh)
+    if not explicit:
+        return jax.lax.with_sharding_constraint(x, sharding)
+    x = jax.sharding.reshard(x, NamedSharding(sharding.mesh, _keep_axes(sharding.spec, explicit)))
+    auto = frozenset(sharding.mesh.axis_names) - explicit
+    if auto:
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(sharding.mesh, _keep_axes(sharding.spec, auto)))
+    return x
+
+
+@contextlib.contextmanager
+def no_mesh_context() -> Iterator[None]:
+    """No mesh in JAX's context (outside a trace): the MPMD runtime's programs each run on their own submesh,
+    which a mesh the caller put in context over other devices would make `jax.jit` refuse."""
+    if jax.sharding.get_abstract_mesh().empty:
+        yield
+        return
+    with jax.set_mesh(None):
+        yield

@@ -14,6 +14,8 @@ from typing import Any
 
 import jax
 
+from .meshes import constrain
+
 __all__ = ["MirrorIndex"]
 
 _AMBIGUOUS = object()
@@ -64,7 +66,7 @@ class MirrorIndex:
             return out
         match = self.lookup(out)
         if match is not None:
-            return jax.lax.with_sharding_constraint(out, match)
+            return jax.tree.map(constrain, out, match)
         if _is_leaf(out):
             return out
         kids, treedef = _children(out)

@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .fmt import device_span
+from .meshes import mesh_context
 from .rules import LogicalSpec, RuleError, Rules, check_physical
 
 __all__ = ["Placement", "current_placement", "use_placement"]
@@ -117,10 +118,11 @@ def current_placement() -> Placement | None:
 
 @contextlib.contextmanager
 def use_placement(placement: Placement | None) -> Iterator[Placement | None]:
-    """``placement`` in force while tracing, and Flax NNX's eager sharding off: shardings are ours to apply."""
+    """``placement`` in force while tracing, its mesh JAX's mesh in context (explicit-sharding code resolves
+    its specs there), and Flax NNX's eager sharding off: shardings are ours to apply."""
     token = _PLACEMENT.set(placement)
     try:
-        with nnx.use_eager_sharding(False):
+        with nnx.use_eager_sharding(False), mesh_context(placement.mesh if placement is not None else None):
             yield placement
     finally:
         _PLACEMENT.reset(token)

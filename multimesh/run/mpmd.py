@@ -9,6 +9,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from ..core.layout import Layout
+from ..core.meshes import no_mesh_context
 from ..core.processes import lost_process_error
 from ..core.transfer import everywhere, move
 from ..plan.partition import Plan
@@ -58,7 +59,8 @@ class MPMDFunction(Parallelized):
             check_shapes(self._abstract_params, params, "params", self.fun)
             check_shapes(self._abstract_batch, placed, "batch", self.fun)
         try:
-            outs = self.runtime(flat)
+            with no_mesh_context():
+                outs = self.runtime(flat)
             outs = [self._deliver(x, t) for x, t in zip(outs, self._out_targets)]
         except (ValueError, TypeError, RuntimeError) as e:
             if isinstance(e, StepInputError):

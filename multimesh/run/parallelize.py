@@ -25,6 +25,7 @@ from ..trace.implicit import names_in, registered_tasks
 from ..trace.microbatch import collect_pipelines
 from ..trace.taskspec import current_global_mesh
 from .checks import check_arrays, check_outputs, checked, fun_name
+from .initializers import with_initializers
 from .mpmd import MPMDFunction
 from .spmd import ShardedFunction
 
@@ -152,7 +153,7 @@ def parallelize(
     if plan is not None and plan.placements != [placement]:  # tasks: the runtime runs the plan's segments
         sharded = MPMDFunction(fun, plan, params, batch, abstract_params, abstract_batch,
                                jax.tree.structure(out_shape), out_shape, donate)
-        return _with_initializers(sharded, init_params, get_input_batch, None)
+        return with_initializers(sharded, init_params, get_input_batch, None)
     if rules is None and params.leaves and all(leaf.spec == jax.sharding.PartitionSpec() or not any(leaf.spec)
                                                for leaf in params.leaves):
         warnings.warn(
@@ -162,7 +163,7 @@ def parallelize(
         )
 
     sharded = ShardedFunction(fun, placement, params, batch, abstract_params, abstract_batch, donate, plan)
-    return _with_initializers(sharded, init_params, get_input_batch, placement)
+    return with_initializers(sharded, init_params, get_input_batch, placement)
 
 
 def _batch_only(fun: Callable) -> Callable:
@@ -228,50 +229,6 @@ def _input_layouts(plan: Plan | None, placement: Placement, abstract_params: Any
     batch = derive_layout(abstract_batch, placement_of(n_params), default=batch_spec, exact=True, what="batch",
                           constraints={i - n_params: s for i, s in found.items() if i >= n_params})
     return params, batch
-
-
-def _with_initializers(sharded, init_params: Callable, get_input_batch: Callable | None, placement: Placement | None) -> tuple:
-    """``(sharded, init, get_batch)``: each initializer creates its arrays directly in their shardings.
-
-    Under MPMD the shardings span several submeshes; one `jax.jit` cannot, so
-    the abstract output is computed per submesh group and placed there.
-    """
-    init = _sharded_maker(init_params, sharded.param_shardings, placement)
-    if get_input_batch is None:
-        return sharded, init
-    return sharded, init, _sharded_maker(get_input_batch, sharded.batch_shardings, placement)
-
-
-def _sharded_maker(make: Callable, shardings: Any, placement: Placement | None) -> Callable:
-    def in_scope():
-        with use_placement(placement):
-            return make()
-
-    flat, treedef = jax.tree.flatten(shardings)
-    groups: dict[frozenset, list[int]] = {}
-    for i, s in enumerate(flat):
-        groups.setdefault(frozenset(s.device_set), []).append(i)
-    if len(groups) == 1:
-        return jax.jit(in_scope, out_shardings=shardings)
-
-    # One program per device group, each computing (and keeping) only its leaves.
-    def part(idx: list[int]) -> Callable:
-        def leaves():
-            flat_out = jax.tree.leaves(in_scope())  # trace once per submesh, not once per leaf
-            return [flat_out[i] for i in idx]
-
-        return jax.jit(leaves, out_shardings=[flat[i] for i in idx])
-
-    parts = [(idx, part(idx)) for idx in groups.values()]
-
-    def init():
-        out = [None] * len(flat)
-        for idx, fn in parts:
-            for i, x in zip(idx, fn()):
-                out[i] = x
-        return jax.tree.unflatten(treedef, out)
-
-    return init
 
 
 def _trace(fun: Callable, params: Any, batch: Any):

@@ -8,11 +8,12 @@ from typing import Any
 import jax
 
 from ..core.layout import Layout
+from ..core.meshes import mesh_context
 from ..core.mirror import MirrorIndex
 from ..core.placement import Placement, use_placement
 from ..core.report import ShardingReport
 from ..core.rules import Rules
-from ..core.treecheck import check_same_structure
+from ..core.treecheck import check_same_structure, static_difference
 from ..plan.partition import Plan
 from .checks import (
     StepInputError,
@@ -52,13 +53,34 @@ class Parallelized:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             self._abstract_params, self.param_shardings)
 
-    def _check_inputs(self, params: Any, batch: Any) -> Any:
-        """Raise on a tree that differs from the one built for; return the placed batch."""
-        if jax.tree.structure(params) != self._param_treedef:
-            check_same_structure(self._abstract_params, params, "params")
-        if jax.tree.structure(batch) != self._batch_treedef:
-            check_same_structure(self._abstract_batch, batch, "batch")
-        return place_batch(batch, self.batch_shardings, self._abstract_batch, self.fun)
+    def _check_inputs(self, params: Any, batch: Any, treedefs: tuple[Any, Any] | None = None) -> Any:
+        """Raise on a tree that differs from the one built for; return the placed batch.
+
+        Trees whose only difference is static data (a `TrainState` made again
+        with a new optimizer object) go to `_new_static`. ``treedefs``: the
+        structures of ``params`` and ``batch``, when the caller has them.
+        """
+        p_def, b_def = treedefs or (jax.tree.structure(params), jax.tree.structure(batch))
+        for tree, built, given, expected, what in (
+                (params, self._abstract_params, p_def, self._param_treedef, "params"),
+                (batch, self._abstract_batch, b_def, self._batch_treedef, "batch")):
+            if given != expected:
+                where = static_difference(built, tree, what)
+                if where is None:
+                    check_same_structure(built, tree, what)
+                self._new_static(where)
+        shardings = self.batch_shardings
+        if b_def != self._batch_treedef:
+            shardings = jax.tree.unflatten(b_def, jax.tree.leaves(shardings))
+        return place_batch(batch, shardings, self._abstract_batch, self.fun)
+
+    def _new_static(self, where: str) -> None:
+        """Inputs with other static data than the step was traced with: a step that cannot trace again refuses."""
+        name = getattr(self.fun, "__name__", "fun")
+        raise StepInputError(
+            f"step {name!r}: {where}. Its plan was traced with the old object, and a pipelined "
+            f"step is not traced again: pass the state that the sharded initializer (or the step) returned, "
+            f"which carries the step's own objects, or call parallelize again for the new ones")
 
     def _call_error(self, e: Exception, params: Any, batch: Any, param_shardings: Any | None,
                     donate: bool) -> Exception | None:
@@ -90,18 +112,26 @@ class ShardedFunction(Parallelized):
         self.placement = placement
         self.plan = plan
 
+        self._donate = donate
+        self._jitted: dict[tuple, Any] = {}
+
+    def _step_for(self, param_treedef: Any) -> Callable:
+        """``fun`` as jit traces it, for parameters of this tree structure (new static data: traced again)."""
+        fun, placement = self.fun, self.placement
+        built = jax.tree.unflatten(param_treedef, jax.tree.leaves(self._abstract_params))
+        mirror = self._mirror if param_treedef == self._param_treedef else \
+            MirrorIndex(built, jax.tree.unflatten(param_treedef, jax.tree.leaves(self.param_shardings)))
+
         def step(p, b, *args):  # runs when jit traces: a new signature
-            check_shapes(abstract_params, p, "params", fun)
+            check_shapes(built, p, "params", fun)
             with use_placement(placement):
                 out = fun(p, b, *args)
             check_outputs(out, fun)
-            return self._mirror.constrain(out)
+            return mirror.constrain(out)
 
         step.__name__ = getattr(fun, "__name__", "step")
         step.__wrapped__ = fun  # JAX's messages name the user's function
-        self._donate = donate
-        self._jitted: dict[int, Any] = {}
-        self._step = step
+        return step
 
     @property
     def mesh(self):
@@ -111,19 +141,25 @@ class ShardedFunction(Parallelized):
     def rules(self) -> Rules:
         return self.placement.rules
 
-    def _jit(self, n_extra: int):
-        if n_extra not in self._jitted:
-            self._jitted[n_extra] = jax.jit(
-                self._step,
-                in_shardings=(self.param_shardings, self.batch_shardings) + (None,) * n_extra,
-                donate_argnums=(0,) if self._donate else (),
-            )
-        return self._jitted[n_extra]
+    def _jit(self, n_extra: int, p_def: Any, b_def: Any):
+        """The jitted step for ``n_extra`` more arguments and parameters and batch of these tree structures."""
+        key = (n_extra, p_def, b_def)
+        if key not in self._jitted:
+            shardings = (jax.tree.unflatten(p_def, jax.tree.leaves(self.param_shardings)),
+                         jax.tree.unflatten(b_def, jax.tree.leaves(self.batch_shardings)))
+            self._jitted[key] = jax.jit(self._step_for(p_def), in_shardings=shardings + (None,) * n_extra,
+                                        donate_argnums=(0,) if self._donate else ())
+        return self._jitted[key]
+
+    def _new_static(self, where: str) -> None:
+        """Like `jax.jit`, a step called with new static data (an optimizer made again) is traced again."""
 
     def __call__(self, params: Any, batch: Any, *args: Any) -> Any:
-        placed = self._check_inputs(params, batch)
+        treedefs = (jax.tree.structure(params), jax.tree.structure(batch))
+        placed = self._check_inputs(params, batch, treedefs)
         try:
-            return self._jit(len(args))(params, placed, *args)
+            with mesh_context(self.placement.mesh):  # its axis types, not a mesh the caller may have set
+                return self._jit(len(args), *treedefs)(params, placed, *args)
         except (ValueError, TypeError, RuntimeError) as e:
             if isinstance(e, StepInputError):
                 raise
@@ -133,7 +169,7 @@ class ShardedFunction(Parallelized):
             raise clear from e
 
     def lower(self, params: Any, batch: Any, *args: Any):
-        return self._jit(len(args)).lower(params, batch, *args)
+        return self._jit(len(args), jax.tree.structure(params), jax.tree.structure(batch)).lower(params, batch, *args)
 
     def __repr__(self) -> str:
         name = getattr(self.fun, "__name__", "fun")

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ..core.meshes import constrain
 from ..core.placement import Placement, current_placement
 from ..core.rules import _as_axes
 from .deferred import logical_constraint_p
@@ -81,12 +82,14 @@ def with_sharding_constraint(x: Any, shardings: Any) -> Any:
         return x  # fully manual: nothing left for the compiler to place
 
     def one(leaf, sharding):
-        if isinstance(sharding, NamedSharding) or not isinstance(sharding, PartitionSpec):
+        if isinstance(sharding, NamedSharding):
+            return constrain(leaf, sharding)
+        if not isinstance(sharding, PartitionSpec):
             return jax.lax.with_sharding_constraint(leaf, sharding)
         spec = _drop_axes(placement.spec(tuple(sharding), leaf.shape), manual)
         if manual:  # inside a partially manual shard_map JAX wants a bare spec
             return jax.lax.with_sharding_constraint(leaf, spec)
-        return jax.lax.with_sharding_constraint(leaf, NamedSharding(placement.mesh, spec))
+        return constrain(leaf, NamedSharding(placement.mesh, spec))
 
     return _per_leaf(x, shardings, one)
 

@@ -28,6 +28,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ..core.meshes import constrain
 from ..core.placement import Placement, current_placement, use_placement
 from ..core.rules import MeshAxes, Rules, identity_rules
 from ..core.transfer import reshard_to
@@ -428,7 +429,7 @@ def _constrain_outputs(out: Any, shardings: Any, placement: Placement) -> Any:
             return leaf
         if isinstance(s, PartitionSpec):
             s = placement.sharding(tuple(s), np.shape(leaf))
-        return jax.lax.with_sharding_constraint(leaf, s)
+        return constrain(leaf, s)
 
     if is_spec(shardings):
         return jax.tree.map(lambda leaf: one(leaf, shardings), out)

@@ -1,0 +1,85 @@
+"""Sharded initializers: ``init_params`` and ``get_input_batch`` compiled to create every leaf in its sharding.
+
+Nothing is materialised whole: each leaf is an output of a `jax.jit` whose
+``out_shardings`` are the step's layouts. Under MPMD the leaves span several
+submeshes and one jit cannot, so each device group gets a jit of its own,
+computing only its leaves, traced under its own mesh.
+
+The jits return flat leaves, put back into the tree structure of the
+abstract evaluation: an initializer that builds objects inside (an optimizer
+in a `TrainState`, a bound method) builds new, unequal ones each time it is
+traced, and the step was traced with the first ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from ..core.meshes import mesh_context
+from ..core.placement import Placement, use_placement
+from .checks import fun_name
+
+__all__ = ["ShardedInitializer", "with_initializers"]
+
+
+class ShardedInitializer:
+    """``make`` compiled so that each leaf is created directly in its sharding; call it with no arguments."""
+
+    def __init__(self, make: Callable[[], Any], shardings: Any, placement: Placement | None):
+        self.make = make
+        self.shardings = shardings
+        flat, self._treedef = jax.tree.flatten(shardings)
+        groups: dict[frozenset, list[int]] = {}
+        for i, s in enumerate(flat):
+            groups.setdefault(frozenset(s.device_set), []).append(i)
+        self._parts = [(idx, self._part(flat, idx, placement)) for idx in groups.values()]
+
+    def _part(self, flat: list, idx: list[int], placement: Placement | None) -> Callable:
+        """One jit computing the leaves ``idx`` under the mesh they live on (``placement``'s, when given)."""
+        make, n = self.make, len(flat)
+        mesh = placement.mesh if placement is not None else flat[idx[0]].mesh
+
+        def leaves():
+            with use_placement(placement):
+                out = jax.tree.leaves(make())  # traced once per device group, not once per leaf
+            if len(out) != n:
+                raise ValueError(f"{fun_name(make)!r} returned {len(out)} arrays when compiled, but {n} when "
+                                 f"evaluated abstractly: it must build the same tree each time it is called")
+            return [out[i] for i in idx]
+
+        jitted = jax.jit(leaves, out_shardings=[flat[i] for i in idx])
+
+        def run(method: str = "__call__") -> Any:
+            with mesh_context(mesh):  # its mesh, not one the caller may have set
+                return getattr(jitted, method)()
+
+        return run
+
+    def __call__(self) -> Any:
+        out: list[Any] = [None] * self._treedef.num_leaves
+        for idx, run in self._parts:
+            for i, x in zip(idx, run()):
+                out[i] = x
+        return jax.tree.unflatten(self._treedef, out)
+
+    def lower(self) -> Any:
+        """The lowered program (`jax.stages.Lowered`), e.g. for ``.compile().memory_analysis()``; one per
+        device group (a list) when the leaves live on several submeshes."""
+        lowered = [run("lower") for _, run in self._parts]
+        return lowered[0] if len(lowered) == 1 else lowered
+
+    def __repr__(self) -> str:
+        return (f"ShardedInitializer({fun_name(self.make)}, {self._treedef.num_leaves} arrays on "
+                f"{len(self._parts)} device group(s))")
+
+
+def with_initializers(sharded: Any, init_params: Callable, get_input_batch: Callable | None,
+                      placement: Placement | None) -> tuple:
+    """``(sharded, init, get_batch)`` (``(sharded, init)`` without ``get_input_batch``)."""
+    init = ShardedInitializer(init_params, sharded.param_shardings, placement)
+    if get_input_batch is None:
+        return sharded, init
+    return sharded, init, ShardedInitializer(get_input_batch, sharded.batch_shardings, placement)
