@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from ..core.layout import Layout, constrained_inputs, derive_layout
-from ..core.meshes import MeshLike, build_mesh
+from ..core.meshes import MeshLike, build_mesh, explicit_axes
 from ..core.placement import Placement, use_placement
 from ..core.rules import MeshAxes, PathRules, Rules
 from ..plan.partition import Plan, make_plan
@@ -143,7 +143,7 @@ def parallelize(
             abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)), initial_batch)
     # Traced once, logical constraints deferred: only the plan knows where glue runs.
     with use_placement(placement.deferring()), collect_pipelines() as pipelines:
-        traced = _trace(fun, abstract_params, abstract_batch)
+        traced = _trace(fun, *_typed(placement, abstract_params, abstract_batch, path_rules, batch_spec))
     closed, out_shape = traced if traced is not None else (None, None)
     plan = make_plan(closed, placement, pipelines) if closed is not None else None
     if plan is not None and plan.placements == [placement] and registered_tasks():
@@ -164,6 +164,19 @@ def parallelize(
 
     sharded = ShardedFunction(fun, placement, params, batch, abstract_params, abstract_batch, donate, plan)
     return with_initializers(sharded, init_params, get_input_batch, placement)
+
+
+def _typed(placement: Placement, abstract_params: Any, abstract_batch: Any, path_rules: PathRules,
+           batch_spec: tuple) -> tuple[Any, Any]:
+    """The step's abstract inputs as it will see them: on a mesh with Explicit axes a sharding is part of
+    an array's type (code may read it, ``jax.typeof(x).sharding``), so they carry the layouts that their
+    annotations, path rules, own shardings or the default give them; on Auto axes, as they are."""
+    if not explicit_axes(placement.mesh):
+        return abstract_params, abstract_batch
+    layouts = _input_layouts(None, placement, abstract_params, abstract_batch, path_rules, batch_spec)
+    typed = [jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, layout.shardings)
+             for abstract, layout in zip((abstract_params, abstract_batch), layouts)]
+    return typed[0], typed[1]
 
 
 def _batch_only(fun: Callable) -> Callable:
