@@ -8,10 +8,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
+from jax._src import core as jcore
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["build_mesh", "constrain", "explicit_axes", "mesh_context", "no_mesh_context", "mesh_devices", "place_mesh", "slice_mesh"]
+__all__ = ["abstract_mesh_context", "build_mesh", "constrain", "explicit_axes", "mesh_context", "mesh_devices", "no_mesh_context",
+           "place_mesh", "slice_mesh"]
 
 MeshLike = Mesh | Mapping[str, int] | None
 
@@ -146,20 +148,27 @@ def mesh_context(mesh: Mesh | None) -> Iterator[None]:
         return
     else:
         target = None
-    try:
-        setter = jax.set_mesh(target)
-    except ValueError:  # "`set_mesh` can only be used outside of `jax.jit`"
-        # A task's submesh inside the step's trace: JAX lets a trace change its mesh's size only by way of
-        # no mesh (a task is a separate program on other devices; its body's values are its own).
-        with jax.sharding.use_abstract_mesh(_NO_MESH):
-            if target is None:
-                yield
-            else:
-                with jax.sharding.use_abstract_mesh(target.abstract_mesh):
-                    yield
+    if not jcore.trace_state_clean():  # only the abstract mesh may be set inside a trace
+        with abstract_mesh_context(target):
+            yield
         return
-    with setter:
+    with jax.set_mesh(target):
         yield
+
+
+@contextlib.contextmanager
+def abstract_mesh_context(mesh: Any) -> Iterator[None]:
+    """``mesh`` (a `Mesh`, `AbstractMesh` or None: no mesh) as the abstract mesh in context, inside a trace.
+
+    JAX lets a trace change its mesh's size only by way of no mesh; multimesh does so where one trace holds
+    several submeshes (a task's body, a pipeline stage's segment of a step traced on the whole mesh).
+    """
+    with jax.sharding.use_abstract_mesh(_NO_MESH):
+        if mesh is None:
+            yield
+            return
+        with jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh)):
+            yield
 
 
 _NO_MESH = jax.sharding.AbstractMesh((), ())
