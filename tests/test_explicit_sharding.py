@@ -18,7 +18,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from helpers import ATOL, RTOL
-from multimesh.jax import parallelize, register_task, with_sharding_constraint
+from multimesh.jax import ignore_transforms, microbatch, parallelize, register_task, task, with_sharding_constraint
 
 STEPS = 3
 TX = optax.adam(1e-2)
@@ -221,10 +221,8 @@ def test_a_pipeline_runs_under_a_mesh_the_caller_has_set():
     assert_same(got, one_device(step_two, init_two, axis_types=(AxisType.Auto, AxisType.Auto)))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21 item 3: a step traced on the whole Explicit mesh types its values "
-                                       "there; a stage's segment re-binds them on its submesh, and equations that "
-                                       "carry jaxprs typed on the whole mesh (custom_jvp: jax.nn.relu) refuse it")
-def test_an_explicit_sharding_model_as_a_two_stage_pipeline():
+@pytest.mark.parametrize("how", ["register_task", "task", "microbatch"])
+def test_an_explicit_sharding_model_as_a_two_stage_pipeline(how):
     mesh = jax.make_mesh((2, 2, 2), ("stage", "data", "model"))
     stages = [jax.sharding.Mesh(mesh.devices[i], ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
               for i in range(2)]
@@ -236,21 +234,54 @@ def test_an_explicit_sharding_model_as_a_two_stage_pipeline():
                   for i in range(2)}
         return {"params": params, "opt": TX.init(params)}
 
-    def step_two(state, batch):
-        def loss_fn(p):
+    def loss_fn(p, batch):
+        if how == "task":
+            h = task(model, "l0", mesh=stages[0])(p["l0"], batch["x"])
+            out = task(model, "l1", mesh=stages[1])(p["l1"], h)
+        else:
             with jax.named_scope("l0"):
                 h = model(p["l0"], batch["x"])
             with jax.named_scope("l1"):
                 out = model(p["l1"], h)
-            return jnp.mean((out - batch["y"]) ** 2)
+        return jnp.sum((out - batch["y"]) ** 2) / batch_size
 
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+    batch_size = get_batch()["x"].size
+
+    def step_two(state, batch):
+        loss = microbatch(loss_fn, 0, 8, argnum=1, schedule="1f1b") if how == "microbatch" else loss_fn
+        loss, grads = jax.value_and_grad(loss)(state["params"], batch)
         updates, opt = TX.update(grads, state["opt"], state["params"])
         return loss, {"params": optax.apply_updates(state["params"], updates), "opt": opt}
 
     with register_task("l0", mesh=stages[0]), register_task("l1", mesh=stages[1]):
         step_fn, init_fn, batch_fn = parallelize(step_two, init_params=init_two, get_input_batch=get_batch,
                                                  mesh=mesh, rules=[("batch", "data")])
-    got = train(step_fn, init_fn(), batch_fn())
-    assert isinstance(got[1]["params"]["l0"]["w1"].sharding, NamedSharding)
-    assert_same(got, one_device(step_two, init_two))
+    assert len(step_fn.plan.placements) == 2
+    state = init_fn()
+    for i in range(2):
+        w1 = state["params"][f"l{i}"]["w1"]
+        assert w1.sharding.device_set == set(stages[i].devices.flat) and w1.sharding.spec == P(None, "model")
+        assert w1.addressable_shards[0].data.shape == (16, 16)
+    got = train(step_fn, state, batch_fn())
+    for i in range(2):
+        assert got[1]["params"][f"l{i}"]["w1"].sharding.device_set == set(stages[i].devices.flat)
+    with ignore_transforms():
+        want = one_device(step_two, init_two)
+    assert_same(got, want)
+
+
+def test_an_explicit_pipeline_needs_stages_of_one_shape():
+    mesh = jax.make_mesh((8,), ("data",))
+    devices = jax.devices()
+
+    def step_two(params, batch):
+        with jax.named_scope("a"):
+            h = batch["x"] @ params["a"]
+        with jax.named_scope("b"):
+            return jnp.sum(h @ params["b"]), params
+
+    with register_task("a", mesh=jax.make_mesh((4,), ("data",), devices=devices[:4])), \
+            register_task("b", mesh=jax.make_mesh((2,), ("data",), devices=devices[4:6])):
+        with pytest.raises(NotImplementedError, match=r"Explicit axes .* needs stages of one shape.*a: \{'data': 4\}"):
+            parallelize(step_two, init_params=lambda: {"a": jnp.ones((16, 16)), "b": jnp.ones((16, 16))},
+                        get_input_batch=get_batch, mesh=mesh, rules=[("batch", "data")])

@@ -149,6 +149,12 @@ def mesh_context(mesh: Mesh | None) -> Iterator[None]:
     else:
         target = None
     if not jcore.trace_state_clean():  # only the abstract mesh may be set inside a trace
+        if target is not None and not context.empty and explicit_axes(context):
+            # Values traced so far are typed on the context's mesh, and ops refuse to mix meshes: a task's body
+            # traced inside a step on a whole Explicit mesh stays there (`parallelize` traces a pipeline again,
+            # on its stages' mesh, for its programs).
+            yield
+            return
         with abstract_mesh_context(target):
             yield
         return

@@ -146,6 +146,9 @@ def parallelize(
         traced = _trace(fun, *_typed(placement, abstract_params, abstract_batch, path_rules, batch_spec))
     closed, out_shape = traced if traced is not None else (None, None)
     plan = make_plan(closed, placement, pipelines) if closed is not None else None
+    if plan is not None and plan.placements != [placement] and explicit_axes(the_mesh):
+        closed, out_shape, plan = _retrace_on_stages(fun, plan, placement, abstract_params, abstract_batch,
+                                                     path_rules, batch_spec)
     if plan is not None and plan.placements == [placement] and registered_tasks():
         _unmatched_registrations(plan, strict)
     params, batch = _input_layouts(plan, placement, abstract_params, abstract_batch, path_rules, batch_spec)
@@ -177,6 +180,33 @@ def _typed(placement: Placement, abstract_params: Any, abstract_batch: Any, path
     typed = [jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, layout.shardings)
              for abstract, layout in zip((abstract_params, abstract_batch), layouts)]
     return typed[0], typed[1]
+
+
+def _retrace_on_stages(fun: Callable, plan: Plan, placement: Placement, abstract_params: Any, abstract_batch: Any,
+                       path_rules: PathRules, batch_spec: tuple) -> tuple[Any, Any, Plan]:
+    """A pipeline on a mesh with Explicit axes, traced again on its stages' mesh.
+
+    Each stage runs its part of the step as a program on its own submesh, whose
+    values are typed on that submesh; traced on the whole mesh, the step's
+    values are typed there, and JAX refuses to mix meshes in one program. When
+    every stage has one shape, axis names and types (its abstract mesh), the
+    step is traced again with its inputs typed on that mesh, so that each
+    stage's equations already carry the types its program gives them.
+    """
+    shapes = {p.mesh.abstract_mesh for p in plan.placements}
+    if len(shapes) != 1:
+        shown = "; ".join(f"{p.name}: {dict(p.mesh.shape)} {p.mesh.axis_types}" for p in plan.placements)
+        raise NotImplementedError(
+            f"parallelize: a pipeline on a mesh with Explicit axes ({dict(placement.mesh.shape)}) needs stages of "
+            f"one shape, axis names and axis types, and these differ: {shown}. Give every stage the same submesh "
+            f"shape (e.g. slices of the mesh along a 'stage' axis), or use a mesh of Auto axes")
+    stage = plan.placements[0]
+    layouts = _input_layouts(plan, placement, abstract_params, abstract_batch, path_rules, batch_spec)
+    typed = [jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, layout.shardings)
+             for abstract, layout in zip((abstract_params, abstract_batch), layouts)]
+    with use_placement(stage.deferring()), collect_pipelines() as pipelines:
+        closed, out_shape = _trace(fun, *typed)
+    return closed, out_shape, make_plan(closed, placement, pipelines)
 
 
 def _batch_only(fun: Callable) -> Callable:
