@@ -177,9 +177,15 @@ def _typed(placement: Placement, abstract_params: Any, abstract_batch: Any, path
     if not explicit_axes(placement.mesh):
         return abstract_params, abstract_batch
     layouts = _input_layouts(None, placement, abstract_params, abstract_batch, path_rules, batch_spec)
-    typed = [jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, layout.shardings)
-             for abstract, layout in zip((abstract_params, abstract_batch), layouts)]
-    return typed[0], typed[1]
+    return _typed_by(layouts, abstract_params, abstract_batch)
+
+
+def _typed_by(layouts: tuple[Layout, Layout], abstract_params: Any, abstract_batch: Any) -> tuple[Any, Any]:
+    """The abstract parameters and batch, each leaf carrying its layout's sharding in its type."""
+    params, batch = (jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+                                  layout.shardings)
+                     for abstract, layout in zip((abstract_params, abstract_batch), layouts))
+    return params, batch
 
 
 def _retrace_on_stages(fun: Callable, plan: Plan, placement: Placement, abstract_params: Any, abstract_batch: Any,
@@ -202,10 +208,8 @@ def _retrace_on_stages(fun: Callable, plan: Plan, placement: Placement, abstract
             f"shape (e.g. slices of the mesh along a 'stage' axis), or use a mesh of Auto axes")
     stage = plan.placements[0]
     layouts = _input_layouts(plan, placement, abstract_params, abstract_batch, path_rules, batch_spec)
-    typed = [jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, layout.shardings)
-             for abstract, layout in zip((abstract_params, abstract_batch), layouts)]
     with use_placement(stage.deferring()), collect_pipelines() as pipelines:
-        closed, out_shape = _trace(fun, *typed)
+        closed, out_shape = _trace(fun, *_typed_by(layouts, abstract_params, abstract_batch))
     return closed, out_shape, make_plan(closed, placement, pipelines)
 
 
