@@ -111,7 +111,8 @@ def test_an_spmd_step_called_with_a_state_made_again_is_traced_again_like_jax_ji
     parts, (step_fn, init_fn, batch_fn) = _build(False)
     init, _, _ = parts
     fresh = jax.jit(init)()  # new tx and apply_fn objects, unequal to the ones the step was built with
-    fresh = jax.device_put(fresh, jax.tree.unflatten(jax.tree.structure(fresh), jax.tree.leaves(step_fn.param_shardings)))
+    shardings = jax.tree.unflatten(jax.tree.structure(fresh), jax.tree.leaves(step_fn.param_shardings))
+    fresh = jax.device_put(fresh, shardings)
     assert jax.tree.structure(fresh) != jax.tree.structure(init_fn())
     loss, state = step_fn(fresh, batch_fn())
     want_losses, _ = _reference(*parts)

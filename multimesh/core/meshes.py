@@ -8,12 +8,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
-from jax._src import core as jcore
 import numpy as np
+from jax._src import core as jcore
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["abstract_mesh_context", "build_mesh", "constrain", "explicit_axes", "mesh_context", "mesh_devices", "no_mesh_context",
-           "place_mesh", "slice_mesh"]
+__all__ = ["abstract_mesh_context", "build_mesh", "constrain", "explicit_axes", "mesh_context", "mesh_devices",
+           "no_mesh_context", "place_mesh", "slice_mesh"]
 
 MeshLike = Mesh | Mapping[str, int] | None
 
