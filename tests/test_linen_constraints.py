@@ -223,3 +223,25 @@ def test_the_routing_is_restored_and_flax_unchanged_outside():
         assert float(nn.with_logical_constraint(jnp.ones(()), ())) == 1.0
         assert spmd.get_logical_axis_rules() == ()
     assert (spmd.get_logical_axis_rules, spmd._with_sharding_constraint_one_fallback) == before
+
+
+class LossModel(nn.Module):
+    """`parallelize_step`'s form: the module's call is the loss."""
+
+    @nn.compact
+    def __call__(self, batch):
+        return jnp.mean(Model(name="model")(batch["x"]) ** 2)
+
+
+def test_parallelize_step_takes_the_flax_rules_context():
+    from multimesh.jax.flax import parallelize_step
+
+    mesh = build_mesh(MESH)
+    with nn_partitioning.axis_rules([("embed", "model"), ("mlp", "data")]):  # not standard_rules' choice
+        step_fn, state, _ = parallelize_step(LossModel(), tx, mesh, global_batch=get_batch())
+    kernel = state.params["params"]["model"]["layers_0"]["Dense_0"]["kernel"]
+    kernel = getattr(kernel, "value", kernel)
+    assert norm_spec(kernel.sharding.spec) == ("model", "data")
+    loss, _ = step_fn(state, get_batch())
+    params = LossModel().init(jax.random.key(42), get_batch())
+    np.testing.assert_allclose(float(loss), float(jax.jit(LossModel().apply)(params, get_batch())), rtol=1e-5)

@@ -188,3 +188,16 @@ def test_a_registration_overridden_in_a_traced_model_is_warned_about():
         with pytest.warns(UserWarning, match=r"register_task\('layers_3'\) matches 'layers_3', inside 'decoder'"):
             parallelize(lambda p, b: jnp.sum(model.apply(p, b)), init_params=lambda: model.init(jax.random.key(0), jnp.zeros((8, 16))),
                         initial_batch=jnp.ones((8, 16)))
+
+
+def test_the_overridden_check_does_not_raise_a_callback_error_for_a_name_it_never_places():
+    devs = jax.devices()
+    register_task(r"decoder", devices=devs[:4])
+
+    def strict_callback(match, backprop):
+        raise ValueError(f"unexpected {match}")
+
+    register_task(r"layers_(\d+)", callback=strict_callback)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert implicit_placement("decoder/layers_1/Dense_0") is not None

@@ -483,7 +483,10 @@ def _warn_shadowed(winner: Registration, name: str, placement: Placement,
     for inner, reg, m, _ in later:
         if reg is winner or reg in winner._shadowed:
             continue
-        other = reg.placement_for(m, backprop, iteration)
+        try:
+            other = reg.placement_for(m, backprop, iteration)
+        except Exception:  # noqa: BLE001  a callback asked about a name it never places: not this warning's to raise
+            continue
         if other is None or other == placement:
             continue
         winner._shadowed.add(reg)
