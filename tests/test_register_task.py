@@ -5,6 +5,7 @@ once end to end: a Linen model whose blocks a callback places on given devices.
 """
 
 import re
+import warnings
 
 import flax.linen as nn
 import jax
@@ -14,7 +15,8 @@ import optax
 import pytest
 from helpers import check_mpmd_against_reference
 
-from multimesh.jax import clear_tasks, register_task
+from multimesh.jax import clear_tasks, parallelize, register_task
+from multimesh.trace.implicit import implicit_placement
 
 pytestmark = pytest.mark.devices(8)
 
@@ -135,3 +137,67 @@ def test_devices_from_a_callback_end_to_end():
     params = state["p"]["params"]
     assert params["layers_1"]["Dense_0"]["kernel"].sharding.device_set == set(first)
     assert params["layers_2"]["Dense_1"]["kernel"].sharding.device_set == set(second)
+
+
+def test_an_inner_registration_an_outer_match_overrides_is_warned_about_once():
+    devs = jax.devices()
+    outer = register_task(r"decoder", devices=devs[:4])
+    inner = register_task(r"layers_(\d+)", devices=devs[4:])
+    with pytest.warns(UserWarning) as caught:
+        got = implicit_placement("decoder/layers_1/Dense_0")
+        implicit_placement("decoder/layers_2/Dense_0")  # the same pair again: no second warning
+    assert got is outer.placement  # the outermost match wins
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "register_task('layers_(\\\\d+)') matches 'layers_1', inside 'decoder', which register_task('decoder') " \
+           "already places on" in message
+    assert "devices [0-3]" in message and "does not run on" in message and "devices [4-7]" in message
+    # outside the outer match the inner registration places its names
+    assert implicit_placement("layers_1/Dense_0") is inner.placement
+
+
+def test_no_warning_when_the_inner_match_would_place_it_alike_or_nowhere():
+    devs = jax.devices()
+    register_task(r"decoder", devices=devs[:4])
+    register_task(r"layers_0", callback=lambda m, bp: None)  # not a task
+    register_task(r"layers_1", callback=lambda m, bp: (devs[:4], "decoder"))  # a placement equal to decoder's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        implicit_placement("decoder/layers_0/Dense_0")
+        implicit_placement("decoder/layers_1/Dense_0")
+
+
+def test_two_registrations_of_one_name_warn_that_the_first_wins():
+    devs = jax.devices()
+    first = register_task(r"embed|head", devices=devs[:4])
+    register_task(r"embed", devices=devs[4:])
+    with pytest.warns(UserWarning, match=r"register_task\('embed'\) matches 'embed', but register_task\('embed\|head'\)"):
+        assert implicit_placement("embed") is first.placement
+
+
+def test_a_registration_overridden_in_a_traced_model_is_warned_about():
+    """End to end: `parallelize` of a model whose block a registration of its parent overrides."""
+    class Outer(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return Net(name="decoder")(x)
+
+    model = Outer()
+    devs = jax.devices()
+    with register_task(r"decoder", devices=devs[:4]), register_task(r"layers_3", devices=devs[4:]):
+        with pytest.warns(UserWarning, match=r"register_task\('layers_3'\) matches 'layers_3', inside 'decoder'"):
+            parallelize(lambda p, b: jnp.sum(model.apply(p, b)), init_params=lambda: model.init(jax.random.key(0), jnp.zeros((8, 16))),
+                        initial_batch=jnp.ones((8, 16)))
+
+
+def test_the_overridden_check_does_not_raise_a_callback_error_for_a_name_it_never_places():
+    devs = jax.devices()
+    register_task(r"decoder", devices=devs[:4])
+
+    def strict_callback(match, backprop):
+        raise ValueError(f"unexpected {match}")
+
+    register_task(r"layers_(\d+)", callback=strict_callback)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert implicit_placement("decoder/layers_1/Dense_0") is not None

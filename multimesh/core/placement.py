@@ -14,7 +14,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from flax import nnx
@@ -24,7 +24,7 @@ from .fmt import device_span
 from .meshes import mesh_context
 from .rules import LogicalSpec, RuleError, Rules, check_physical
 
-__all__ = ["Placement", "current_placement", "use_placement"]
+__all__ = ["Placement", "current_placement", "use_placement", "while_placed"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,12 @@ class Placement:
         return NamedSharding(self.mesh, check_physical(spec, self.axis_sizes, shape, path=path))
 
     @functools.cached_property
+    def own_rules(self) -> Rules:
+        """The rules less the identity rule of each mesh axis (which every placement has): what was given."""
+        axes = set(self.mesh.axis_names)
+        return Rules([(n, a) for n, a in self.rules if not (n == a and n in axes)], strict=self.rules.strict)
+
+    @functools.cached_property
     def devices(self) -> frozenset:
         return frozenset(self.mesh.devices.flat)
 
@@ -116,13 +122,27 @@ def current_placement() -> Placement | None:
     return _PLACEMENT.get()
 
 
+_WHILE_PLACED: list[Callable[[], contextlib.AbstractContextManager]] = []
+
+
+def while_placed(hook: Callable[[], contextlib.AbstractContextManager]) -> None:
+    """Enter ``hook()`` whenever a placement is put in force: what the layers above need while user
+    code is traced under one (`trace.linen_constraints` routes Flax Linen's logical constraints)."""
+    if hook not in _WHILE_PLACED:
+        _WHILE_PLACED.append(hook)
+
+
 @contextlib.contextmanager
 def use_placement(placement: Placement | None) -> Iterator[Placement | None]:
     """``placement`` in force while tracing, its mesh JAX's mesh in context (explicit-sharding code resolves
     its specs there), and Flax NNX's eager sharding off: shardings are ours to apply."""
     token = _PLACEMENT.set(placement)
     try:
-        with nnx.use_eager_sharding(False), mesh_context(placement.mesh if placement is not None else None):
+        with nnx.use_eager_sharding(False), mesh_context(placement.mesh if placement is not None else None), \
+                contextlib.ExitStack() as hooks:
+            if placement is not None:
+                for hook in _WHILE_PLACED:
+                    hooks.enter_context(hook())
             yield placement
     finally:
         _PLACEMENT.reset(token)

@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from ..core.rules import MeshAxes, Rules, standard_rules
 from ..run.parallelize import parallelize
+from ..trace.linen_constraints import flax_context_rules
 
 __all__ = ["parallelize_step", "shard_axes"]
 
@@ -87,7 +88,8 @@ def parallelize_step(
     ``step(state, batch) -> (loss, new_state)``, the loss computed before the
     update. ``replicate_inputs=True`` places the batch whole on every device;
     ``False`` shards its leading dimension over the data axes (rule
-    ``"batch"``). ``rules`` default to `standard_rules` for the mesh's axes.
+    ``"batch"``). ``rules`` default to those of Flax's ``nn.logical_axis_rules``
+    context in force, else `standard_rules` for the mesh's axes.
 
     Returns ``(step, state, mesh)`` with ``global_batch``, or
     ``(step, state, mesh, prepare_batch)`` with ``local_batch`` (this
@@ -98,7 +100,8 @@ def parallelize_step(
         raise TypeError("parallelize_step needs exactly one of global_batch= or local_batch=")
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    rules = standard_rules(mesh.axis_names) if rules is None else rules
+    if rules is None:
+        rules = flax_context_rules(mesh) or standard_rules(mesh.axis_names)
     key = jax.random.key(seed) if rng is None else rng
 
     if local_batch is not None:

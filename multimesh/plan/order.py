@@ -70,7 +70,10 @@ def _schedule_for(segments: Sequence[Segment], pipelines: Sequence[Pipeline]) ->
     if len(logical) % len(groups) or any(logical[l] is not groups[l % len(groups)] for l in range(len(logical))):
         raise ValueError(
             f"microbatch({spec.name}): the tasks form the stage sequence {names}; a pipeline needs each "
-            f"submesh once per microbatch, or (interleaved) the same cycle of submeshes repeated"
+            f"submesh once per microbatch, or (interleaved) the same cycle of submeshes repeated. A weight "
+            f"used at both ends (a tied embedding's lookup and logits, e.g. Linen's embed.attend, which a "
+            f"pattern for embed matches) need not be on one stage: register its second use with the last stage "
+            f"(e.g. r'layers_3|embed\\.attend'); the table is then read on both and its gradient summed"
         )
     chunks = len(logical) // len(groups)
     if chunks > 1 and spec.interleave != chunks:

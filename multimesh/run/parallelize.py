@@ -22,8 +22,10 @@ from ..core.placement import Placement, use_placement
 from ..core.rules import MeshAxes, PathRules, Rules
 from ..plan.partition import Plan, make_plan
 from ..trace.implicit import names_in, registered_tasks
+from ..trace.linen_constraints import flax_context_rules
 from ..trace.microbatch import collect_pipelines
 from ..trace.taskspec import current_global_mesh
+from .advice import warn_replicated_batch
 from .checks import check_arrays, check_outputs, checked, fun_name
 from .initializers import with_initializers
 from .mpmd import MPMDFunction
@@ -90,7 +92,8 @@ def parallelize(
       mesh: a `Mesh`, or an ``{axis: size}`` shape laid over ``devices``
         (default: the global mesh of the `MultiMesh` in force, else 1-D
         ``{"data": len(devices)}``).
-      rules: logical axis rules (see `multimesh.rules`); without rules, only
+      rules: logical axis rules (see `multimesh.rules`); default: those of Flax's
+        ``nn.logical_axis_rules`` / ``axis_rules`` context in force, if any; without rules, only
         annotations that name mesh axes shard anything.
       param_rules: ``{regex: spec}`` for parameters that carry no metadata.
       batch_spec: logical spec of every batch leaf unless ``fun`` constrains it
@@ -131,6 +134,8 @@ def parallelize(
     if mesh is None and devices is None and current_global_mesh() is not None:
         mesh = current_global_mesh()  # inside `with MultiMesh(...)`: its mesh
     the_mesh = build_mesh(mesh, devices)
+    if rules is None:  # inside Flax's `nn.logical_axis_rules(...)`: the model's own rules
+        rules = flax_context_rules(the_mesh)
     placement = Placement(the_mesh, Rules(rules if rules is not None else (), strict=strict))
     path_rules = PathRules(param_rules) if param_rules is not None else PathRules()
 
@@ -275,6 +280,7 @@ def _input_layouts(plan: Plan | None, placement: Placement, abstract_params: Any
                            constraints={i: s for i, s in found.items() if i < n_params})
     batch = derive_layout(abstract_batch, placement_of(n_params), default=batch_spec, exact=True, what="batch",
                           constraints={i - n_params: s for i, s in found.items() if i >= n_params})
+    warn_replicated_batch(batch, placement_of(n_params), stacklevel=3)
     return params, batch
 
 

@@ -9,14 +9,14 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..core.meshes import constrain
-from ..core.placement import Placement, current_placement
-from ..core.rules import _as_axes
+from ..core.placement import Placement, current_placement, use_placement
+from ..core.rules import MeshAxes, Rules, _as_axes
 from .deferred import logical_constraint_p
 from .implicit import placement_in_scope
 from .interpret import bind_equation
 from .knobs import current_knobs
 
-__all__ = ["logical_spec_to_mesh", "resolve_deferred", "shard_map", "with_sharding_constraint"]
+__all__ = ["constrain_hint", "logical_spec_to_mesh", "resolve_deferred", "shard_map", "with_sharding_constraint"]
 
 
 def _manual_axes() -> frozenset[str]:
@@ -77,7 +77,7 @@ def with_sharding_constraint(x: Any, shardings: Any) -> Any:
         return jax.lax.with_sharding_constraint(x, shardings)
     manual = _manual_axes()
     if placement.defer and not manual and not _has_named_sharding(shardings):  # resolved where it runs
-        return _per_leaf(x, shardings, lambda leaf, s: logical_constraint_p.bind(leaf, spec=tuple(s)))
+        return _per_leaf(x, shardings, lambda leaf, s: logical_constraint_p.bind(leaf, spec=tuple(s), hint=None))
     if manual and manual >= set(placement.mesh.axis_names):
         return x  # fully manual: nothing left for the compiler to place
 
@@ -94,9 +94,46 @@ def with_sharding_constraint(x: Any, shardings: Any) -> Any:
     return _per_leaf(x, shardings, one)
 
 
+def constrain_hint(x: jax.Array, spec: tuple, flax_rules: tuple[tuple[str, MeshAxes], ...] | None = None,
+                   fallback: str = "axis_is_unsharded") -> jax.Array:
+    """A Flax Linen hint (``nn.with_logical_constraint``) on one array, resolved on the mesh in force by
+
+    1. multimesh's rules in force, when they say more than "each mesh axis is itself";
+    2. else ``flax_rules`` (the Flax rules the call saw);
+    3. else nothing: with no rules anywhere the hint does nothing, as in Flax.
+
+    ``fallback`` is Flax's `RulesFallback` value for names no rule mentions: ``"axis_is_unsharded"``
+    (replicated), ``"no_constraint"`` (the hint is skipped), ``"raise_error"``. Deferred, like any logical
+    constraint, while the placement is: the rules are chosen where the equation runs.
+    """
+    placement = current_placement()
+    if placement is None or current_knobs().autoshard is False:
+        return x  # Flax's own behaviour with no mesh in context
+    if placement.defer and not _manual_axes():
+        return logical_constraint_p.bind(x, spec=tuple(spec), hint=(flax_rules, fallback))
+    mine = placement.own_rules
+    rules = mine or Rules(flax_rules or ())
+    if not rules:
+        return x
+    known = rules.logical_names | set(placement.mesh.axis_names)
+    unknown = [n for d in spec for n in (d if isinstance(d, tuple) else (d,)) if isinstance(n, str) and n not in known]
+    if unknown and fallback == "no_constraint":
+        return x
+    if unknown and fallback == "raise_error":
+        raise ValueError(f"nn.with_logical_constraint: logical names {unknown} of {tuple(spec)} have no rule in "
+                         f"{rules} (fallback=RAISE_ERROR)")
+    if mine:
+        return with_sharding_constraint(x, PartitionSpec(*spec))
+    with use_placement(Placement(placement.mesh, Rules(rules, strict=placement.rules.strict), placement.name)):
+        return with_sharding_constraint(x, PartitionSpec(*spec))
+
+
 def resolve_deferred(eqn: Any, ins: list) -> list:
     """An `interpret` rule: a deferred constraint is resolved with the rules in scope; the rest as is."""
     if eqn.primitive is logical_constraint_p:
+        hint = eqn.params.get("hint")
+        if hint is not None:
+            return [constrain_hint(ins[0], eqn.params["spec"], *hint)]
         return [with_sharding_constraint(ins[0], PartitionSpec(*eqn.params["spec"]))]
     return bind_equation(eqn, ins)
 

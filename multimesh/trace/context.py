@@ -32,6 +32,7 @@ from .implicit import (
     add_registration,
     clear_tasks,
     make_registration,
+    match_name,
     pop_context,
     push_context,
     scope_names,
@@ -84,7 +85,7 @@ class Context:
         traced, innermost scope first (None: none matches, or it has no slice)."""
         for name in reversed(scope_names(scope_stack())):
             for reg in self._registrations:
-                m = reg.pattern.fullmatch(name)
+                m = match_name(reg.pattern, name)
                 if m is None:
                     continue
                 got = reg.task if reg.callback is None else reg.callback(MatchedName(m), False)

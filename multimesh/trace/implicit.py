@@ -29,6 +29,7 @@ import contextlib
 import functools
 import math
 import re
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
@@ -49,6 +50,7 @@ __all__ = [
     "clear_tasks",
     "implicit_placement",
     "is_backprop",
+    "match_name",
     "microbatch_of",
     "names_in",
     "placement_in_scope",
@@ -103,6 +105,8 @@ class Registration:
     #: the global mesh a `Task`'s ``mesh_slice`` slices (the `MultiMesh` registered on; None: the one in force)
     global_mesh: Mesh | None = None
     _cache: dict = field(default_factory=dict, repr=False)
+    #: registrations whose matches inside this one's were warned about (`_warn_shadowed`): once each
+    _shadowed: set = field(default_factory=set, repr=False)
 
     def placement_for(self, match: re.Match, backprop: bool, iteration: int | None = None) -> Placement | None:
         """Where ``match`` runs (``iteration``: its `microbatch` index, for loop-dependent slices)."""
@@ -236,6 +240,13 @@ def register_task(
     Args:
       regex: matched (`re.fullmatch`) against each name in an equation's scope
         stack, outermost first: a module's name (``"layers_3"``) or a named scope.
+        A Linen module's other methods run under ``module.method``
+        (``"embed.attend"``): a pattern for the module matches them too, and a
+        pattern for the whole ``module.method`` name takes precedence over it.
+        The outermost match wins (on one name, the first registered): an equation
+        inside ``decoder/layers_3`` runs where the registration of ``decoder``
+        places it, and a registration of ``layers_3`` that would place it
+        elsewhere is warned about, naming both patterns.
         (MultiMesh v0.2 calls it ``matcher``, accepted as a keyword too.)
       name: the task's name in plans and errors (default: ``regex``).
       task: where matches run, as a `Task` (MultiMesh v0.2); or
@@ -423,16 +434,67 @@ def implicit_placement(name_stack: Any) -> Placement | None:
     return _lookup(str(name_stack), is_backprop(name_stack))
 
 
+def match_name(pattern: re.Pattern, name: str) -> re.Match | None:
+    """``pattern`` against one scope name. Flax Linen runs a module's methods other than ``__call__`` under
+    ``module.method`` (``embed.attend``): a pattern that matches the module matches its methods too."""
+    m = pattern.fullmatch(name)
+    if m is None and "." in name:
+        m = pattern.fullmatch(name.rsplit(".", 1)[0])
+    return m
+
+
+def _matches(name: str) -> list[tuple[str, Registration, re.Match, bool]]:
+    """``(name, registration, match, whole)`` for the registrations matching one scope name, in priority
+    order: those matching the whole name (``embed.attend``: ``whole``), then those matching its module
+    (``embed``); each group in registration order."""
+    whole = [(name, r, m, True) for r in _REGISTRY if (m := r.pattern.fullmatch(name))]
+    if "." not in name:
+        return whole
+    module = name.rsplit(".", 1)[0]
+    return whole + [(name, r, m, False) for r in _REGISTRY
+                    if not r.pattern.fullmatch(name) and (m := r.pattern.fullmatch(module))]
+
+
 @functools.lru_cache(maxsize=4096)
 def _lookup(text: str, backprop: bool) -> Placement | None:
+    """The outermost match wins: the first name of the stack (outermost first) that a registration places."""
     iteration = microbatch_of(text)
-    for n in scope_names(text):
+    names = scope_names(text)
+    for i, n in enumerate(names):
         if n in _SCOPES:
             return _SCOPES[n]
-        for reg in _REGISTRY:
-            m = reg.pattern.fullmatch(n)
-            if m:
-                placement = reg.placement_for(m, backprop, iteration)
-                if placement is not None:
-                    return placement
+        found = _matches(n)
+        for k, (_, reg, m, whole) in enumerate(found):
+            placement = reg.placement_for(m, backprop, iteration)
+            if placement is not None:
+                # a pattern for the whole `module.method` overrides the module's on purpose: not warned about
+                later = [hit for hit in found[k + 1:] if hit[3] == whole]
+                later += [hit for inner in names[i + 1:] for hit in _matches(inner)]
+                _warn_shadowed(reg, n, placement, later, backprop, iteration)
+                return placement
     return None
+
+
+def _warn_shadowed(winner: Registration, name: str, placement: Placement,
+                   later: list[tuple[str, Registration, re.Match, bool]], backprop: bool,
+                   iteration: int | None) -> None:
+    """Warn (once per pair of registrations) that a registration matching a name inside ``name`` (or ``name``
+    itself, with less priority) would have placed it elsewhere, but ``winner``'s outer match placed it first."""
+    for inner, reg, m, _ in later:
+        if reg is winner or reg in winner._shadowed:
+            continue
+        try:
+            other = reg.placement_for(m, backprop, iteration)
+        except Exception:  # noqa: BLE001  a callback asked about a name it never places: not this warning's to raise
+            continue
+        if other is None or other == placement:
+            continue
+        winner._shadowed.add(reg)
+        where = f"inside {name!r}, which" if inner != name else "but"
+        warnings.warn(
+            f"register_task({reg.pattern.pattern!r}) matches {inner!r}, {where} register_task("
+            f"{winner.pattern.pattern!r}) already places on {placement.describe()}: the outermost match (then the "
+            f"first registered) wins, so {inner!r} does not run on {other.describe()}; narrow "
+            f"{winner.pattern.pattern!r} (e.g. leave {name!r} out of it) to let the inner registration place it",
+            stacklevel=2,
+        )

@@ -1,0 +1,119 @@
+"""Flax Linen's logical constraints (`nn.with_logical_constraint`) resolved by multimesh.
+
+A Linen model hints where its activations go with
+``nn.with_logical_constraint(x, ("batch", "length", "embed"))``. Flax resolves
+the names with its own rules (the call's ``rules=``, else the
+``nn.logical_axis_rules`` / ``nn_partitioning.axis_rules`` context) and
+constrains only when a mesh is in context (``jax.set_mesh``, ``with mesh:``);
+otherwise the hint does nothing. Under multimesh no JAX mesh is in context
+while a step is traced, so every hint would be dropped.
+
+While a placement is in force (`use_placement`), this module routes those
+hints to multimesh: each one is resolved as multimesh's own
+`with_sharding_constraint` is, on the mesh in force (the step's, a task's
+submesh, or the submesh the plan later gives the equation: deferred), with
+
+1. multimesh's rules in force (``parallelize(rules=...)``, a task's
+   ``logical_axes``) when they say more than "each mesh axis is itself";
+2. else Flax's rules in force (the call's ``rules=`` or Flax's context);
+3. else nothing: with no rules anywhere the hint is a no-op, as in Flax.
+
+The call's ``mesh=`` is not used: the mesh is the one the equation runs on.
+``fallback=`` keeps Flax's meaning: ``NO_CONSTRAINT`` skips a hint that names
+a logical name no rule mentions, ``RAISE_ERROR`` raises a ValueError.
+
+How: Flax's `with_logical_constraint` reads its rules and constrains each
+leaf through two functions of `flax.linen.spmd` that it looks up when called
+(``get_logical_axis_rules`` and ``_with_sharding_constraint_one_fallback``).
+While any placement is in force they are replaced by the routing below, and
+restored when the last one ends; in a thread with no placement in force the
+replacements call Flax's own. Flax has no public hook for this: its rules
+context gives rules but not our resolution (divisibility, deferral to the
+submesh the plan chooses), and a JAX mesh in context would change what the
+rest of the model does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from flax.core import spmd as flax_core_spmd
+from flax.linen import spmd as linen_spmd
+
+from ..core.placement import current_placement, while_placed
+from ..core.rules import RuleError, Rules
+from .constraints import constrain_hint
+
+__all__ = ["flax_context_rules", "routing_linen_constraints"]
+
+
+class _NoFlaxRules(tuple):
+    """What Flax's rule lookup answers under a placement when Flax has no rules: not empty, so that
+    Flax goes on to constrain (through us) instead of returning early; a rule naming nothing."""
+
+
+_NO_FLAX_RULES = _NoFlaxRules((("\0multimesh: no Flax rules", None),))
+
+
+def flax_context_rules(mesh: Any) -> Rules | None:
+    """The rules of Flax's ``nn.logical_axis_rules`` / ``nn_partitioning.axis_rules`` context (None outside
+    one), checked against ``mesh``: what `parallelize` uses when it is given no ``rules=``."""
+    rules = flax_core_spmd.get_logical_axis_rules()
+    if not rules:
+        return None
+    rules = Rules(rules)
+    try:
+        rules.check_mesh(dict(mesh.shape))
+    except RuleError as e:
+        raise RuleError(f"{e} (the rule comes from Flax's nn.logical_axis_rules / axis_rules context, which "
+                        f"parallelize uses when given no rules=; pass rules= to choose others)") from None
+    return rules
+
+
+def _rules_in_force() -> Any:
+    """Replaces `flax.linen.spmd.get_logical_axis_rules`: Flax's rules, or the marker under a placement."""
+    rules = flax_core_spmd.get_logical_axis_rules()
+    if rules or current_placement() is None:
+        return rules
+    return _NO_FLAX_RULES
+
+
+def _constrain_leaf(axis_resources: Any, x: Any, fallback: Any = linen_spmd.RulesFallback.AXIS_IS_UNSHARDED,
+                    rules: Any = None, mesh: Any = None) -> Any:
+    """Replaces `flax.linen.spmd._with_sharding_constraint_one_fallback`: one leaf of a Linen hint."""
+    if current_placement() is None:
+        return _FLAX[1](axis_resources, x, fallback=fallback, rules=rules, mesh=mesh)
+    if axis_resources is None:
+        return x
+    flax_rules = None if rules is None or rules is _NO_FLAX_RULES else Rules(rules).rules  # hashable
+    return constrain_hint(x, tuple(axis_resources), flax_rules, linen_spmd.RulesFallback(fallback).value)
+
+
+_FLAX: list = []  # Flax's own two functions, while ours replace them
+_DEPTH = 0
+_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def routing_linen_constraints() -> Iterator[None]:
+    """Linen's logical constraints go to multimesh while the block runs (nested blocks share one routing)."""
+    global _DEPTH
+    with _LOCK:
+        if _DEPTH == 0:
+            _FLAX[:] = [linen_spmd.get_logical_axis_rules, linen_spmd._with_sharding_constraint_one_fallback]
+            linen_spmd.get_logical_axis_rules = _rules_in_force
+            linen_spmd._with_sharding_constraint_one_fallback = _constrain_leaf
+        _DEPTH += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _DEPTH -= 1
+            if _DEPTH == 0:
+                linen_spmd.get_logical_axis_rules, linen_spmd._with_sharding_constraint_one_fallback = _FLAX
+
+
+while_placed(routing_linen_constraints)
