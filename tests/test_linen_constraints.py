@@ -245,3 +245,15 @@ def test_parallelize_step_takes_the_flax_rules_context():
     loss, _ = step_fn(state, get_batch())
     params = LossModel().init(jax.random.key(42), get_batch())
     np.testing.assert_allclose(float(loss), float(jax.jit(LossModel().apply)(params, get_batch())), rtol=1e-5)
+
+
+def test_flax_rules_naming_an_axis_the_mesh_lacks_are_a_clear_error():
+    def in_context(params, batch):
+        with nn_partitioning.axis_rules([("batch", "fsdp")]):
+            return loss_fn(params, batch)
+
+    with pytest.warns(UserWarning, match="no rules="):
+        fn, init_p, get_b = parallelize(in_context, init_params=init, get_input_batch=get_batch, mesh=MESH)
+    with pytest.raises(ValueError, match=r"names mesh axis 'fsdp'.*Flax's rules in force.*"
+                                         r"nn.with_logical_constraint\(x, \('batch', 'length', 'embed'\)\)"):
+        fn.lower(init_p(), get_b())

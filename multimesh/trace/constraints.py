@@ -10,7 +10,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..core.meshes import constrain
 from ..core.placement import Placement, current_placement, use_placement
-from ..core.rules import MeshAxes, Rules, _as_axes
+from ..core.rules import MeshAxes, RuleError, Rules, _as_axes
 from .deferred import logical_constraint_p
 from .implicit import placement_in_scope
 from .interpret import bind_equation
@@ -124,7 +124,12 @@ def constrain_hint(x: jax.Array, spec: tuple, flax_rules: tuple[tuple[str, MeshA
                          f"{rules} (fallback=RAISE_ERROR)")
     if mine:
         return with_sharding_constraint(x, PartitionSpec(*spec))
-    with use_placement(Placement(placement.mesh, Rules(rules, strict=placement.rules.strict), placement.name)):
+    try:
+        by_flax = Placement(placement.mesh, Rules(rules, strict=placement.rules.strict), placement.name)
+    except RuleError as e:
+        raise RuleError(f"{e} (a rule of Flax's rules in force, which resolve nn.with_logical_constraint(x, "
+                        f"{tuple(spec)}) where multimesh has no rules of its own: give rules= or logical_axes=)") from None
+    with use_placement(by_flax):
         return with_sharding_constraint(x, PartitionSpec(*spec))
 
 
