@@ -15,7 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from flax.training.train_state import TrainState
+from jax.sharding import PartitionSpec as P
 
 from helpers import ATOL, RTOL, logical
 from multimesh.jax import StepInputError, ignore_transforms, parallelize, register_task
@@ -156,3 +158,42 @@ def test_an_initializer_that_builds_a_different_tree_when_compiled_is_named():
                                    rules=[("batch", "data")])
     with pytest.raises(ValueError, match=r"'init' returned 2 arrays when compiled, but 1 when evaluated abstractly"):
         init_fn()
+
+
+def test_an_nnx_train_state_holding_graphdef_apply_initialises_and_trains_like_one_device():
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.initializers.lecun_normal()
+            self.up = nnx.Linear(16, 32, rngs=rngs, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")))
+            self.down = nnx.Linear(32, 16, rngs=rngs, kernel_init=nnx.with_partitioning(init, ("mlp", "embed")))
+
+        def __call__(self, x):
+            return self.down(nnx.relu(self.up(x)))
+
+    def init():
+        graphdef, params = nnx.split(Model(nnx.Rngs(0)))
+        return TrainState.create(apply_fn=graphdef.apply, params=params, tx=optax.adam(1e-2))
+
+    _, get_batch, _ = _parts()
+
+    def step(state, batch):
+        def loss_fn(params):
+            out, _ = state.apply_fn(params)(batch["x"])
+            return jnp.mean((out - batch["y"]) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return loss, state.apply_gradients(grads=grads)
+
+    step_fn, init_fn, batch_fn = parallelize(step, init_params=init, get_input_batch=get_batch,
+                                             mesh={"data": 4, "model": 2}, rules=RULES)
+    state, batch = init_fn(), batch_fn()
+    assert state.params["up"]["kernel"].value.sharding.spec == P(None, "model")
+    with nnx.use_eager_sharding(False):  # one device: no mesh for the names
+        want_losses, want_state = _reference(init, get_batch, step)
+    losses = []
+    for _ in range(STEPS):
+        loss, state = step_fn(state, batch)
+        losses.append(float(loss))
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(want_state)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=RTOL, atol=ATOL)
