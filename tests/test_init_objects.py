@@ -17,9 +17,9 @@ import optax
 import pytest
 from flax import nnx
 from flax.training.train_state import TrainState
+from helpers import ATOL, RTOL, logical
 from jax.sharding import PartitionSpec as P
 
-from helpers import ATOL, RTOL, logical
 from multimesh.jax import StepInputError, ignore_transforms, parallelize, register_task
 
 STEPS = 3
