@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, Var
+from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Var
 
 from ..core.schedules import Action
 from ..trace.task import Placement, task_call_p
@@ -50,8 +50,15 @@ class Segment:
         return f"{self.placement.name}:{what}"
 
     def closed_jaxpr(self) -> ClosedJaxpr:
-        jaxpr = Jaxpr(constvars=[], invars=list(self.invars), outvars=list(self.outvars), eqns=list(self.eqns))
+        jaxpr = Jaxpr(constvars=[], invars=list(self.invars), outvars=list(self.outvars), eqns=list(self.eqns),
+                      debug_info=self._debug_info())
         return ClosedJaxpr(jaxpr, [])
+
+
+    def _debug_info(self) -> DebugInfo:
+        """What JAX reports a segment's jaxpr as (JAX wants one on every jaxpr): its label, its values."""
+        return DebugInfo("multimesh segment", self.label, tuple(map(str, self.invars)),
+                         tuple(map(str, self.outvars)))
 
 
 def nbytes(v: Var) -> int:
