@@ -431,7 +431,8 @@ def implicit_placement(name_stack: Any) -> Placement | None:
     """The placement of an equation with this scope stack, or None when no registration matches."""
     if not _REGISTRY and not _SCOPES:
         return None
-    return _lookup(str(name_stack), is_backprop(name_stack))
+    # the global mesh is part of the key: a Task's mesh_slice slices the one in force (JAX's mesh in context too)
+    return _lookup(str(name_stack), is_backprop(name_stack), current_global_mesh())
 
 
 def match_name(pattern: re.Pattern, name: str) -> re.Match | None:
@@ -456,8 +457,10 @@ def _matches(name: str) -> list[tuple[str, Registration, re.Match, bool]]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _lookup(text: str, backprop: bool) -> Placement | None:
-    """The outermost match wins: the first name of the stack (outermost first) that a registration places."""
+def _lookup(text: str, backprop: bool, global_mesh: Mesh | None) -> Placement | None:
+    """The outermost match wins: the first name of the stack (outermost first) that a registration places.
+
+    ``global_mesh`` (the one in force) is only part of the cache key: a Task's mesh_slice slices it."""
     iteration = microbatch_of(text)
     names = scope_names(text)
     for i, n in enumerate(names):

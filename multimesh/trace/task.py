@@ -170,7 +170,11 @@ def _eager_call(placement: Placement, fun: Callable, args: tuple) -> Any:
         with use_placement(placement):
             return fun(*a)
 
-    return jax.jit(scoped)(*jax.tree.map(put, args))
+    inputs = jax.tree.map(put, args)
+    if jax.sharding.get_abstract_mesh().empty:
+        return jax.jit(scoped)(*inputs)
+    with jax.set_mesh(placement.mesh):  # JAX's mesh in context (the global one, say) is not the submesh's
+        return jax.jit(scoped)(*inputs)
 
 
 def make_placement(

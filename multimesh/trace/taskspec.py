@@ -20,13 +20,14 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src import mesh as mesh_lib
 from jax.sharding import AbstractMesh, Mesh
 
 from ..core.placement import Placement
 from ..core.rules import MeshAxes, Rules, identity_rules
 
-__all__ = ["Task", "TaskMesh", "current_global_mesh", "slice_global_mesh", "slice_mesh_keep", "split_names",
-           "use_global_mesh"]
+__all__ = ["LoopSlices", "Task", "TaskMesh", "current_global_mesh", "jax_mesh_in_context", "loop_slices",
+           "slice_global_mesh", "slice_mesh_keep", "split_names", "use_global_mesh"]
 
 DEFAULT_TASK_AXIS = "x"  # MultiMesh's axis when a Task names no mesh
 
@@ -42,8 +43,23 @@ def split_names(placement: Placement) -> tuple[str, str] | None:
 
 
 def current_global_mesh() -> Mesh | None:
-    """The global mesh of the innermost active `MultiMesh` (None outside one)."""
-    return _GLOBAL.get()
+    """The global mesh in force: the innermost active `MultiMesh`'s, else JAX's mesh in context
+    (``jax.set_mesh(mesh)``, then a legacy ``with mesh:`` block); None when there is none."""
+    mesh = _GLOBAL.get()
+    return mesh if mesh is not None else jax_mesh_in_context()
+
+
+def jax_mesh_in_context() -> Mesh | None:
+    """The concrete mesh of ``jax.set_mesh``, else of a legacy ``with mesh:`` block (None: neither).
+
+    Read from JAX's own context (``jax.sharding.get_mesh`` refuses to answer
+    inside ``jax.jit``, where tasks are traced; the context is the same there).
+    """
+    mesh = mesh_lib.get_concrete_mesh()
+    if isinstance(mesh, Mesh) and not mesh.empty:
+        return mesh
+    legacy = mesh_lib.thread_resources.env.physical_mesh
+    return None if legacy.empty else legacy
 
 
 class use_global_mesh:
@@ -175,7 +191,8 @@ def slice_global_mesh(**to_slice: int) -> TaskMesh:
     """The global mesh in force sliced at ``axis=i``, as a `TaskMesh` of relative device numbers."""
     mesh = current_global_mesh()
     if mesh is None:
-        raise ValueError("slice_global_mesh() needs a global mesh: call it inside `with MultiMesh(...):`")
+        raise ValueError("slice_global_mesh() needs a global mesh: call it inside `with MultiMesh(...):` "
+                         "or `with jax.set_mesh(mesh):`")
     numbers = np.arange(mesh.size).reshape(mesh.devices.shape)
     sub = slice_mesh_keep(Mesh(numbers.astype(object), mesh.axis_names), to_slice, "slice_global_mesh")
     return TaskMesh(devices=[int(i) for i in sub.devices.flat], axis_sizes=sub.devices.shape,
@@ -261,11 +278,10 @@ class Task:
         if sub.size != base.size:
             raise ValueError(f"{who}: loop_dependent_mesh_slice({iteration}) = {dict(got)} gives {sub.size} devices, "
                              f"the task's default slice {base.size}; every iteration's slice must hold as many")
-        if sub != base:
-            raise NotImplementedError(
-                f"{who}: loop_dependent_mesh_slice({iteration}) = {dict(got)} is another submesh than the task's "
-                f"default slice; multimesh's pipeline schedules run a task on one submesh for every microbatch, "
-                f"so a slice that changes per iteration is not supported. Give mesh_slice= (see MIGRATING.md)")
+        if dict(sub.shape) != dict(base.shape):
+            raise ValueError(f"{who}: loop_dependent_mesh_slice({iteration}) = {dict(got)} gives a submesh of shape "
+                             f"{dict(sub.shape)}, the task's default slice {dict(base.shape)}; every iteration's "
+                             f"slice must have the same shape (slice the same axes), as one program serves them all")
         return sub
 
     def placement(self, default_name: str = "task", *, global_mesh: Mesh | None = None,
@@ -276,8 +292,9 @@ class Task:
         if self.needs_global_mesh():
             gm = global_mesh if global_mesh is not None else current_global_mesh()
             if gm is None:
-                raise ValueError(f"{who}: mesh_slice= slices the global mesh, and none is in force; register or "
-                                 f"call the task inside `with MultiMesh(...):` (or multi_mesh.register_task)")
+                raise ValueError(f"{who}: mesh_slice= slices the global mesh, and none is in force; call (or "
+                                 f"register) the task inside `with MultiMesh(...):`, `with jax.set_mesh(mesh):` "
+                                 f"or `with mesh:`, or register it with multi_mesh.register_task(...)")
             mesh = self._slice_at(iteration, gm, who)
         elif isinstance(self.mesh, TaskMesh):
             mesh = self.mesh.mesh(global_mesh)
@@ -293,4 +310,31 @@ class Task:
         placement = Placement(mesh, rules, name=name)
         if self.split_backprop is not None:
             _SPLIT_NAMES[placement] = self.split_backprop
+        if self.loop_dependent_mesh_slice is not None:
+            _LOOP_SLICES[placement] = LoopSlices(self, name, gm)
         return placement
+
+
+@dataclass(frozen=True, eq=False)
+class LoopSlices:
+    """The placements of a `Task` with a ``loop_dependent_mesh_slice``: one per `microbatch` iteration.
+
+    The task is traced once for every microbatch, on the placement of
+    ``at(None)`` (`task`: of the first iteration); the planner moves each
+    microbatch's copy of it onto ``at(iteration)`` (`plan.loop_slices`).
+    """
+
+    task: Task
+    name: str
+    global_mesh: Mesh
+
+    def at(self, iteration: int | None) -> Placement:
+        return self.task.placement(self.name, global_mesh=self.global_mesh, iteration=iteration)
+
+
+_LOOP_SLICES: dict[Placement, LoopSlices] = {}  # placements of Tasks with a loop_dependent_mesh_slice
+
+
+def loop_slices(placement: Placement) -> LoopSlices | None:
+    """The per-iteration placements of the loop-dependent `Task` ``placement`` was made for (None: not one)."""
+    return _LOOP_SLICES.get(placement)
