@@ -306,8 +306,9 @@ def make_registration(
         if callback is not None or any(x is not None for x in (mesh, dims, devices, axes, rules)):
             raise ValueError(f"{who}: task= says where matches run; give it alone, or use callback=/mesh=/devices=")
         if task.needs_global_mesh() and global_mesh is None and current_global_mesh() is None:
-            raise ValueError(f"{who}: task {task.name!r} has a mesh_slice, which slices the global mesh; register "
-                             f"it inside `with MultiMesh(...):` or with multi_mesh.register_task(...)")
+            raise ValueError(f"{who}: {'task ' + repr(task.name) if task.name else 'the task'} has a mesh_slice, "
+                             f"which slices the global mesh; register it inside `with MultiMesh(...):`, `with "
+                             f"jax.set_mesh(mesh):` or `with mesh:`, or with multi_mesh.register_task(...)")
         return Registration(pattern, name or task.name, None, None, task=task, global_mesh=global_mesh)
     if callback is not None:
         if mesh is not None or devices is not None:

@@ -35,6 +35,7 @@ _GLOBAL: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("multimesh
 
 
 _SPLIT_NAMES: dict[Placement, tuple[str, str]] = {}  # placements of Tasks with split_backprop
+_PLACEMENTS: dict[Placement, Placement] = {}  # every placement a Task gave, by value
 
 
 def split_names(placement: Placement) -> tuple[str, str] | None:
@@ -308,6 +309,8 @@ class Task:
         rules = rules + self.extra_axes
         rules.check_mesh(dict(mesh.shape))
         placement = Placement(mesh, rules, name=name)
+        # one object per distinct placement: a callback asked per direction and per microbatch gives one stage
+        placement = _PLACEMENTS.setdefault(placement, placement)
         if self.split_backprop is not None:
             _SPLIT_NAMES[placement] = self.split_backprop
         if self.loop_dependent_mesh_slice is not None:
