@@ -32,6 +32,7 @@ from multimesh.jax import (
     task,
     with_sharding_constraint,
 )
+from multimesh.jax import flax as mmflax
 from multimesh.trace.implicit import implicit_placement, is_backprop, microbatch_of, scope_names
 from multimesh.trace.task import task_call_p
 
@@ -125,10 +126,11 @@ class Block(nn.Module):
 
 class Net(nn.Module):
     vocab: int = 24
+    embed: type = nn.Embed
 
     @nn.compact
     def __call__(self, tokens):
-        x = nn.Embed(self.vocab, 16, name="embed",
+        x = self.embed(self.vocab, 16, name="embed",
                      embedding_init=nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")))(tokens)
         for i in range(4):
             x = Block(name=f"layers_{i}")(x)
@@ -139,8 +141,8 @@ RULES = [("batch", "data"), ("mlp", "model"), ("embed", None), ("vocab", None)]
 B = 16  # rows per step
 
 
-def linen_problem(n_microbatches: int = 1, schedule: str = "1f1b"):
-    model, tx = Net(), optax.adam(1e-2)
+def linen_problem(n_microbatches: int = 1, schedule: str = "1f1b", embed: type = nn.Embed):
+    model, tx = Net(embed=embed), optax.adam(1e-2)
 
     def init():
         params = model.init(jax.random.key(0), jnp.zeros((4,), jnp.int32))
@@ -309,6 +311,22 @@ def test_a_registered_loop_dependent_embedding_of_a_linen_model():
     with mm:
         fn, state = check_mpmd_against_reference(step, init, batch, grad_rtol=2e-5)
     check_units_on_their_slices(fn, state, batch, mm.mesh, "embed", n_mb, slice_of)
+
+
+def test_a_flax_task_with_a_loop_dependent_slice():
+    """``multimesh.jax.flax.task(nn.Embed, task=Task(loop_dependent_mesh_slice=...))``: the module's calls of
+    microbatch i run on slice ``i % 2``."""
+    n_mb, slice_of = 4, lambda i: i % 2
+    mm = MultiMesh(axis_sizes=(2, 2, 2), axis_names=("stage", "data", "model"))
+    mm.register_task(r"layers_(\d+)", callback=stage_of)
+    with mm:
+        embed = mmflax.task(nn.Embed, task=Task(name="embed", loop_dependent_mesh_slice=lambda i: {
+            "stage": slice_of(i)}, logical_axes=RULES))
+        init, batch, step = linen_problem(n_mb, "gpipe", embed=embed)
+        fn, state = check_mpmd_against_reference(step, init, batch, grad_rtol=2e-5)
+    check_units_on_their_slices(fn, state, batch, mm.mesh, "embed", n_mb, slice_of)
+    table = state["p"]["params"]["embed"]["embedding"].value
+    assert table.shape == (24, 16)  # the module's own parameter path
 
 
 def test_every_iteration_slice_must_have_the_task_shape():

@@ -42,7 +42,7 @@ from ..core.fmt import device_span
 from ..core.rules import MeshAxes
 from .scopes import scope_stack
 from .task import Placement, make_placement
-from .taskspec import Task, current_global_mesh
+from .taskspec import Task, current_global_mesh, loop_slices
 
 __all__ = [
     "MatchedName",
@@ -465,8 +465,9 @@ def _lookup(text: str, backprop: bool, global_mesh: Mesh | None) -> Placement | 
     iteration = microbatch_of(text)
     names = scope_names(text)
     for i, n in enumerate(names):
-        if n in _SCOPES:
-            return _SCOPES[n]
+        if n in _SCOPES:  # a flax.task class; with a loop_dependent_mesh_slice, the microbatch's slice
+            family = loop_slices(_SCOPES[n]) if iteration is not None else None
+            return family.at(iteration) if family is not None else _SCOPES[n]
         found = _matches(n)
         for k, (_, reg, m, whole) in enumerate(found):
             placement = reg.placement_for(m, backprop, iteration)

@@ -2,7 +2,8 @@
 
 A `TaskMesh` is an abstract mesh (axis sizes and names) plus device numbers.
 As in MultiMesh the numbers are *relative*: indices into the devices of the
-global mesh in force (a `MultiMesh` context), else into ``jax.devices()``.
+global mesh in force (a `MultiMesh` context, else JAX's mesh in context:
+``jax.set_mesh``, ``with mesh:``), else into ``jax.devices()``.
 A `Task` names a task and says where it runs: on a `TaskMesh`, on a slice of
 the global mesh (``mesh_slice={"stage": i}``), or on a slice chosen per loop
 iteration (``loop_dependent_mesh_slice``); and with which logical rules.
@@ -109,10 +110,11 @@ class TaskMesh:
     """An abstract mesh (``axis_sizes``, ``axis_names``) over device numbers ``devices``.
 
     ``TaskMesh(devices=(0, 1, 2, 3), axis_sizes=(2, 2), axis_names=("x", "y"))``.
-    The numbers index the devices of the global mesh in force (a `MultiMesh`),
-    else ``jax.devices()``. Without ``axis_sizes`` the mesh is 1-D; a 1-D mesh
-    without ``axis_names`` has the axis ``"x"``. ``abstract=`` gives sizes and
-    names as a `jax.sharding.AbstractMesh`.
+    The numbers index the devices of the global mesh in force (a `MultiMesh`,
+    else JAX's mesh in context), else ``jax.devices()``. Without
+    ``axis_sizes`` the mesh is 1-D; a 1-D mesh without ``axis_names`` has the
+    axis ``"x"``. ``abstract=`` gives sizes and names as a
+    `jax.sharding.AbstractMesh`.
     """
 
     devices: tuple[int, ...]
@@ -216,11 +218,12 @@ class Task:
     Fields:
       name: the task's name (default: the function's, or the matched name).
       mesh: a `TaskMesh` (or a `jax.sharding.Mesh`); or
-      mesh_slice: ``{axis: i}``: the global mesh (of the `MultiMesh` in force)
+      mesh_slice: ``{axis: i}``: the global mesh in force (`current_global_mesh`)
         sliced at ``i`` along ``axis``, the axis kept with size 1; or
       loop_dependent_mesh_slice: ``f(iteration) -> {axis: i}``: a slice per
-        `microbatch` iteration (its result for iteration 0 outside a loop);
-        every iteration's slice must hold as many devices.
+        `microbatch` iteration, where that microbatch's forward and backward
+        run (outside a loop: ``mesh_slice`` if given, else iteration 0's);
+        every iteration's slice must have the same shape.
       logical_axes: ``(logical, device_axis)`` pairs in priority order (default:
         each device axis maps to itself).
       extra_axes: more pairs, appended to ``logical_axes``.
