@@ -299,13 +299,21 @@ def test_a_loop_dependent_slice_that_never_changes_is_a_stage():
     assert "embed:F[s0,m0]" in fn.stats.executed and "stage0:F[s1,m0]" in fn.stats.executed
 
 
-def test_a_registered_loop_dependent_embedding_of_a_linen_model():
-    """``register_task(..., task=Task(loop_dependent_mesh_slice=...))``: the Flax module ``embed`` of
-    microbatch i runs on stage slice ``(i + 1) % 2``, the blocks on their stages' slices."""
+@pytest.mark.parametrize("how", ["task", "callback"])
+def test_a_registered_loop_dependent_embedding_of_a_linen_model(how):
+    """``register_task(..., task=Task(loop_dependent_mesh_slice=...))`` (or a callback returning a new such
+    Task per call): the Flax module ``embed`` of microbatch i runs on stage slice ``(i + 1) % 2``, the blocks
+    on their stages' slices."""
     n_mb, slice_of = 4, lambda i: (i + 1) % 2
     mm = MultiMesh(axis_sizes=(2, 2, 2), axis_names=("stage", "data", "model"))
-    mm.register_task(r"embed", task=Task(name="embed", loop_dependent_mesh_slice=lambda i: {"stage": slice_of(i)},
-                                         logical_axes=RULES))
+
+    def embed_task(*_):
+        return Task(name="embed", loop_dependent_mesh_slice=lambda i: {"stage": slice_of(i)}, logical_axes=RULES)
+
+    if how == "task":
+        mm.register_task(r"embed", task=embed_task())
+    else:
+        mm.register_task(r"embed", callback=embed_task)
     mm.register_task(r"layers_(\d+)", callback=stage_of)
     init, batch, step = linen_problem(n_mb, "1f1b")
     with mm:

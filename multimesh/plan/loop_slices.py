@@ -19,7 +19,7 @@ use.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from jax.extend.core import Jaxpr, JaxprEqn
@@ -73,11 +73,12 @@ def place_per_microbatch(eqns: Sequence[JaxprEqn], implicit: Sequence[Placement 
     return out
 
 
-def floating(placements: Iterable[Placement | None]) -> set[Placement]:
-    """The placements of loop-dependent tasks whose slice differs between microbatches (not stages)."""
-    seen: dict[Any, set[Placement]] = {}
-    for p in placements:
-        family = loop_slices(p) if p is not None else None
-        if family is not None:
-            seen.setdefault((id(family.task), family.name), set()).add(p)
-    return {p for group in seen.values() if len(group) > 1 for p in group}
+def floating(eqns: Sequence[JaxprEqn], colour: Sequence[Placement | None]) -> set[Placement]:
+    """The placements of loop-dependent tasks whose slice differs between the step's microbatches: not stages."""
+    microbatches = {microbatch_of(e.source_info.name_stack) for e in eqns} - {None}
+    out = set()
+    for p in set(colour) - {None}:
+        family = loop_slices(p)
+        if family is not None and len({family.at(m) for m in microbatches}) > 1:
+            out.add(p)
+    return out

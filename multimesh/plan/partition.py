@@ -161,7 +161,7 @@ def _units(eqns: Sequence, colour: Sequence[Placement | None]) -> list[Unit | No
     submesh changes with the microbatch: not a stage, its work runs as the microbatch's glue)."""
     units: list[Unit | None] = [None] * len(eqns)
     last: dict[tuple[int, bool], tuple[Placement, int]] = {}
-    moving = floating(colour)
+    moving = floating(eqns, colour)
     for i, e in enumerate(eqns):
         if colour[i] is None or colour[i] in moving:
             continue
