@@ -233,17 +233,18 @@ D, H, V = 16, 32, 24
 TX = optax.adam(1e-2)
 
 
-def layer(w, x):
-    return x + jnp.tanh(with_sharding_constraint(x @ w["a"], P("batch", None))) @ w["b"]
-
-
-def embed(table, tokens):
-    return with_sharding_constraint(table[tokens], P("batch", None))
-
-
-def explicit_problem(schedule: str, n_mb: int, slice_of):
-    """Explicit tasks: an embedding on the slice ``slice_of(i)`` for microbatch i, then two stages on fixed slices."""
+def explicit_problem(schedule: str | None, n_mb: int, slice_of, rows: str = "batch"):
+    """Explicit tasks: an embedding on the slice ``slice_of(i)`` for microbatch i, then two stages on fixed slices
+    (``schedule=None``: no microbatches, the embedding on ``slice_of(0)``). Activations' rows are constrained
+    to ``rows``, a logical name or (code that runs as it is under ``jax.set_mesh``) a mesh axis."""
     rules = [("batch", "data")]
+
+    def layer(w, x):
+        return x + jnp.tanh(with_sharding_constraint(x @ w["a"], P(rows, None))) @ w["b"]
+
+    def embed(table, tokens):
+        return with_sharding_constraint(table[tokens], P(rows, None))
+
     lookup = task(embed, task=Task(name="embed", loop_dependent_mesh_slice=lambda i: {"stage": slice_of(i)},
                                    logical_axes=rules))
     stages = [task(layer, task=Task(name=f"stage{i}", mesh_slice={"stage": i}, logical_axes=rules)) for i in range(2)]
@@ -265,11 +266,23 @@ def explicit_problem(schedule: str, n_mb: int, slice_of):
         return jnp.sum((h - b["y"]) ** 2) / (B * D)
 
     def step(state, b):
-        value, grads = jax.value_and_grad(microbatch(loss, 0, B // n_mb, argnum=1, schedule=schedule))(state["p"], b)
+        pipelined = loss if schedule is None else microbatch(loss, 0, B // n_mb, argnum=1, schedule=schedule)
+        value, grads = jax.value_and_grad(pipelined)(state["p"], b)
         updates, opt = TX.update(grads, state["o"], state["p"])
         return value, grads, {"p": optax.apply_updates(state["p"], updates), "o": opt}
 
     return init, batch, step
+
+
+def test_sliced_tasks_under_jax_set_mesh_train_as_on_one_device():
+    """`parallelize` under ``jax.set_mesh``: its mesh is the step's, and the tasks' slices are its slices."""
+    mesh = Mesh(np.asarray(jax.devices()[::-1], dtype=object).reshape(2, 4), ("stage", "data"))
+    init, batch, step = explicit_problem(None, 1, lambda i: 1, rows="data")
+    with jax.set_mesh(mesh):
+        fn, state = check_mpmd_against_reference(step, init, batch, grad_rtol=2e-5)
+    assert [p.name for p in fn.plan.placements] == ["embed", "stage0", "stage1"]
+    assert [ids(p.devices) for p in fn.plan.placements] == [{3, 2, 1, 0}, {7, 6, 5, 4}, {3, 2, 1, 0}]
+    assert ids(state["p"]["s1"]["a"].sharding.device_set) == {3, 2, 1, 0}
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -187,7 +187,7 @@ def slice_mesh_keep(mesh: Mesh, to_slice: Mapping[str, int], who: str = "mesh_sl
             raise ValueError(f"{who}={dict(to_slice)}: index {i!r} along {axis!r} is out of range 0..{size - 1}")
         k = mesh.axis_names.index(axis)
         devices = np.take(devices, [int(i)], axis=k)
-    return Mesh(devices, mesh.axis_names)
+    return Mesh(devices, mesh.axis_names, axis_types=mesh.axis_types)
 
 
 def slice_global_mesh(**to_slice: int) -> TaskMesh:
