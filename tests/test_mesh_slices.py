@@ -9,8 +9,6 @@ same step on one device; placements on the plan and on the arrays each unit
 returns.
 """
 
-import warnings
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -130,8 +128,8 @@ class Net(nn.Module):
 
     @nn.compact
     def __call__(self, tokens):
-        x = self.embed(self.vocab, 16, name="embed",
-                     embedding_init=nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")))(tokens)
+        table_init = nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed"))
+        x = self.embed(self.vocab, 16, name="embed", embedding_init=table_init)(tokens)
         for i in range(4):
             x = Block(name=f"layers_{i}")(x)
         return x
@@ -206,8 +204,9 @@ def units_of(fn, name: str) -> dict[tuple[int, bool], list]:
         own = [e for e in seg.eqns if (e.primitive is task_call_p and e.params["placement"].name == name)
                or name in scope_names(e.source_info.name_stack)]
         for e in own:
-            backward = e.params["kind"] == "bwd" if e.primitive is task_call_p else is_backprop(e.source_info.name_stack)
-            out.setdefault((microbatch_of(e.source_info.name_stack), backward), []).append(seg)
+            stack = e.source_info.name_stack
+            backward = e.params["kind"] == "bwd" if e.primitive is task_call_p else is_backprop(stack)
+            out.setdefault((microbatch_of(stack), backward), []).append(seg)
     return out
 
 
@@ -257,7 +256,8 @@ def explicit_problem(schedule: str | None, n_mb: int, slice_of, rows: str = "bat
         return {"p": p, "o": TX.init(p)}
 
     def batch():
-        return {"tok": jax.random.randint(jax.random.key(5), (B,), 0, V), "y": jax.random.normal(jax.random.key(6), (B, D))}
+        return {"tok": jax.random.randint(jax.random.key(5), (B,), 0, V),
+                "y": jax.random.normal(jax.random.key(6), (B, D))}
 
     def loss(p, b):
         h = lookup(p["emb"], b["tok"])
@@ -360,6 +360,5 @@ def test_every_iteration_slice_must_have_the_task_shape():
             spec.placement(iteration=3)
     with pytest.raises(ValueError, match=r"give mesh= or mesh_slice=/loop_dependent_mesh_slice=, not both"):
         Task(mesh=TaskMesh(devices=(0,)), loop_dependent_mesh_slice=lambda i: {"a": 0})
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # nothing to warn about
-        Task(loop_dependent_mesh_slice=lambda i: {"a": i})
+    with pytest.raises(TypeError, match=r"loop_dependent_mesh_slice must be a function iteration -> \{axis: index\}"):
+        Task(loop_dependent_mesh_slice={"a": 0})
