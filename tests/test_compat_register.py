@@ -114,9 +114,12 @@ def test_loop_dependent_slices_are_checked():
         rotating = register_task("b", task=Task(loop_dependent_mesh_slice=lambda i: {"stage": i % 2}))
         m = rotating.pattern.fullmatch("b")
         assert rotating.placement_for(m, False, 0).devices == frozenset(jax.devices()[:4])
-        with pytest.raises(NotImplementedError, match=r"loop_dependent_mesh_slice\(1\) = \{'stage': 1\} is another "
-                                                      r"submesh than the task's default slice"):
-            rotating.placement_for(m, False, 1)
+        assert rotating.placement_for(m, False, 1).devices == frozenset(jax.devices()[4:])  # its own slice
+        assert rotating.placement_for(m, False, None).devices == frozenset(jax.devices()[:4])  # outside a loop: i=0
+        other_axis = register_task("d", task=Task(mesh_slice={"stage": 0}, loop_dependent_mesh_slice=lambda i: (
+            {"stage": 0} if i == 0 else {"data": 0})))
+        with pytest.raises(ValueError, match=r"loop_dependent_mesh_slice\(1\) = \{'data': 0\} gives 2 devices"):
+            other_axis.placement_for(other_axis.pattern.fullmatch("d"), False, 1)
         uneven = register_task("c", task=Task(mesh_slice={"stage": 0},
                                               loop_dependent_mesh_slice=lambda i: {"stage": 0, "data": 0}))
         with pytest.raises(ValueError, match=r"gives 1 devices, the task's default slice 4"):

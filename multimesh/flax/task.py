@@ -43,8 +43,8 @@ def task(
 
     Placement keywords are those of `multimesh.jax.task`, including the v0.2
     forms: ``task=Task(...)``, ``mesh=TaskMesh(...)``, and `Task` fields as
-    keywords (``mesh_slice={"stage": 0}`` needs the `MultiMesh` in force when
-    the class is made). Example::
+    keywords (``mesh_slice={"stage": 0}`` needs a global mesh in force when
+    the class is made: a `MultiMesh`, or JAX's mesh in context). Example::
 
         Stage0 = flax.task(Block, "stage0", devices=jax.devices()[:4])
         y = Stage0(features=64)(x)        # inside a model's compact method

@@ -36,6 +36,7 @@ from ..trace.knobs import current_knobs
 from ..trace.microbatch import Pipeline
 from ..trace.task import Placement, task_call_p
 from ..trace.taskspec import split_names
+from .loop_slices import floating, place_per_microbatch
 from .order import schedule_segments
 from .recompute import recompute_constants
 from .segment import Segment, Unit, nbytes
@@ -156,11 +157,13 @@ def _initial_colours(eqns: Sequence, placed: dict[int, Placement]) -> list[Place
 
 
 def _units(eqns: Sequence, colour: Sequence[Placement | None]) -> list[Unit | None]:
-    """The pipeline unit of each coloured equation inside a microbatch (None elsewhere)."""
+    """The pipeline unit of each coloured equation inside a microbatch (None elsewhere, and on a task whose
+    submesh changes with the microbatch: not a stage, its work runs as the microbatch's glue)."""
     units: list[Unit | None] = [None] * len(eqns)
     last: dict[tuple[int, bool], tuple[Placement, int]] = {}
+    moving = floating(eqns, colour)
     for i, e in enumerate(eqns):
-        if colour[i] is None:
+        if colour[i] is None or colour[i] in moving:
             continue
         m = microbatch_of(e.source_info.name_stack)
         if m is None:
@@ -285,7 +288,8 @@ def partition(closed: ClosedJaxpr, pipelines: Sequence[Pipeline] = ()) -> Plan:
     ``pipelines`` are the `microbatch` calls seen while tracing; their schedule
     orders the segments.
     """
-    eqns = closed.jaxpr.eqns
+    eqns = place_per_microbatch(closed.jaxpr.eqns, [implicit_placement(e.source_info.name_stack)
+                                                     for e in closed.jaxpr.eqns])
     consts = dict(zip(closed.jaxpr.constvars, closed.consts))
     placed: dict[int, Placement] = {}
     if any(p.split_backward for p in pipelines):  # zero-bubble: a task's backward splits into B and W

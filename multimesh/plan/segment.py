@@ -9,7 +9,8 @@ from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Var
 
 from ..core.schedules import Action
 from ..trace.task import Placement, task_call_p
-from ..trace.taskspec import split_names
+from ..trace.implicit import is_backprop, microbatch_of
+from ..trace.taskspec import loop_slices, split_names
 
 __all__ = ["Segment", "Unit", "nbytes"]
 
@@ -47,6 +48,12 @@ class Segment:
         what = "+".join(dict.fromkeys(kinds)) if kinds else "glue"
         if self.unit is not None:
             what += f"[mb {self.unit.microbatch}{' bwd' if self.unit.backward else ''}]"
+        elif loop_slices(self.placement) is not None:  # a task on its microbatch's slice: name the microbatch
+            found = {microbatch_of(e.source_info.name_stack) for e in self.eqns} - {None}
+            if len(found) == 1:
+                if not kinds:  # an implicit task's equations: forward or backward by their scopes
+                    what = "bwd" if any(is_backprop(e.source_info.name_stack) for e in self.eqns) else "fwd"
+                what += f"[mb {found.pop()}]"
         return f"{self.placement.name}:{what}"
 
     def closed_jaxpr(self) -> ClosedJaxpr:

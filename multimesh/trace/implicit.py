@@ -42,7 +42,7 @@ from ..core.fmt import device_span
 from ..core.rules import MeshAxes
 from .scopes import scope_stack
 from .task import Placement, make_placement
-from .taskspec import Task, current_global_mesh
+from .taskspec import Task, current_global_mesh, loop_slices
 
 __all__ = [
     "MatchedName",
@@ -306,8 +306,9 @@ def make_registration(
         if callback is not None or any(x is not None for x in (mesh, dims, devices, axes, rules)):
             raise ValueError(f"{who}: task= says where matches run; give it alone, or use callback=/mesh=/devices=")
         if task.needs_global_mesh() and global_mesh is None and current_global_mesh() is None:
-            raise ValueError(f"{who}: task {task.name!r} has a mesh_slice, which slices the global mesh; register "
-                             f"it inside `with MultiMesh(...):` or with multi_mesh.register_task(...)")
+            raise ValueError(f"{who}: {'task ' + repr(task.name) if task.name else 'the task'} has a mesh_slice, "
+                             f"which slices the global mesh; register it inside `with MultiMesh(...):`, `with "
+                             f"jax.set_mesh(mesh):` or `with mesh:`, or with multi_mesh.register_task(...)")
         return Registration(pattern, name or task.name, None, None, task=task, global_mesh=global_mesh)
     if callback is not None:
         if mesh is not None or devices is not None:
@@ -431,7 +432,8 @@ def implicit_placement(name_stack: Any) -> Placement | None:
     """The placement of an equation with this scope stack, or None when no registration matches."""
     if not _REGISTRY and not _SCOPES:
         return None
-    return _lookup(str(name_stack), is_backprop(name_stack))
+    # the global mesh is part of the key: a Task's mesh_slice slices the one in force (JAX's mesh in context too)
+    return _lookup(str(name_stack), is_backprop(name_stack), current_global_mesh())
 
 
 def match_name(pattern: re.Pattern, name: str) -> re.Match | None:
@@ -456,13 +458,16 @@ def _matches(name: str) -> list[tuple[str, Registration, re.Match, bool]]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _lookup(text: str, backprop: bool) -> Placement | None:
-    """The outermost match wins: the first name of the stack (outermost first) that a registration places."""
+def _lookup(text: str, backprop: bool, global_mesh: Mesh | None) -> Placement | None:
+    """The outermost match wins: the first name of the stack (outermost first) that a registration places.
+
+    ``global_mesh`` (the one in force) is only part of the cache key: a Task's mesh_slice slices it."""
     iteration = microbatch_of(text)
     names = scope_names(text)
     for i, n in enumerate(names):
-        if n in _SCOPES:
-            return _SCOPES[n]
+        if n in _SCOPES:  # a flax.task class; with a loop_dependent_mesh_slice, the microbatch's slice
+            family = loop_slices(_SCOPES[n]) if iteration is not None else None
+            return family.at(iteration) if family is not None else _SCOPES[n]
         found = _matches(n)
         for k, (_, reg, m, whole) in enumerate(found):
             placement = reg.placement_for(m, backprop, iteration)

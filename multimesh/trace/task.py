@@ -170,7 +170,11 @@ def _eager_call(placement: Placement, fun: Callable, args: tuple) -> Any:
         with use_placement(placement):
             return fun(*a)
 
-    return jax.jit(scoped)(*jax.tree.map(put, args))
+    inputs = jax.tree.map(put, args)
+    if jax.sharding.get_abstract_mesh().empty:
+        return jax.jit(scoped)(*inputs)
+    with jax.set_mesh(placement.mesh):  # JAX's mesh in context (the global one, say) is not the submesh's
+        return jax.jit(scoped)(*inputs)
 
 
 def make_placement(
@@ -320,7 +324,9 @@ def _run_task(fun: Callable, resolve: Callable, out_shardings: Any, configured: 
             return fun(*args)
     iterations = microbatch_iterations() or [_current_iteration()]
     placement = resolve(iterations[0])
-    for i in iterations[1:]:  # one trace serves every microbatch: each iteration's slice must be this one
+    # One trace serves every microbatch: check each one's slice now. A loop-dependent task's copy for
+    # microbatch i is moved onto its own slice by the planner (plan.loop_slices).
+    for i in iterations[1:]:
         resolve(i)
     _check_not_nested(placement)
     body = _with_outputs(fun, placement, out_shardings, configured)

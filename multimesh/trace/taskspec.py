@@ -2,7 +2,8 @@
 
 A `TaskMesh` is an abstract mesh (axis sizes and names) plus device numbers.
 As in MultiMesh the numbers are *relative*: indices into the devices of the
-global mesh in force (a `MultiMesh` context), else into ``jax.devices()``.
+global mesh in force (a `MultiMesh` context, else JAX's mesh in context:
+``jax.set_mesh``, ``with mesh:``), else into ``jax.devices()``.
 A `Task` names a task and says where it runs: on a `TaskMesh`, on a slice of
 the global mesh (``mesh_slice={"stage": i}``), or on a slice chosen per loop
 iteration (``loop_dependent_mesh_slice``); and with which logical rules.
@@ -20,13 +21,14 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src import mesh as mesh_lib
 from jax.sharding import AbstractMesh, Mesh
 
 from ..core.placement import Placement
 from ..core.rules import MeshAxes, Rules, identity_rules
 
-__all__ = ["Task", "TaskMesh", "current_global_mesh", "slice_global_mesh", "slice_mesh_keep", "split_names",
-           "use_global_mesh"]
+__all__ = ["LoopSlices", "Task", "TaskMesh", "current_global_mesh", "jax_mesh_in_context", "loop_slices",
+           "slice_global_mesh", "slice_mesh_keep", "split_names", "use_global_mesh"]
 
 DEFAULT_TASK_AXIS = "x"  # MultiMesh's axis when a Task names no mesh
 
@@ -34,6 +36,7 @@ _GLOBAL: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("multimesh
 
 
 _SPLIT_NAMES: dict[Placement, tuple[str, str]] = {}  # placements of Tasks with split_backprop
+_PLACEMENTS: dict[Placement, Placement] = {}  # every placement a Task gave, by value
 
 
 def split_names(placement: Placement) -> tuple[str, str] | None:
@@ -42,8 +45,23 @@ def split_names(placement: Placement) -> tuple[str, str] | None:
 
 
 def current_global_mesh() -> Mesh | None:
-    """The global mesh of the innermost active `MultiMesh` (None outside one)."""
-    return _GLOBAL.get()
+    """The global mesh in force: the innermost active `MultiMesh`'s, else JAX's mesh in context
+    (``jax.set_mesh(mesh)``, then a legacy ``with mesh:`` block); None when there is none."""
+    mesh = _GLOBAL.get()
+    return mesh if mesh is not None else jax_mesh_in_context()
+
+
+def jax_mesh_in_context() -> Mesh | None:
+    """The concrete mesh of ``jax.set_mesh``, else of a legacy ``with mesh:`` block (None: neither).
+
+    Read from JAX's own context (``jax.sharding.get_mesh`` refuses to answer
+    inside ``jax.jit``, where tasks are traced; the context is the same there).
+    """
+    mesh = mesh_lib.get_concrete_mesh()
+    if isinstance(mesh, Mesh) and not mesh.empty:
+        return mesh
+    legacy = mesh_lib.thread_resources.env.physical_mesh
+    return None if legacy.empty else legacy
 
 
 class use_global_mesh:
@@ -92,10 +110,11 @@ class TaskMesh:
     """An abstract mesh (``axis_sizes``, ``axis_names``) over device numbers ``devices``.
 
     ``TaskMesh(devices=(0, 1, 2, 3), axis_sizes=(2, 2), axis_names=("x", "y"))``.
-    The numbers index the devices of the global mesh in force (a `MultiMesh`),
-    else ``jax.devices()``. Without ``axis_sizes`` the mesh is 1-D; a 1-D mesh
-    without ``axis_names`` has the axis ``"x"``. ``abstract=`` gives sizes and
-    names as a `jax.sharding.AbstractMesh`.
+    The numbers index the devices of the global mesh in force (a `MultiMesh`,
+    else JAX's mesh in context), else ``jax.devices()``. Without
+    ``axis_sizes`` the mesh is 1-D; a 1-D mesh without ``axis_names`` has the
+    axis ``"x"``. ``abstract=`` gives sizes and names as a
+    `jax.sharding.AbstractMesh`.
     """
 
     devices: tuple[int, ...]
@@ -168,14 +187,15 @@ def slice_mesh_keep(mesh: Mesh, to_slice: Mapping[str, int], who: str = "mesh_sl
             raise ValueError(f"{who}={dict(to_slice)}: index {i!r} along {axis!r} is out of range 0..{size - 1}")
         k = mesh.axis_names.index(axis)
         devices = np.take(devices, [int(i)], axis=k)
-    return Mesh(devices, mesh.axis_names)
+    return Mesh(devices, mesh.axis_names, axis_types=mesh.axis_types)
 
 
 def slice_global_mesh(**to_slice: int) -> TaskMesh:
     """The global mesh in force sliced at ``axis=i``, as a `TaskMesh` of relative device numbers."""
     mesh = current_global_mesh()
     if mesh is None:
-        raise ValueError("slice_global_mesh() needs a global mesh: call it inside `with MultiMesh(...):`")
+        raise ValueError("slice_global_mesh() needs a global mesh: call it inside `with MultiMesh(...):` "
+                         "or `with jax.set_mesh(mesh):`")
     numbers = np.arange(mesh.size).reshape(mesh.devices.shape)
     sub = slice_mesh_keep(Mesh(numbers.astype(object), mesh.axis_names), to_slice, "slice_global_mesh")
     return TaskMesh(devices=[int(i) for i in sub.devices.flat], axis_sizes=sub.devices.shape,
@@ -198,11 +218,12 @@ class Task:
     Fields:
       name: the task's name (default: the function's, or the matched name).
       mesh: a `TaskMesh` (or a `jax.sharding.Mesh`); or
-      mesh_slice: ``{axis: i}``: the global mesh (of the `MultiMesh` in force)
+      mesh_slice: ``{axis: i}``: the global mesh in force (`current_global_mesh`)
         sliced at ``i`` along ``axis``, the axis kept with size 1; or
       loop_dependent_mesh_slice: ``f(iteration) -> {axis: i}``: a slice per
-        `microbatch` iteration (its result for iteration 0 outside a loop);
-        every iteration's slice must hold as many devices.
+        `microbatch` iteration, where that microbatch's forward and backward
+        run (outside a loop: ``mesh_slice`` if given, else iteration 0's);
+        every iteration's slice must have the same shape.
       logical_axes: ``(logical, device_axis)`` pairs in priority order (default:
         each device axis maps to itself).
       extra_axes: more pairs, appended to ``logical_axes``.
@@ -261,11 +282,10 @@ class Task:
         if sub.size != base.size:
             raise ValueError(f"{who}: loop_dependent_mesh_slice({iteration}) = {dict(got)} gives {sub.size} devices, "
                              f"the task's default slice {base.size}; every iteration's slice must hold as many")
-        if sub != base:
-            raise NotImplementedError(
-                f"{who}: loop_dependent_mesh_slice({iteration}) = {dict(got)} is another submesh than the task's "
-                f"default slice; multimesh's pipeline schedules run a task on one submesh for every microbatch, "
-                f"so a slice that changes per iteration is not supported. Give mesh_slice= (see MIGRATING.md)")
+        if dict(sub.shape) != dict(base.shape):
+            raise ValueError(f"{who}: loop_dependent_mesh_slice({iteration}) = {dict(got)} gives a submesh of shape "
+                             f"{dict(sub.shape)}, the task's default slice {dict(base.shape)}; every iteration's "
+                             f"slice must have the same shape (slice the same axes), as one program serves them all")
         return sub
 
     def placement(self, default_name: str = "task", *, global_mesh: Mesh | None = None,
@@ -276,8 +296,9 @@ class Task:
         if self.needs_global_mesh():
             gm = global_mesh if global_mesh is not None else current_global_mesh()
             if gm is None:
-                raise ValueError(f"{who}: mesh_slice= slices the global mesh, and none is in force; register or "
-                                 f"call the task inside `with MultiMesh(...):` (or multi_mesh.register_task)")
+                raise ValueError(f"{who}: mesh_slice= slices the global mesh, and none is in force; call (or "
+                                 f"register) the task inside `with MultiMesh(...):`, `with jax.set_mesh(mesh):` "
+                                 f"or `with mesh:`, or register it with multi_mesh.register_task(...)")
             mesh = self._slice_at(iteration, gm, who)
         elif isinstance(self.mesh, TaskMesh):
             mesh = self.mesh.mesh(global_mesh)
@@ -291,6 +312,35 @@ class Task:
         rules = rules + self.extra_axes
         rules.check_mesh(dict(mesh.shape))
         placement = Placement(mesh, rules, name=name)
+        # one object per distinct placement: a callback asked per direction and per microbatch gives one stage
+        placement = _PLACEMENTS.setdefault(placement, placement)
         if self.split_backprop is not None:
             _SPLIT_NAMES[placement] = self.split_backprop
+        if self.loop_dependent_mesh_slice is not None:
+            _LOOP_SLICES[placement] = LoopSlices(self, name, gm)
         return placement
+
+
+@dataclass(frozen=True, eq=False)
+class LoopSlices:
+    """The placements of a `Task` with a ``loop_dependent_mesh_slice``: one per `microbatch` iteration.
+
+    The task is traced once for every microbatch, on the placement of
+    ``at(None)`` (`task`: of the first iteration); the planner moves each
+    microbatch's copy of it onto ``at(iteration)`` (`plan.loop_slices`).
+    """
+
+    task: Task
+    name: str
+    global_mesh: Mesh
+
+    def at(self, iteration: int | None) -> Placement:
+        return self.task.placement(self.name, global_mesh=self.global_mesh, iteration=iteration)
+
+
+_LOOP_SLICES: dict[Placement, LoopSlices] = {}  # placements of Tasks with a loop_dependent_mesh_slice
+
+
+def loop_slices(placement: Placement) -> LoopSlices | None:
+    """The per-iteration placements of the loop-dependent `Task` ``placement`` was made for (None: not one)."""
+    return _LOOP_SLICES.get(placement)
