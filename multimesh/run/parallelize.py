@@ -8,6 +8,7 @@ mesh) or, when the function calls tasks, the MPMD plan.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -23,6 +24,7 @@ from ..core.rules import MeshAxes, PathRules, Rules
 from ..plan.partition import Plan, make_plan
 from ..trace.implicit import names_in, registered_tasks
 from ..trace.microbatch import collect_pipelines
+from ..trace.nnx_scopes import module_scopes
 from ..trace.taskspec import current_global_mesh
 from .checks import check_arrays, check_outputs, checked, fun_name
 from .mpmd import MPMDFunction
@@ -289,7 +291,9 @@ def _trace(fun: Callable, params: Any, batch: Any):
             raise TypeError(f"parallelize calls fun(params, batch), but {fun_name(fun)}{sig} cannot take two "
                             f"positional arguments ({e}); take the parameters first and the batch second") from None
     def traced(p, b):  # a fresh function each time: JAX's trace cache cannot see our placement
-        out = fun(p, b)
+        # Registered tasks match NNX submodules by their attribute paths: scopes while tracing.
+        with module_scopes(p) if registered_tasks() else contextlib.nullcontext():
+            out = fun(p, b)
         check_outputs(out, fun)
         return out
 
