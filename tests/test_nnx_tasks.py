@@ -375,19 +375,42 @@ def test_parallelize_step_nnx_factories_match_one_device():
             loss, state = step_fn(state, batch)
             losses.append(float(loss))
         results.append(losses)
+    ref = _nnx_reference(batch)
+    np.testing.assert_allclose(results[0], ref, rtol=1e-5)
+    np.testing.assert_allclose(results[1], ref, rtol=1e-5)
+
+
+def _nnx_reference(batch):
+    """parallelize_step's losses on one device: the Loss module of seed 42, trained in place."""
     with nnx.use_eager_sharding(False):
-        ref_model = Loss(nnx.Rngs(42))  # parallelize_step's seed
-    ref_opt = nnx.Optimizer(ref_model, TX, wrt=nnx.Param)
+        model = Loss(nnx.Rngs(42))  # parallelize_step's seed
+    optimizer = nnx.Optimizer(model, TX, wrt=nnx.Param)
 
     @nnx.jit
-    def ref_step(model, optimizer, batch):
+    def one_step(model, optimizer, batch):
         loss, grads = nnx.value_and_grad(lambda m: m(batch))(model)
         optimizer.update(model, grads)
         return loss
 
-    ref = [float(ref_step(ref_model, ref_opt, batch)) for _ in range(STEPS)]
-    np.testing.assert_allclose(results[0], ref, rtol=1e-5)
-    np.testing.assert_allclose(results[1], ref, rtol=1e-5)
+    return [float(one_step(model, optimizer, batch)) for _ in range(STEPS)]
+
+
+def test_parallelize_step_places_nnx_submodules_by_path():
+    """parallelize_step's NNX path with stages registered by attribute path (from the loss module: ``net.*``)."""
+    devices, batch = jax.devices(), get_batch()
+    rules = [("batch", "data"), ("mlp", "model"), ("embed", None)]
+    first = build_mesh({"data": 2, "model": 2}, devices[:4])
+    second = build_mesh({"data": 2, "model": 2}, devices[4:])
+    with register_task(r"net\.(embed|blocks\.[01])", name="first", mesh=first, logical_axes=rules), \
+            register_task(r"net\.(blocks\.[23]|head)", name="second", mesh=second, logical_axes=rules):
+        step_fn, state, _ = parallelize_step(Loss, TX, _mesh(), global_batch=batch, strict=True)
+    assert [p.name for p in step_fn.plan.placements] == ["first", "second"]
+    losses = []
+    for _ in range(STEPS):
+        loss, state = step_fn(state, batch)
+        losses.append(float(loss))
+    _check_placement(state.params["net"])
+    np.testing.assert_allclose(losses, _nnx_reference(batch), rtol=1e-5)
 
 
 def test_parallelize_step_strict():

@@ -235,7 +235,9 @@ def register_task(
 
     Args:
       regex: matched (`re.fullmatch`) against each name in an equation's scope
-        stack, outermost first: a module's name (``"layers_3"``) or a named scope.
+        stack, outermost first: a Linen module's name (``"layers_3"``), a named
+        scope, or a Flax NNX submodule's attribute path from the model, parts
+        joined with ``.`` (``"blocks.3"``, ``"blocks.3.mlp"``; see `trace.nnx_scopes`).
         (MultiMesh v0.2 calls it ``matcher``, accepted as a keyword too.)
       name: the task's name in plans and errors (default: ``regex``).
       task: where matches run, as a `Task` (MultiMesh v0.2); or
