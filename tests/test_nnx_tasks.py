@@ -219,6 +219,43 @@ def test_pipelined_with_microbatches():
     _assert_same_params(state["params"], ref_state["params"])
 
 
+class RematNet(Net):
+    """Net with each block run through ``nnx.remat``: the block called is a copy NNX makes."""
+
+    def __call__(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = nnx.remat(lambda blk, y: blk(y))(block, h)
+        return self.head(h)
+
+
+def test_blocks_under_nnx_remat_keep_their_paths():
+    with nnx.use_eager_sharding(False):
+        graphdef, _ = nnx.split(nnx.eval_shape(lambda: RematNet(nnx.Rngs(0))), nnx.Param)
+
+    def remat_step(state, batch):
+        def loss(params):
+            return jnp.mean((nnx.merge(graphdef, params)(batch["x"]) - batch["y"]) ** 2)
+        value, grads = jax.value_and_grad(loss)(state["params"])
+        updates, opt = TX.update(grads, state["opt"], state["params"])
+        return value, {"params": optax.apply_updates(state["params"], updates), "opt": opt}
+
+    def remat_init():
+        params = nnx.state(RematNet(nnx.Rngs(0)), nnx.Param)
+        return {"params": params, "opt": TX.init(params)}
+
+    a, b = _stages()
+    with a, b:
+        step_fn, init_fn, batch_fn = parallelize(remat_step, init_params=remat_init, get_input_batch=get_batch,
+                                                 strict=True)
+    _check_plan_directions(step_fn.plan)
+    losses, state = _train(step_fn, init_fn, batch_fn)
+    ref_losses, ref_state = _reference(step, init)  # remat changes no value
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    _check_placement(state["params"])
+    _assert_same_params(state["params"], ref_state["params"])
+
+
 # -- the NNX idiom: nnx.Optimizer and a step that updates in place ---------------------------------
 
 

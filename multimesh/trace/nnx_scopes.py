@@ -14,9 +14,11 @@ of a submodule lands with its forward. The model itself is not changed.
 
 Which module is "the model": the outermost module call (its path is the empty
 path and opens no scope), or a module passed to the traced step (``roots``).
-A submodule that is neither under such a module's attributes nor one of them
-(a copy an NNX transform such as ``nnx.remat`` made inside the model) opens
-no scope: its equations stay in its caller's scope.
+A copy that an NNX transform (``nnx.remat``, ``nnx.vmap``, ``nnx.value_and_grad``,
+...) made of a module has its original's path: NNX's transforms record, while
+they run, which copy stands for which original. A module under no model's
+attributes (made inside the step, say) opens no scope: its equations stay in
+its caller's scope.
 
 The methods are wrapped on the classes (every subclass of `nnx.Module`
 defined when the block starts) for the block's duration and restored after
@@ -36,6 +38,7 @@ from typing import Any
 
 import jax
 from flax import nnx
+from flax.nnx import graphlib
 
 __all__ = ["SEPARATOR", "module_path", "module_scopes"]
 
@@ -68,11 +71,16 @@ class _Tracing:
 
     def _find(self, module: nnx.Module) -> tuple[dict[int, str] | None, str | None]:
         """(the path table ``module`` belongs to, its path), searching the calls in progress innermost
-        first, then every model seen; (None, None) when it is in none."""
+        first, then every model seen, then (for a copy an NNX transform made) its original's;
+        (None, None) when it is in none."""
         tables = [t for _, t in reversed(self.stack) if t is not None] + [t for _, t in reversed(self.roots)]
-        for table in tables:
-            if id(module) in table:
-                return table, table[id(module)]
+        for _ in range(_MAX_COPIES):
+            for table in tables:
+                if id(module) in table:
+                    return table, table[id(module)]
+            module = _original_of(module)
+            if module is None:
+                break
         return None, None
 
     @contextlib.contextmanager
@@ -92,6 +100,27 @@ class _Tracing:
                 yield
         finally:
             self.stack.pop()
+
+
+_MAX_COPIES = 16  # transforms nested inside each other that a copy is traced back through
+
+
+def _original_of(module: nnx.Module) -> nnx.Module | None:
+    """The module an NNX transform (``nnx.remat``, ``nnx.vmap``, ``nnx.jit``, ...) copied ``module`` from.
+
+    NNX's graph-mode transforms keep, while they run, which inner object stands for which outer one
+    (to write updates back); that map is read here. Flax internals: None when they are not there.
+    """
+    try:
+        stacks = graphlib.GRAPH_CONTEXT.update_context_stacks
+        for stack in stacks.values():
+            for ctx in reversed(stack):
+                inner, outer = ctx.inner_ref_outer_index, ctx.outer_index_outer_ref
+                if inner is not None and outer is not None and module in inner:
+                    return outer[inner[module]]
+    except (AttributeError, KeyError, TypeError):
+        pass
+    return None
 
 
 _ACTIVE: contextvars.ContextVar[_Tracing | None] = contextvars.ContextVar("multimesh_nnx_tracing", default=None)
