@@ -44,6 +44,7 @@ __all__ = ["SEPARATOR", "module_path", "module_scopes"]
 
 #: Joins the parts of a submodule's attribute path into its scope name: ``blocks.3.mlp``.
 SEPARATOR = "."
+_MAX_COPIES = 16  # NNX transforms nested inside each other that a copy is traced back through
 
 
 def module_path(parts: tuple) -> str:
@@ -100,9 +101,6 @@ class _Tracing:
                 yield
         finally:
             self.stack.pop()
-
-
-_MAX_COPIES = 16  # transforms nested inside each other that a copy is traced back through
 
 
 def _original_of(module: nnx.Module) -> nnx.Module | None:
