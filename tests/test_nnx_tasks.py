@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from multimesh.jax import build_mesh, ignore_transforms, microbatch, parallelize, register_task
+from multimesh.jax import build_mesh, ignore_transforms, microbatch, mjit, parallelize, register_task
 from multimesh.jax.flax import functional_step, parallelize_step, with_sharding_constraint
 from multimesh.trace.implicit import is_backprop, names_in, scope_names
 from multimesh.trace.nnx_scopes import module_scopes
@@ -178,6 +178,22 @@ def test_register_task_by_attribute_path_matches_one_device():
     assert losses[-1] < losses[0]
     _check_placement(state["params"])
     _assert_same_params(state["params"], ref_state["params"])
+
+
+def test_mjit_finds_nnx_stages_too():
+    """`mjit` (MultiMesh's jit) plans registered tasks as `parallelize` does: NNX paths are scopes there too."""
+    a, b = _stages()
+    with nnx.use_eager_sharding(False):
+        params = nnx.state(Net(nnx.Rngs(0)), nnx.Param)
+    batch = get_batch()
+    with a, b:
+        fn = mjit(jax.value_and_grad(loss_fn))
+        value, grads = fn(params, batch)
+    assert [p.name for p in fn.plan.placements] == ["first", "second"]
+    _check_plan_directions(fn.plan)
+    ref_value, ref_grads = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    _assert_same_params(grads, ref_grads)
 
 
 def test_nested_paths_and_a_callback():

@@ -8,7 +8,6 @@ mesh) or, when the function calls tasks, the MPMD plan.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -24,7 +23,7 @@ from ..core.rules import MeshAxes, PathRules, Rules
 from ..plan.partition import Plan, make_plan
 from ..trace.implicit import names_in, registered_tasks
 from ..trace.microbatch import collect_pipelines
-from ..trace.nnx_scopes import module_scopes
+from ..trace.nnx_scopes import scopes_for_tasks
 from ..trace.taskspec import current_global_mesh
 from .checks import check_arrays, check_outputs, checked, fun_name
 from .mpmd import MPMDFunction
@@ -292,7 +291,7 @@ def _trace(fun: Callable, params: Any, batch: Any):
                             f"positional arguments ({e}); take the parameters first and the batch second") from None
     def traced(p, b):  # a fresh function each time: JAX's trace cache cannot see our placement
         # Registered tasks match NNX submodules by their attribute paths: scopes while tracing.
-        with module_scopes(p) if registered_tasks() else contextlib.nullcontext():
+        with scopes_for_tasks(p):
             out = fun(p, b)
         check_outputs(out, fun)
         return out

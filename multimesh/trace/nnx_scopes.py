@@ -40,7 +40,9 @@ import jax
 from flax import nnx
 from flax.nnx import graphlib
 
-__all__ = ["SEPARATOR", "module_path", "module_scopes"]
+from .implicit import registered_tasks
+
+__all__ = ["SEPARATOR", "module_path", "module_scopes", "scopes_for_tasks"]
 
 #: Joins the parts of a submodule's attribute path into its scope name: ``blocks.3.mlp``.
 SEPARATOR = "."
@@ -186,3 +188,8 @@ def module_scopes(roots: Any = ()) -> Iterator[None]:
             _USERS -= 1
             if _USERS == 0:
                 _restore()
+
+
+def scopes_for_tasks(roots: Any = ()) -> contextlib.AbstractContextManager:
+    """`module_scopes` when tasks are registered (only they read the names), else a block that does nothing."""
+    return module_scopes(roots) if registered_tasks() else contextlib.nullcontext()
