@@ -334,6 +334,12 @@ def test_functional_step_split_merge_form():
     _assert_same_params(state, ref_state)
 
 
+def test_in_place_step_given_as_it_is_names_the_bridge():
+    with pytest.raises(TypeError, match=r"train_step takes 3 arguments.*NNX objects \(Net, Optimizer\).*"
+                                        r"functional_step\(train_step\)"):
+        parallelize(train_step, init_params=make_objects, get_input_batch=get_batch)
+
+
 def test_functional_step_names_a_bad_state():
     step_fn = functional_step(train_step)
     with pytest.raises(TypeError, match=r"functional_step\(train_step\).*tuple of NNX objects.*got dict"):

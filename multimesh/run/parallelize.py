@@ -25,7 +25,7 @@ from ..trace.implicit import names_in, registered_tasks
 from ..trace.microbatch import collect_pipelines
 from ..trace.nnx_scopes import scopes_for_tasks
 from ..trace.taskspec import current_global_mesh
-from .checks import check_arrays, check_outputs, checked, fun_name
+from .checks import check_arrays, check_in_place_nnx, check_outputs, checked, fun_name
 from .mpmd import MPMDFunction
 from .spmd import ShardedFunction
 
@@ -283,6 +283,7 @@ def _trace(fun: Callable, params: Any, batch: Any):
         sig = None
     if sig is not None:
         if _required_positional(fun) > 2:
+            check_in_place_nnx(fun, params, _required_positional(fun))
             return None
         try:
             sig.bind(params, batch)
