@@ -137,7 +137,8 @@ def _eval_inlined(jaxpr: Jaxpr, consts: Sequence, *args: Any) -> list:
                 return _eval_inlined(inner.jaxpr, inner.consts, *ins)
             if eqn.primitive.name in _REMAT and _unplaced_around_tasks(eqn, name_stack):
                 # A checkpoint outside every task around scopes that are tasks (`nnx.remat` of a block):
-                # placed piece by piece. Its backward still recomputes, in the backward's segments.
+                # placed piece by piece; its recomputation stays on the block's stage (under `microbatch`,
+                # in the backward's unit; without, the segment order may put it next to the forward).
                 inner = eqn.params["jaxpr"]
                 return _eval_inlined(getattr(inner, "jaxpr", inner), getattr(inner, "consts", ()), *ins)
             return bind_equation(eqn, ins)
