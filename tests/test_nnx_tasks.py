@@ -245,14 +245,19 @@ class RematNet(Net):
         return self.head(h)
 
 
-def test_blocks_under_nnx_remat_keep_their_paths():
+def _remat_parts(microbatches: int | None):
     with nnx.use_eager_sharding(False):
         graphdef, _ = nnx.split(nnx.eval_shape(lambda: RematNet(nnx.Rngs(0))), nnx.Param)
 
+    def loss(params, batch):
+        return jnp.mean((nnx.merge(graphdef, params)(batch["x"]) - batch["y"]) ** 2)
+
     def remat_step(state, batch):
-        def loss(params):
-            return jnp.mean((nnx.merge(graphdef, params)(batch["x"]) - batch["y"]) ** 2)
-        value, grads = jax.value_and_grad(loss)(state["params"])
+        if microbatches is None:
+            value, grads = jax.value_and_grad(loss)(state["params"], batch)
+        else:
+            summed = microbatch(loss, 0, BATCH // microbatches, argnum=1, schedule="gpipe")
+            value, grads = jax.value_and_grad(lambda p, b: summed(p, b) / microbatches)(state["params"], batch)
         updates, opt = TX.update(grads, state["opt"], state["params"])
         return value, {"params": optax.apply_updates(state["params"], updates), "opt": opt}
 
@@ -260,11 +265,24 @@ def test_blocks_under_nnx_remat_keep_their_paths():
         params = nnx.state(RematNet(nnx.Rngs(0)), nnx.Param)
         return {"params": params, "opt": TX.init(params)}
 
+    return remat_step, remat_init
+
+
+@pytest.mark.parametrize("microbatches", [None, 2], ids=["whole-batch", "gpipe"])
+def test_blocks_under_nnx_remat_keep_their_paths(microbatches):
+    """The copy ``nnx.remat`` makes of a block keeps the block's path; its recomputation runs on the block's
+    stage, and under a pipeline schedule in the backward units (that is what remat is for)."""
+    remat_step, remat_init = _remat_parts(microbatches)
     a, b = _stages()
     with a, b:
         step_fn, init_fn, batch_fn = parallelize(remat_step, init_params=remat_init, get_input_batch=get_batch,
                                                  strict=True)
     _check_plan_directions(step_fn.plan)
+    recomputed = [seg for seg in step_fn.plan.segments for e in seg.eqns
+                  if "rematted_computation" in str(e.source_info.name_stack)]
+    assert recomputed
+    if microbatches is not None:
+        assert all(seg.unit is not None and seg.unit.backward for seg in recomputed)
     losses, state = _train(step_fn, init_fn, batch_fn)
     ref_losses, ref_state = _reference(step, init)  # remat changes no value
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
