@@ -515,6 +515,7 @@ def _needs_config(config, rngs):
     (_returns_none, ["_returns_none", "returned None", "missing return"]),
     (_returns_state, ["_returns_state", "returned a State", "not an nnx.Module"]),
     (_needs_config, ["_needs_config", "(config, rngs)", "one argument", "lambda rngs"]),
+    (lambda: Loss(nnx.Rngs(0)), ["<lambda>", "()", "one argument, the nnx.Rngs"]),
     (3, ["model must be", "got int"]),
 ])
 def test_bad_nnx_factories_are_type_errors(factory, names):
