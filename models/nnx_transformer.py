@@ -6,10 +6,12 @@ constraints, so the two are interchangeable: :func:`from_linen` and
 :func:`to_linen` convert parameters one way and the other, and the trainer
 picks one with ``model.api: linen | nnx``.
 
-NNX modules do not open a ``jax.named_scope`` of their own, so
-:meth:`Transformer.__call__` runs ``embed``, each ``layers_{i}`` and ``head``
-under a scope of that name: ``register_task(r"embed|head|layers_(\\d+)", ...)``
-places the NNX model's stages exactly as it places the Linen model's.
+NNX modules open no ``jax.named_scope`` of their own, and this model opens
+none either: while ``parallelize`` traces a step with tasks registered,
+multimesh runs each submodule under a scope named by its attribute path
+(``embed``, ``layers_3``, ``layers_3.mlp``, ``head``; `multimesh.trace.nnx_scopes`),
+so ``register_task(r"embed|head|layers_(\\d+)", ...)`` places the NNX model's
+stages exactly as it places the Linen model's (attribute names = Linen names).
 
 Parameters are created sharded when the module is built by a ``rngs -> module``
 factory inside ``parallelize`` (evaluated abstractly, then compiled with the
@@ -192,7 +194,7 @@ class Transformer(nnx.Module):
     """Decoder-only LM: ``Transformer(config, rngs=nnx.Rngs(0))(tokens) -> float32 logits``.
 
     Submodules ``embed``, ``layers_0`` .. ``layers_{L-1}`` and ``head`` (the
-    Linen model's names); each runs under a ``jax.named_scope`` of its name.
+    Linen model's names), which are also their attribute paths.
     """
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
@@ -209,8 +211,7 @@ class Transformer(nnx.Module):
         """Stage 0: int tokens [batch, length] -> activations [batch, length, embed]."""
         if tokens.shape[-1] > self.config.max_len:
             raise ValueError(f"sequence length {tokens.shape[-1]} exceeds max_len={self.config.max_len}")
-        with jax.named_scope("embed"):
-            return self.embed(tokens)
+        return self.embed(tokens)
 
     def run_blocks(self, x: Array, start: int = 0, stop: int | None = None) -> Array:
         """Run blocks ``start .. stop-1`` on activations [batch, length, embed]."""
@@ -218,18 +219,16 @@ class Transformer(nnx.Module):
         if not 0 <= start <= stop <= self.config.num_layers:
             raise ValueError(f"bad block range [{start}, {stop}) for {self.config.num_layers} layers")
         for i in range(start, stop):
-            with jax.named_scope(f"layers_{i}"):
-                if self.config.remat:
-                    x = nnx.remat(lambda blk, y: blk(y))(self.block(i), x)
-                else:
-                    x = self.block(i)(x)
+            if self.config.remat:  # the copy nnx.remat makes keeps the block's path (layers_i)
+                x = nnx.remat(lambda blk, y: blk(y))(self.block(i), x)
+            else:
+                x = self.block(i)(x)
         return x
 
     def compute_logits(self, x: Array) -> Array:
         """Last stage: activations -> float32 logits [batch, length, vocab]."""
-        with jax.named_scope("head"):
-            emb = self.embed.embedding[...] if self.config.tie_embeddings else None
-            return self.head(x, emb)
+        emb = self.embed.embedding[...] if self.config.tie_embeddings else None
+        return self.head(x, emb)
 
     def __call__(self, tokens: Array) -> Array:
         return self.compute_logits(self.run_blocks(self.embed_tokens(tokens)))

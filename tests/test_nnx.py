@@ -163,6 +163,17 @@ def test_nnx_layout_matches_one_device(name, tmp_path, nnx_reference):
         assert shard == {"dp": (32, mlp_dim), "fsdp": (32 // 8, mlp_dim), "tp": (32, mlp_dim // 8)}[name]
 
 
+def test_nnx_pipeline_with_remat_finds_stages_by_attribute_path(tmp_path, nnx_reference):
+    """The NNX transformer opens no scope itself: the pipeline's registrations find ``embed``, ``layers_i``
+    and ``head`` by attribute path, blocks run through ``nnx.remat`` included."""
+    cfg = _nnx_config("pipeline", tmp_path, "model.remat=true")
+    got, state = _curve(cfg, NNX_STEPS)
+    np.testing.assert_allclose(got, nnx_reference(cfg, NNX_STEPS), rtol=RTOL)
+    params = state["params"]
+    assert {d.id for d in params["layers_0"]["mlp"]["wi_0"]["kernel"][...].sharding.device_set} == {0, 1, 2, 3}
+    assert {d.id for d in params["head"]["output"]["kernel"][...].sharding.device_set} == {4, 5, 6, 7}
+
+
 @pytest.mark.slow  # ~2 min: a whole pipeline run of the NNX model through train(), then sampling
 def test_nnx_pipeline_run_writes_the_schedule_and_samples(tmp_path, nnx_reference):
     from trainers.sample import sample_text

@@ -1,1 +1,2 @@
-"""Flax adapters: `task(Module)` and `parallelize_step` (Flax metadata is read by `core.metadata`)."""
+"""Flax adapters: `task(Module)`, `parallelize_step`, and `functional_step` for NNX steps that update in
+place (Flax metadata is read by `core.metadata`)."""

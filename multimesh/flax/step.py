@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -17,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from ..core.rules import MeshAxes, Rules, standard_rules
 from ..run.parallelize import parallelize
 from ..trace.linen_constraints import flax_context_rules
+from .nnx_bridge import nnx_model_parts
 
 __all__ = ["parallelize_step", "shard_axes"]
 
@@ -30,38 +30,11 @@ def shard_axes(*names: str | None, init: Callable = nn.initializers.xavier_norma
     return nn.with_logical_partitioning(init, names)
 
 
-def _nnx_parts(model: Any, seed: int) -> tuple[Callable[[], Any], Callable]:
-    """For an NNX module (or ``rngs -> module`` factory): params builder and apply."""
-    if isinstance(model, nnx.Module):
-        graphdef, params, *rest = nnx.split(model, nnx.Param, ...)
-        make = lambda: params
-    else:
-        factory = model
-        with nnx.use_eager_sharding(False):
-            graphdef, _, *rest = nnx.split(nnx.eval_shape(lambda: factory(nnx.Rngs(seed))), nnx.Param, ...)
-
-        def make():
-            return nnx.split(factory(nnx.Rngs(seed)), nnx.Param, ...)[1]
-
-    if any(len(jax.tree.leaves(r)) for r in rest):
-        kinds = sorted({type(v).__name__ for r in rest for v in jax.tree.leaves(r, is_leaf=lambda x: isinstance(x, nnx.Variable))})
-        raise ValueError(
-            f"parallelize_step trains nnx.Param variables only; the model also holds {kinds}. "
-            f"Keep such state outside the module, or split it yourself and use parallelize()"
-        )
-
-    def apply(params: Any, batch: Any) -> Any:
-        return nnx.merge(graphdef, params, *rest)(batch)
-
-    return make, apply
-
-
-def _is_nnx(model: Any) -> bool:
-    if isinstance(model, nnx.Module) or (isinstance(model, type) and issubclass(model, nnx.Module)):
-        return True
+def _is_linen(model: Any) -> bool:
+    """A Linen module, or an object with Linen's ``init``/``apply``; everything else goes the NNX way."""
     if isinstance(model, nn.Module):
-        return False
-    return callable(model) and len(inspect.signature(model).parameters) == 1
+        return True
+    return not isinstance(model, (nnx.Module, type)) and hasattr(model, "init") and hasattr(model, "apply")
 
 
 def parallelize_step(
@@ -76,6 +49,7 @@ def parallelize_step(
     seed: int = 42,
     rng: jax.Array | None = None,
     donate: bool = True,
+    strict: bool = False,
 ) -> tuple:
     """A sharded training step for a model whose ``apply(params, batch)`` is the loss.
 
@@ -90,6 +64,14 @@ def parallelize_step(
     ``False`` shards its leading dimension over the data axes (rule
     ``"batch"``). ``rules`` default to those of Flax's ``nn.logical_axis_rules``
     context in force, else `standard_rules` for the mesh's axes.
+    ``strict=True`` makes indivisible dimensions, logical names without a
+    rule and `register_task` patterns that match nothing errors (as
+    `parallelize`'s ``strict``).
+
+    An NNX factory is called with an `nnx.Rngs` of ``seed`` (positionally,
+    else as ``rngs=``) and must return the `nnx.Module`: anything else is a
+    TypeError naming the factory. For an NNX step that updates a model and an
+    `nnx.Optimizer` in place, use `parallelize` with `functional_step`.
 
     Returns ``(step, state, mesh)`` with ``global_batch``, or
     ``(step, state, mesh, prepare_batch)`` with ``local_batch`` (this
@@ -112,8 +94,8 @@ def parallelize_step(
     else:
         example = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)), global_batch)
 
-    if _is_nnx(model):
-        make_params, apply_fn = _nnx_parts(model, seed)
+    if not _is_linen(model):
+        make_params, apply_fn = nnx_model_parts(model, seed)
     else:
         apply_fn = model.apply
         make_params = lambda: model.init(key, jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), example))
@@ -134,6 +116,7 @@ def parallelize_step(
         rules=rules,
         batch_spec=batch_spec,
         donate=donate,
+        strict=strict,
     )
     state = sharded_init()
     if global_batch is not None:

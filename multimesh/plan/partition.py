@@ -116,6 +116,7 @@ def _mib(n: int) -> str:
 
 _INLINED = ("jit", "pjit", "closed_call")
 _CUSTOM = ("custom_vjp_call", "custom_jvp_call")
+_REMAT = ("checkpoint", "remat2")  # jax.checkpoint's primitive (its body: an open jaxpr)
 
 
 def _eval_inlined(jaxpr: Jaxpr, consts: Sequence, *args: Any) -> list:
@@ -135,9 +136,21 @@ def _eval_inlined(jaxpr: Jaxpr, consts: Sequence, *args: Any) -> list:
                 # Not differentiated any further (the trace is final): its primal body is the program.
                 inner = eqn.params["call_jaxpr"]
                 return _eval_inlined(inner.jaxpr, inner.consts, *ins)
+            if eqn.primitive.name in _REMAT and _unplaced_around_tasks(eqn, name_stack):
+                # A checkpoint outside every task around scopes that are tasks (`nnx.remat` of a block):
+                # placed piece by piece; its recomputation stays on the block's stage (under `microbatch`,
+                # in the backward's unit; without, the segment order may put it next to the forward).
+                inner = eqn.params["jaxpr"]
+                return _eval_inlined(getattr(inner, "jaxpr", inner), getattr(inner, "consts", ()), *ins)
             return bind_equation(eqn, ins)
 
     return interpret(jaxpr, consts, args, inline)
+
+
+def _unplaced_around_tasks(eqn: Any, name_stack: Any) -> bool:
+    inner = eqn.params.get("jaxpr")
+    return (implicit_placement(name_stack) is None and inner is not None
+            and has_tasks(getattr(inner, "jaxpr", inner)))
 
 
 def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..core.fmt import device_span, keypath_str
@@ -24,6 +25,7 @@ __all__ = [
     "DonatedArrayError",
     "StepInputError",
     "check_arrays",
+    "check_in_place_nnx",
     "check_outputs",
     "check_shapes",
     "checked",
@@ -96,6 +98,18 @@ def check_outputs(out: Any, fun: Callable) -> None:
             f"numbers (in any pytree). Return other values (strings, objects) from a function around the step, "
             f"or keep them out of the returned tree"
         )
+
+
+def check_in_place_nnx(fun: Callable, params: Any, required: int) -> None:
+    """A step of NNX objects and a batch (``train_step(model, optimizer, batch)``, updating them in place)
+    given to `parallelize` as it is: a TypeError naming the bridge."""
+    objects = params if isinstance(params, (tuple, list)) else (params,)
+    if required == len(objects) + 1 and any(isinstance(o, nnx.Pytree) for o in objects):
+        kinds = ", ".join(type(o).__name__ for o in objects)
+        raise TypeError(
+            f"parallelize calls fun(params, batch), but {fun_name(fun)} takes {required} arguments and the "
+            f"parameters are NNX objects ({kinds}): a step that updates them in place goes through "
+            f"multimesh.jax.flax.functional_step, parallelize(functional_step({fun_name(fun)}), init_params=...)")
 
 
 def check_arrays(tree: Any, what: str, leaf: str) -> None:

@@ -25,6 +25,7 @@ from ..core.placement import Placement, use_placement
 from ..core.rules import MeshAxes, Rules
 from ..plan.partition import Plan, make_plan
 from ..trace.microbatch import collect_pipelines
+from ..trace.nnx_scopes import scopes_for_tasks
 from ..trace.taskspec import current_global_mesh
 from .runtime import Runtime
 
@@ -158,7 +159,9 @@ class MJitFunction:
         avals = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)) for x in flat]
 
         def traced(*leaves: Any) -> Any:  # a fresh function: JAX's trace cache cannot see our placement
-            return self.fun(*jax.tree.unflatten(tree, list(leaves)))
+            args = jax.tree.unflatten(tree, list(leaves))
+            with scopes_for_tasks(args):  # registered tasks find NNX submodules by attribute path
+                return self.fun(*args)
 
         with use_placement(placement.deferring()), collect_pipelines() as pipelines:
             closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(*avals)

@@ -24,9 +24,10 @@ from ..plan.partition import Plan, make_plan
 from ..trace.implicit import names_in, registered_tasks
 from ..trace.linen_constraints import flax_context_rules
 from ..trace.microbatch import collect_pipelines
+from ..trace.nnx_scopes import scopes_for_tasks
 from ..trace.taskspec import current_global_mesh
 from .advice import warn_replicated_batch
-from .checks import check_arrays, check_outputs, checked, fun_name
+from .checks import check_arrays, check_in_place_nnx, check_outputs, checked, fun_name
 from .initializers import with_initializers
 from .mpmd import MPMDFunction
 from .spmd import ShardedFunction
@@ -292,6 +293,7 @@ def _trace(fun: Callable, params: Any, batch: Any):
         sig = None
     if sig is not None:
         if _required_positional(fun) > 2:
+            check_in_place_nnx(fun, params, _required_positional(fun))
             return None
         try:
             sig.bind(params, batch)
@@ -299,7 +301,9 @@ def _trace(fun: Callable, params: Any, batch: Any):
             raise TypeError(f"parallelize calls fun(params, batch), but {fun_name(fun)}{sig} cannot take two "
                             f"positional arguments ({e}); take the parameters first and the batch second") from None
     def traced(p, b):  # a fresh function each time: JAX's trace cache cannot see our placement
-        out = fun(p, b)
+        # Registered tasks match NNX submodules by their attribute paths: scopes while tracing.
+        with scopes_for_tasks(p):
+            out = fun(p, b)
         check_outputs(out, fun)
         return out
 

@@ -239,7 +239,9 @@ def register_task(
 
     Args:
       regex: matched (`re.fullmatch`) against each name in an equation's scope
-        stack, outermost first: a module's name (``"layers_3"``) or a named scope.
+        stack, outermost first: a Linen module's name (``"layers_3"``), a named
+        scope, or a Flax NNX submodule's attribute path from the model, parts
+        joined with ``.`` (``"blocks.3"``, ``"blocks.3.mlp"``; see `trace.nnx_scopes`).
         A Linen module's other methods run under ``module.method``
         (``"embed.attend"``): a pattern for the module matches them too, and a
         pattern for the whole ``module.method`` name takes precedence over it.

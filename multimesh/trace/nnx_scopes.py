@@ -1,0 +1,195 @@
+"""Named scopes for Flax NNX submodules while multimesh traces a step.
+
+Flax Linen runs every module method under a `jax.named_scope`, which is how
+`register_task` finds a module's equations. Flax NNX opens none. While
+`module_scopes()` is active, each call of an NNX module's ``__call__`` (or of
+another public method its class defines) runs under a `jax.named_scope` named
+by the module's *attribute path* from the model: the attribute names and list
+or dict keys joined with `SEPARATOR` (``blocks.3``, ``layers.0.mlp``). Nested
+calls nest their scopes, each named with its whole path (``blocks.3`` then
+``blocks.3.mlp``), so a registration ``blocks\\.3`` matches the block and
+everything it calls, and ``blocks\\.3\\.mlp`` its MLP alone. The backward
+equations carry the same names (``transpose(jvp(blocks.3))``), so the backward
+of a submodule lands with its forward. The model itself is not changed.
+
+Which module is "the model": the outermost module call (its path is the empty
+path and opens no scope), or a module passed to the traced step (``roots``).
+A copy that an NNX transform (``nnx.remat``, ``nnx.vmap``, ``nnx.value_and_grad``,
+...) made of a module has its original's path: NNX's transforms record, while
+they run, which copy stands for which original. A module under no model's
+attributes (made inside the step, say) opens no scope: its equations stay in
+its caller's scope.
+
+The methods are wrapped on the classes (every subclass of `nnx.Module`
+defined when the block starts) for the block's duration and restored after
+it, even on error; outside the block, or in another thread, the wrappers
+only call through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import inspect
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+from flax import nnx
+from flax.nnx import graphlib
+
+from .implicit import registered_tasks
+
+__all__ = ["SEPARATOR", "module_path", "module_scopes", "scopes_for_tasks"]
+
+#: Joins the parts of a submodule's attribute path into its scope name: ``blocks.3.mlp``.
+SEPARATOR = "."
+_MAX_COPIES = 16  # NNX transforms nested inside each other that a copy is traced back through
+
+
+def module_path(parts: tuple) -> str:
+    """``('blocks', 3, 'mlp')`` -> ``'blocks.3.mlp'`` (the root, ``()``, is ``''``)."""
+    return SEPARATOR.join(str(p) for p in parts)
+
+
+class _Tracing:
+    """The module calls being traced in one `module_scopes` block."""
+
+    def __init__(self, roots: list[nnx.Module]):
+        self.roots: list[tuple[nnx.Module, dict[int, str]]] = []  # kept alive: their ids stay theirs
+        self.stack: list[tuple[nnx.Module, dict[int, str] | None]] = []
+        for root in roots:
+            self._add_root(root)
+
+    def _add_root(self, root: nnx.Module) -> dict[int, str]:
+        try:
+            paths = {id(m): module_path(p) for p, m in nnx.iter_modules(root)}
+        except Exception:  # a module half built, say: its calls open no scopes
+            paths = {}
+        paths.setdefault(id(root), "")
+        self.roots.append((root, paths))
+        return paths
+
+    def _find(self, module: nnx.Module) -> tuple[dict[int, str] | None, str | None]:
+        """(the path table ``module`` belongs to, its path), searching the calls in progress innermost
+        first, then every model seen, then (for a copy an NNX transform made) its original's;
+        (None, None) when it is in none."""
+        tables = [t for _, t in reversed(self.stack) if t is not None] + [t for _, t in reversed(self.roots)]
+        for _ in range(_MAX_COPIES):
+            for table in tables:
+                if id(module) in table:
+                    return table, table[id(module)]
+            module = _original_of(module)
+            if module is None:
+                break
+        return None, None
+
+    @contextlib.contextmanager
+    def call(self, module: nnx.Module) -> Iterator[None]:
+        if self.stack and self.stack[-1][0] is module:  # a method calling another of its own: one scope
+            yield
+            return
+        table, path = self._find(module)
+        if table is None and not self.stack:
+            table, path = self._add_root(module), ""  # the model, called from the step
+        self.stack.append((module, table))
+        try:
+            if path:
+                with jax.named_scope(path):
+                    yield
+            else:
+                yield
+        finally:
+            self.stack.pop()
+
+
+def _original_of(module: nnx.Module) -> nnx.Module | None:
+    """The module an NNX transform (``nnx.remat``, ``nnx.vmap``, ``nnx.jit``, ...) copied ``module`` from.
+
+    NNX's graph-mode transforms keep, while they run, which inner object stands for which outer one
+    (to write updates back); that map is read here. Flax internals: None when they are not there.
+    """
+    try:
+        stacks = graphlib.GRAPH_CONTEXT.update_context_stacks
+        for stack in stacks.values():
+            for ctx in reversed(stack):
+                inner, outer = ctx.inner_ref_outer_index, ctx.outer_index_outer_ref
+                if inner is not None and outer is not None and module in inner:
+                    return outer[inner[module]]
+    except (AttributeError, KeyError, TypeError):
+        pass
+    return None
+
+
+_ACTIVE: contextvars.ContextVar[_Tracing | None] = contextvars.ContextVar("multimesh_nnx_tracing", default=None)
+_LOCK = threading.Lock()
+_PATCHED: dict[tuple[type, str], Callable] = {}  # (class, method name) -> the original
+_USERS = 0  # active blocks, in all threads: the last to end restores the classes
+
+
+def _scoped(method: Callable) -> Callable:
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        tracing = _ACTIVE.get()
+        if tracing is None or not isinstance(self, nnx.Module):
+            return method(self, *args, **kwargs)
+        with tracing.call(self):
+            return method(self, *args, **kwargs)
+
+    return call
+
+
+def _module_classes() -> list[type]:
+    seen, todo = [], list(nnx.Module.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        if cls not in seen:
+            seen.append(cls)
+            todo.extend(cls.__subclasses__())
+    return seen
+
+
+def _patch() -> None:
+    for cls in _module_classes():
+        for name, value in list(vars(cls).items()):
+            if inspect.isfunction(value) and (name == "__call__" or not name.startswith("_")):
+                _PATCHED[(cls, name)] = value
+                setattr(cls, name, _scoped(value))
+
+
+def _restore() -> None:
+    for (cls, name), original in _PATCHED.items():
+        setattr(cls, name, original)
+    _PATCHED.clear()
+
+
+@contextlib.contextmanager
+def module_scopes(roots: Any = ()) -> Iterator[None]:
+    """While active (in this thread), NNX module calls run under scopes named by their attribute paths.
+
+    ``roots``: a pytree whose `nnx.Module` nodes (the step's model, say) are models: their
+    submodules are named by their paths from them, wherever they are called from.
+    """
+    global _USERS
+    models = [x for x in jax.tree.leaves(roots, is_leaf=lambda x: isinstance(x, nnx.Module))
+              if isinstance(x, nnx.Module)]
+    with _LOCK:
+        if _USERS == 0:
+            _patch()
+        _USERS += 1
+    token = _ACTIVE.set(_Tracing(models))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+        with _LOCK:
+            _USERS -= 1
+            if _USERS == 0:
+                _restore()
+
+
+def scopes_for_tasks(roots: Any = ()) -> contextlib.AbstractContextManager:
+    """`module_scopes` when tasks are registered (only they read the names), else a block that does nothing."""
+    return module_scopes(roots) if registered_tasks() else contextlib.nullcontext()
