@@ -137,6 +137,17 @@ def train_state(params: Any) -> dict:
     return {"params": params, "opt": TX.init(params)}
 
 
+def initializer(make_params: Callable[[jax.Array], Any]) -> Callable[[], dict]:
+    """The train state's initializer, from parameters made once, on one device, and kept on the
+    host (with their Linen boxes or NNX variables, so their sharding metadata): what `parallelize`
+    compiles then returns constants instead of running the model's random initializers again for
+    every layout. On CPU those initializers cost more compile time than the training step of such
+    tiny models; made here eagerly with the cheap "rbg" generator (every run starts from these
+    same values, so which generator made them does not matter)."""
+    params = jax.device_get(make_params(jax.random.key(0, impl="rbg")))
+    return lambda: train_state(jax.tree.map(jnp.asarray, params))
+
+
 @dataclasses.dataclass(frozen=True)
 class Model:
     """A vendored model as a user sets it up: its loss and state, its SPMD layout (``spmd``:
@@ -173,7 +184,7 @@ def lm1b() -> Model:
     rules = (("batch", "data"), ("mlp", "model"), ("kv", "model"), ("vocab", "model"))
     return Model(
         "flax_lm1b",
-        init=lambda: train_state(model.init(jax.random.key(0), jnp.ones((1, LENGTH), jnp.int32))),
+        init=initializer(lambda key: model.init(key, jnp.ones((1, LENGTH), jnp.int32))),
         loss=loss,
         spmd={"mesh": {"data": 4, "model": 2}, "rules": rules},
         stages=(r"Embed_0|posembed_output|encoderdecoderblock_0",
@@ -185,8 +196,8 @@ def lm1b() -> Model:
 
 def wmt() -> Model:
     models = _load_file("thirdparty_flax_wmt_models", THIRDPARTY / "flax_wmt" / "models.py")
-    config = models.TransformerConfig(
-        vocab_size=VOCAB, output_vocab_size=VOCAB, emb_dim=16, num_heads=2, num_layers=2, qkv_dim=16,
+    config = models.TransformerConfig(  # one encoder and one decoder layer: a stage each
+        vocab_size=VOCAB, output_vocab_size=VOCAB, emb_dim=16, num_heads=2, num_layers=1, qkv_dim=16,
         mlp_dim=32, max_len=LENGTH, dropout_rate=0.0, attention_dropout_rate=0.0, deterministic=True)
     model = models.Transformer(config)
 
@@ -201,7 +212,7 @@ def wmt() -> Model:
     one = jnp.ones((1, LENGTH), jnp.int32)
     return Model(
         "flax_wmt",
-        init=lambda: train_state(model.init(jax.random.key(0), one, one)),
+        init=initializer(lambda key: model.init(key, one, one)),
         loss=loss,
         spmd={"mesh": {"data": 4, "model": 2}, "rules": rules, "param_rules": param_rules},
         stages=(r"encoder", r"decoder"),
@@ -219,7 +230,7 @@ def nanodo() -> Model:
 
     return Model(
         "nanodo",
-        init=lambda: train_state(model.init(jax.random.key(0), jnp.ones((1, LENGTH), jnp.int32))),
+        init=initializer(lambda key: model.init(key, jnp.ones((1, LENGTH), jnp.int32))),
         loss=loss,
         spmd={"mesh": {"data": 8}, "rules": (("batch", "data"),)},   # its FSDP: parameters over "data"
         # the blocks only: the tied embedding (embed, then embed.attend) is left where its uses
@@ -244,8 +255,9 @@ def gemma() -> Model:
         with nnx.use_eager_sharding(False):  # the graph only, abstractly (docs/spmd.md, NNX)
             graphdef, _ = nnx.split(nnx.eval_shape(lambda: tf.Transformer(config, rngs=nnx.Rngs(0))), nnx.Param)
 
-        def init():
-            return train_state(nnx.state(tf.Transformer(config, rngs=nnx.Rngs(0)), nnx.Param))
+        def params(key):
+            with nnx.use_eager_sharding(False):  # made on one device; laid out by parallelize
+                return nnx.state(tf.Transformer(config, rngs=nnx.Rngs(key)), nnx.Param)
 
         def loss(params, batch):
             tokens = batch["inputs"]
@@ -253,7 +265,7 @@ def gemma() -> Model:
             logits, _ = nnx.merge(graphdef, params)(
                 tokens, tf.build_positions_from_mask(mask), None, tf.make_causal_attn_mask(mask))
             return cross_entropy(logits[:, :-1], tokens[:, 1:])
-        return init, loss
+        return initializer(params), loss
 
     # the example's own FSDP x tensor-parallel config, on a mesh made as its train.py makes it
     init, loss = program(config(cfg.ShardingConfig.fsdp_tp_sharding(
@@ -282,10 +294,17 @@ def model(name: str) -> Model:
 
 # ----------------------------------------------------------------- the three programs, built once
 @functools.cache
+def reference_step(name: str) -> Callable:
+    """The step on one device: no mesh, no tasks, no microbatches."""
+    m = model(name)
+    return jax.jit(make_step(m.reference_loss or m.loss))
+
+
+@functools.cache
 def reference(name: str) -> tuple[list[float], list[Any]]:
     """The one-device run: STEPS losses and the host state after each step."""
     m = model(name)
-    step = jax.jit(make_step(m.reference_loss or m.loss))
+    step = reference_step(name)
     state, batch = jax.jit(m.reference_init or m.init)(), get_batch()
     losses, states = [], []
     for _ in range(STEPS):
@@ -360,7 +379,7 @@ SPMD_SHARDS = {
     # ("embed", "mlp") -> mlp over model=2
     "flax_lm1b": ("params/decoder/encoderdecoderblock_0/MlpBlock_0/Dense_0/kernel", P(None, "model"), (16, 16)),
     # no metadata: the path rule (None, "mlp") -> mlp over model=2
-    "flax_wmt": ("params/encoder/encoderblock_1/MlpBlock_0/Dense_0/kernel", P(None, "model"), (16, 16)),
+    "flax_wmt": ("params/encoder/encoderblock_0/MlpBlock_0/Dense_0/kernel", P(None, "model"), (16, 16)),
     # nn.with_partitioning(..., (None, "data")): D=16 over data=8
     "nanodo": ("params/embed/embedding", P(None, "data"), (VOCAB, 2)),
     # out_sharding P("fsdp", "tp") of the gate projection: (16, 32) over fsdp=4 x tp=2
@@ -458,7 +477,7 @@ def test_checkpoint_across_layouts(name, source, target, tmp_path):
             restored = mgr.restore(SAVE_AT, target=step_fn)
         expected = jax.tree.leaves(step_fn.param_shardings)
     else:
-        step_fn = jax.jit(make_step(model(name).reference_loss or model(name).loss))
+        step_fn = reference_step(name)
         with CheckpointManager(tmp_path / "ckpt", read_only=True) as mgr:
             restored = mgr.restore(SAVE_AT, target=one_device_target(name))
         expected = [SingleDeviceSharding(jax.devices()[0])] * len(jax.tree.leaves(saved))
