@@ -159,10 +159,11 @@ class Model:
     init: Callable[[], dict]
     loss: Callable[[Any, dict], jax.Array]
     spmd: dict
-    stages: tuple[str, str]
-    stage_mesh: dict
-    stage_params: tuple[tuple[str, ...], tuple[str, ...]]
+    stages: tuple[str, str] | None = None
+    stage_mesh: dict | None = None
+    stage_params: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
     stage_rules: tuple = ()
+    batch: Callable[[], dict] = get_batch
     param_rules: dict | None = None
     #: the one-device program, where it differs (Gemma: the same model without sharding)
     reference_init: Callable[[], dict] | None = None
@@ -284,7 +285,69 @@ def gemma() -> Model:
         context=lambda: jax.set_mesh(mesh))
 
 
-MODELS: dict[str, Callable[[], Model]] = {"flax_lm1b": lm1b, "flax_wmt": wmt, "nanodo": nanodo, "flax_gemma": gemma}
+def guide_cells(page: Path, *markers: str) -> list[str]:
+    """The code cells (```{code-cell} ...) of a MyST notebook page that contain one of ``markers``, in order."""
+    cells, lines, i = [], page.read_text().splitlines(), 0
+    while i < len(lines):
+        if lines[i].startswith("```{code-cell}"):
+            end = lines.index("```", i + 1)
+            cells.append("\n".join(lines[i + 1:end]) + "\n")
+            i = end
+        i += 1
+    return [c for c in cells if any(m in c for m in markers)]
+
+
+def flax_on_pjit() -> Model:
+    """Flax's guide "Scale up Flax Modules on multiple devices": its LogicalMLP, a stack of blocks
+    under nn.scan (parameters with a leading "layer" axis), logical names in
+    nn.with_logical_partitioning and nn.with_logical_constraint, and a jax.lax.with_sharding_constraint
+    to the guide's own 2 x 4 mesh. Its cells run as they are, in a namespace of their own: the
+    imports, the mesh and `mesh_sharding`, and the model; the one-device reference runs them with
+    `mesh` set to one device (the guide's constraint then names that device)."""
+    page = THIRDPARTY / "flax_on_pjit" / "flax_on_pjit.md"
+    cells = guide_cells(page, "import functools", "from jax.sharding import Mesh", "def mesh_sharding",
+                        "class LogicalDotReluDot")
+    assert len(cells) == 4, "the guide's cells changed"
+
+    def guide(one_device: bool) -> dict:
+        # a module of its own (Linen modules are dataclasses: their module must be importable)
+        module = types.ModuleType(f"thirdparty_flax_on_pjit_{'one_device' if one_device else 'mesh'}")
+        sys.modules[module.__name__] = module
+        with contextlib.redirect_stdout(None):       # the cells print the mesh
+            for cell in cells:
+                exec(compile(cell, str(page), "exec"), module.__dict__)
+        if one_device:
+            module.mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+        return module.__dict__
+
+    depth, width = 32, 16
+
+    def program(namespace):
+        model = namespace["LogicalMLP"](2, depth, True)   # num_layers, depth, use_scan
+
+        def loss(params, batch):
+            out = model.apply(params, batch["x"])
+            return jnp.sum((out - batch["y"]) ** 2) / (BATCH * width)
+        return model, loss
+
+    namespace = guide(one_device=False)
+    model, loss = program(namespace)
+    _, reference_loss = program(guide(one_device=True))
+
+    def batch():
+        x = jax.random.normal(jax.random.key(1), (BATCH, width))
+        return {"x": x, "y": jnp.sin(x)}
+
+    return Model(
+        "flax_on_pjit",
+        init=initializer(lambda key: model.init(key, jnp.ones((1, width)))),
+        loss=loss, reference_loss=reference_loss, batch=batch,
+        # the guide's mesh and rules; "layer" (the scan axis) and "embed" have no rule: replicated
+        spmd={"mesh": namespace["mesh"], "rules": (("batch", "data"), ("hidden", "model"))})
+
+
+MODELS: dict[str, Callable[[], Model]] = {"flax_lm1b": lm1b, "flax_wmt": wmt, "nanodo": nanodo, "flax_gemma": gemma,
+                                          "flax_on_pjit": flax_on_pjit}
 
 
 @functools.cache
@@ -305,7 +368,7 @@ def reference(name: str) -> tuple[list[float], list[Any]]:
     """The one-device run: STEPS losses and the host state after each step."""
     m = model(name)
     step = reference_step(name)
-    state, batch = jax.jit(m.reference_init or m.init)(), get_batch()
+    state, batch = jax.jit(m.reference_init or m.init)(), m.batch()
     losses, states = [], []
     for _ in range(STEPS):
         loss, state = step(state, batch)
@@ -318,7 +381,7 @@ def reference(name: str) -> tuple[list[float], list[Any]]:
 def spmd(name: str):
     m = model(name)
     with m.context():
-        return parallelize(make_step(m.loss), init_params=m.init, get_input_batch=get_batch, **m.spmd)
+        return parallelize(make_step(m.loss), init_params=m.init, get_input_batch=m.batch, **m.spmd)
 
 
 def stage_meshes(m: Model) -> list:
@@ -332,7 +395,7 @@ def pipeline(name: str):
     with m.context(), contextlib.ExitStack() as registrations:
         for pattern, mesh in zip(m.stages, stage_meshes(m)):
             registrations.enter_context(register_task(pattern, mesh=mesh, logical_axes=m.stage_rules))
-        return parallelize(make_step(m.loss, MICROBATCHES), init_params=m.init, get_input_batch=get_batch,
+        return parallelize(make_step(m.loss, MICROBATCHES), init_params=m.init, get_input_batch=m.batch,
                            param_rules=m.param_rules, strict=True)
 
 
@@ -384,10 +447,12 @@ SPMD_SHARDS = {
     "nanodo": ("params/embed/embedding", P(None, "data"), (VOCAB, 2)),
     # out_sharding P("fsdp", "tp") of the gate projection: (16, 32) over fsdp=4 x tp=2
     "flax_gemma": ("layers/0/mlp/gate_proj/kernel", P("fsdp", "tp"), (4, 16)),
+    # nn.scan stacks the blocks: (layer, embed, hidden) = (2, 16, 32), hidden over model=4
+    "flax_on_pjit": ("params/ScanLogicalDotReluDot_0/Dense_0/kernel", P(None, None, "model"), (2, 16, 8)),
 }
 
 
-@pytest.mark.parametrize("name", ["flax_lm1b", "flax_wmt", "nanodo", "flax_gemma"])
+@pytest.mark.parametrize("name", ["flax_lm1b", "flax_wmt", "nanodo", "flax_gemma", "flax_on_pjit"])
 def test_spmd_equals_one_device(name):
     losses, state = run(name, spmd(name), SAVE_AT)
     assert_matches_reference(name, losses, state)
@@ -397,6 +462,32 @@ def test_spmd_equals_one_device(name):
         assert array.sharding.spec == spec, (path, array.sharding.spec)
         assert {s.data.shape for s in array.addressable_shards} == {shard}
         assert len(array.sharding.device_set) == 8
+
+
+def activation_constraints(step_fn, state, batch, shape: tuple[int, ...]) -> int:
+    """How many sharding constraints the lowered step puts on values of ``shape`` (float32)."""
+    tensor = "tensor<" + "x".join(map(str, shape)) + "xf32>"
+    return sum(1 for line in step_fn.lower(state, batch).as_text().splitlines()
+               if tensor in line and ("sharding_constraint" in line or "@Sharding" in line))
+
+
+@pytest.mark.xfail(strict=True, reason="issue 21: Flax nn.with_logical_constraint is not resolved by "
+                                       "parallelize's rules (Flax makes it a no-op without its own "
+                                       "nn.logical_axis_rules and a mesh in context)")
+def test_flax_logical_constraint_resolved_by_rules():
+    """The guide's block constrains its output z to ("batch", "embed"): under `parallelize`'s rules
+    that is ("data", None), the constraint a Flax user gets inside jax.set_mesh(mesh) and
+    nn.logical_axis_rules(rules) (forward and backward)."""
+    import flax.linen as nn
+    m = model("flax_on_pjit")
+    step_fn, init_fn, batch_fn = spmd("flax_on_pjit")
+    state, batch = init_fn(), batch_fn()
+    z = (BATCH, 16)
+    with jax.set_mesh(m.spmd["mesh"]), nn.logical_axis_rules(m.spmd["rules"]):
+        flax_step = parallelize(make_step(m.loss), init_params=m.init, get_input_batch=m.batch, **m.spmd)[0]
+        expected = activation_constraints(flax_step, state, batch, z)
+    assert expected == 2
+    assert activation_constraints(step_fn, state, batch, z) == expected
 
 
 # ----------------------------------------------------------------- pipeline
@@ -462,6 +553,7 @@ def one_device_target(name: str) -> Any:
     ("flax_wmt", "pipeline", "spmd"),
     ("nanodo", "spmd", "one device"),
     ("flax_gemma", "spmd", "one device"),
+    ("flax_on_pjit", "spmd", "one device"),
 ])
 def test_checkpoint_across_layouts(name, source, target, tmp_path):
     """Save after SAVE_AT steps on ``source``, restore onto ``target`` bit for bit, and train on:
@@ -490,7 +582,7 @@ def test_checkpoint_across_layouts(name, source, target, tmp_path):
     state, losses = restored.state, []
     with model(name).context() if target == "spmd" else contextlib.nullcontext():
         for _ in range(STEPS - SAVE_AT):
-            loss, state = step_fn(state, get_batch())
+            loss, state = step_fn(state, model(name).batch())
             losses.append(float(loss))
     assert_matches_reference(name, losses, state, first=SAVE_AT)
 
@@ -507,7 +599,7 @@ def test_vendored_files_are_unmodified():
             if line and not line.startswith("#")]
     listed = {row[0]: row[4] for row in rows}
     vendored = {str(p.relative_to(THIRDPARTY)) for p in THIRDPARTY.rglob("*")
-                if p.is_file() and (p.suffix == ".py" or p.name == "LICENSE")}
+                if p.is_file() and p.name not in ("README.md", "MANIFEST.tsv") and "__pycache__" not in p.parts}
     assert vendored == set(listed)
     for path, blob in listed.items():
         assert git_blob_id(THIRDPARTY / path) == blob, f"{path} differs from its upstream blob {blob}"
