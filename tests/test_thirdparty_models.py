@@ -464,6 +464,103 @@ def test_spmd_equals_one_device(name):
         assert len(array.sharding.device_set) == 8
 
 
+# ----------------------------------------------------------------- the users' own state objects
+def test_flax_on_pjit_guide_train_state():
+    """The guide's own `init_fn`: a flax TrainState built inside the initializer (with its optax
+    optimizer and apply_fn as static fields), trained by `state.apply_gradients`, as in the guide."""
+    m = model("flax_on_pjit")
+    guide = sys.modules["thirdparty_flax_on_pjit_mesh"].__dict__
+    page = THIRDPARTY / "flax_on_pjit" / "flax_on_pjit.md"
+    exec(compile(guide_cells(page, "def init_fn(")[0], str(page), "exec"), guide)
+    init_fn, net = guide["init_fn"], guide["LogicalMLP"](2, 32, True)
+    params = jax.tree.map(jnp.asarray, jax.device_get(m.init()["params"]["params"]))   # the reference's values
+
+    def init():
+        state = init_fn(jax.random.key(0), jnp.ones((1, 16)), net, TX)
+        return state.replace(params=params, opt_state=TX.init(params))
+
+    def step(state, batch):
+        loss, grads = jax.value_and_grad(lambda p: m.loss({"params": p}, batch))(state.params)
+        return loss, state.apply_gradients(grads=grads)
+
+    step_fn, init_state, batch_fn = parallelize(step, init_params=init, get_input_batch=m.batch, **m.spmd)
+    state, batch, losses = init_state(), batch_fn(), []
+    for _ in range(SAVE_AT):
+        loss, state = step_fn(state, batch)
+        losses.append(float(loss))
+    ref_losses, ref_states = reference("flax_on_pjit")
+    np.testing.assert_allclose(losses, ref_losses[:SAVE_AT], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_states[SAVE_AT - 1]["params"]["params"])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert int(state.step) == SAVE_AT
+    kernel = leaf(state.params, "ScanLogicalDotReluDot_0/Dense_0/kernel")
+    assert kernel.sharding.spec == P(None, None, "model")
+
+
+def test_gemma_nnx_optimizer():
+    """Gemma trained as its example's train.py does: an nnx.Optimizer built with the model inside
+    the initializer, the step merging both and calling optimizer.update(model, grads)."""
+    from flax import nnx
+    g = _gemma()
+    cfg, tf = g["transformer_cfg"], g["transformer"]
+    m = model("flax_gemma")
+    config = cfg.TransformerConfig(
+        num_layers=2, num_embed=VOCAB, embed_dim=16, hidden_dim=32, num_heads=2, head_dim=8, num_kv_heads=1,
+        final_logit_softcap=None, use_post_attn_norm=True, use_post_ffw_norm=True,
+        attention_types=(cfg.AttentionType.GLOBAL,) * 2,
+        shd_config=cfg.ShardingConfig.fsdp_tp_sharding(fsdp_axis_name="fsdp", tensor_parallel_axis_name="tp"))
+    params = jax.device_get(m.init()["params"])   # the reference's values
+
+    def build():
+        net = tf.Transformer(config, rngs=nnx.Rngs(0))
+        nnx.update(net, jax.tree.map(jnp.asarray, params))
+        return net, nnx.Optimizer(net, TX, wrt=nnx.Param)
+
+    with nnx.use_eager_sharding(False):
+        graphdef, _ = nnx.split(nnx.eval_shape(build))
+
+    def step(state, batch):
+        net, optimizer = nnx.merge(graphdef, state)
+        tokens, mask = batch["inputs"], jnp.ones_like(batch["inputs"], dtype=bool)
+
+        def loss_fn(net):
+            logits, _ = net(tokens, tf.build_positions_from_mask(mask), None, tf.make_causal_attn_mask(mask))
+            return cross_entropy(logits[:, :-1], tokens[:, 1:])
+        loss, grads = nnx.value_and_grad(loss_fn)(net)
+        optimizer.update(net, grads)
+        return loss, nnx.state((net, optimizer))
+
+    with m.context():
+        step_fn, init_fn, batch_fn = parallelize(step, init_params=lambda: nnx.state(build()),
+                                                 get_input_batch=m.batch, **m.spmd)
+        state, batch, losses = init_fn(), batch_fn(), []
+        for _ in range(SAVE_AT):
+            loss, state = step_fn(state, batch)
+            losses.append(float(loss))
+    ref_losses, ref_states = reference("flax_gemma")
+    np.testing.assert_allclose(losses, ref_losses[:SAVE_AT], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(state[0]), jax.tree.leaves(ref_states[SAVE_AT - 1]["params"])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    kernel = leaf(state[0], "layers/0/mlp/gate_proj/kernel")
+    assert kernel.sharding.spec == P("fsdp", "tp")
+
+
+@pytest.mark.xfail(strict=True, reason="issue 21: explicit-sharding meshes in parallelize: given an Explicit "
+                                       "mesh, the step is not traced under it, so Gemma's out_sharding= "
+                                       "PartitionSpecs raise 'Using PartitionSpec when you are not under a "
+                                       "mesh context is not allowed'")
+def test_gemma_explicit_mesh_without_set_mesh():
+    """`parallelize(mesh=explicit_mesh)` alone, without the user's own jax.set_mesh around it."""
+    m = model("flax_gemma")
+    step_fn, init_fn, batch_fn = parallelize(make_step(m.loss), init_params=m.init, get_input_batch=m.batch,
+                                             **m.spmd)
+    state, batch, losses = init_fn(), batch_fn(), []
+    for _ in range(SAVE_AT):
+        loss, state = step_fn(state, batch)
+        losses.append(float(loss))
+    assert_matches_reference("flax_gemma", losses, state)
+
+
 def activation_constraints(step_fn, state, batch, shape: tuple[int, ...]) -> int:
     """How many sharding constraints the lowered step puts on values of ``shape`` (float32)."""
     tensor = "tensor<" + "x".join(map(str, shape)) + "xf32>"
