@@ -14,14 +14,20 @@ guides in docs/:
   ``"data"`` in ``nn.with_partitioning``; a tied embedding, ``embed.attend``);
 * ``flax_gemma``: Flax's examples/gemma ``Transformer`` (NNX, JAX's
   explicit-sharding style: ``out_sharding`` metadata and activation
-  ``out_sharding=`` on an Explicit mesh under ``jax.set_mesh``; a tied embedding).
+  ``out_sharding=`` on an Explicit mesh under ``jax.set_mesh``; a tied embedding);
+* ``flax_on_pjit``: the ``LogicalMLP`` of Flax's guide "Scale up Flax Modules on
+  multiple devices" (Linen, ``nn.scan`` layer stack, ``nn.with_logical_constraint``),
+  run from the page's own code cells.
 
 For each model: SPMD (``parallelize`` on 8 devices), a pipeline (``register_task``
-patterns placing the layers on 2 stages of 4 devices, ``microbatch`` under 1F1B)
-and a checkpoint saved on one layout and restored onto another. Every result
-(3 optimizer steps: losses, parameters and optimizer state) equals the same
-step on one device, and shardings are checked on the real arrays. Cases that
-fail because of the library are strict xfails naming the issue 21 item.
+patterns placing the layers on 2 stages of 4 devices, ``microbatch`` under 1F1B;
+not for the guide's model, whose constraint names its own 8-device mesh) and a
+checkpoint saved on one layout and restored onto another; and the users' own
+state objects (a flax TrainState, an nnx.Optimizer). Every result (3 optimizer
+steps: losses, parameters and optimizer state) equals the same step on one
+device (plain ``jax.jit``, no mesh), and shardings are checked on the real
+arrays. Cases that fail because of the library are strict xfails naming the
+issue 21 item, so they flag when it is fixed.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from jax.sharding import AxisType, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from multimesh.checkpoint import CheckpointManager, abstract_target
-from multimesh.jax import build_mesh, ignore_transforms, microbatch, parallelize, register_task
+from multimesh.jax import build_mesh, microbatch, parallelize, register_task
 
 pytestmark = pytest.mark.devices(8)
 
