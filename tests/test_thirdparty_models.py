@@ -240,10 +240,10 @@ def nanodo() -> Model:
         init=initializer(lambda key: model.init(key, jnp.ones((1, LENGTH), jnp.int32))),
         loss=loss,
         spmd={"mesh": {"data": 8}, "rules": (("batch", "data"),)},   # its FSDP: parameters over "data"
-        # the tied embedding's lookup runs on stage 0; its logits (Linen's scope "embed.attend",
-        # which the pattern does not match) follow the final norm onto stage 1, so the embedding
-        # is used by both stages
-        stages=(r"embed|pos_embed|blocks_0", r"blocks_1|out_ln"),
+        # the tied embedding: its lookup on stage 0, its logits (Linen's scope "embed.attend",
+        # which the pattern "embed" also matches) registered with the last stage, as
+        # docs/implicit-tasks.md says: the table is read on both stages
+        stages=(r"embed|pos_embed|blocks_0", r"embed\.attend|blocks_1|out_ln"),
         stage_mesh={"data": 4}, stage_rules=(("batch", "data"),),
         stage_params=(("embed", "pos_embed", "blocks_0"), ("blocks_1", "out_ln")))
 
@@ -552,12 +552,9 @@ def test_gemma_nnx_optimizer():
     assert kernel.sharding.spec == P("fsdp", "tp")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21: explicit-sharding meshes in parallelize: given an Explicit "
-                                       "mesh, the step is not traced under it, so Gemma's out_sharding= "
-                                       "PartitionSpecs raise 'Using PartitionSpec when you are not under a "
-                                       "mesh context is not allowed'")
 def test_gemma_explicit_mesh_without_set_mesh():
-    """`parallelize(mesh=explicit_mesh)` alone, without the user's own jax.set_mesh around it."""
+    """`parallelize(mesh=explicit_mesh)` alone, without the user's own jax.set_mesh around it: the
+    step is traced under the Explicit mesh, so Gemma's out_sharding= PartitionSpecs resolve."""
     m = model("flax_gemma")
     step_fn, init_fn, batch_fn = parallelize(make_step(m.loss), init_params=m.init, get_input_batch=m.batch,
                                              **m.spmd)
@@ -575,13 +572,11 @@ def activation_constraints(step_fn, state, batch, shape: tuple[int, ...]) -> int
                if tensor in line and ("sharding_constraint" in line or "@Sharding" in line))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21: Flax nn.with_logical_constraint is not resolved by "
-                                       "parallelize's rules (Flax makes it a no-op without its own "
-                                       "nn.logical_axis_rules and a mesh in context)")
 def test_flax_logical_constraint_resolved_by_rules():
     """The guide's block constrains its output z to ("batch", "embed"): under `parallelize`'s rules
     that is ("data", None), the constraint a Flax user gets inside jax.set_mesh(mesh) and
-    nn.logical_axis_rules(rules) (forward and backward)."""
+    nn.logical_axis_rules(rules) (forward and backward). (Flax alone makes it a no-op without its
+    own rules and a mesh in context.)"""
     import flax.linen as nn
     m = model("flax_on_pjit")
     step_fn, init_fn, batch_fn = spmd("flax_on_pjit")
