@@ -403,7 +403,7 @@ def pipeline(name: str):
         for pattern, mesh in zip(m.stages, stage_meshes(m)):
             registrations.enter_context(register_task(pattern, mesh=mesh, logical_axes=m.stage_rules))
         return parallelize(make_step(m.loss, MICROBATCHES), init_params=m.init, get_input_batch=m.batch,
-                           param_rules=m.param_rules, strict=True)
+                           param_rules=m.param_rules)
 
 
 def run(name: str, built, steps: int, state=None) -> tuple[list[float], Any]:
@@ -600,14 +600,16 @@ def _pipeline_case(name: str, reason: str | None = None):
     _pipeline_case("flax_wmt"),
     _pipeline_case("nanodo"),
     _pipeline_case("flax_gemma", "issue 21: register_task by NNX attribute path: NNX modules open no "
-                                 "named scope, so the patterns match nothing (strict: ValueError)"),
+                                 "named scope, so the patterns match nothing and no pipeline forms"),
 ])
 def test_pipeline_equals_one_device(name):
     m = model(name)
     step_fn = pipeline(name)[0]
+    schedule = getattr(getattr(step_fn, "plan", None), "schedule", None)
+    assert schedule is not None, f"the patterns {m.stages} formed no pipeline"
+    assert schedule.num_stages == 2
     losses, state = run(name, pipeline(name), SAVE_AT)
     assert_matches_reference(name, losses, state)
-    assert step_fn.plan.schedule.num_stages == 2
     # each registered layer's parameters (and their adam moments) live on its stage's 4 devices only
     devices = jax.devices()
     on_stage = [set(devices[:4]), set(devices[4:])]
