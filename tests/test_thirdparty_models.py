@@ -591,7 +591,8 @@ def test_flax_logical_constraint_resolved_by_rules():
 
 # ----------------------------------------------------------------- pipeline
 def _pipeline_case(name: str, reason: str | None = None):
-    marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+    marks = [pytest.mark.xfail(strict=True, reason=reason),   # the unmatched patterns warn, as they should
+             pytest.mark.filterwarnings("ignore:parallelize. register_task patterns")] if reason else []
     return pytest.param(name, marks=marks, id=name)
 
 
