@@ -134,13 +134,27 @@ def constrain_hint(x: jax.Array, spec: tuple, flax_rules: tuple[tuple[str, MeshA
 
 
 def resolve_deferred(eqn: Any, ins: list) -> list:
-    """An `interpret` rule: a deferred constraint is resolved with the rules in scope; the rest as is."""
+    """An `interpret` rule: a deferred constraint is resolved with the rules in scope; the rest as is.
+
+    A constraint the user's code made to a `NamedSharding` on other devices than the submesh running it
+    (the whole mesh, in a pipeline stage) keeps its spec, resolved on that submesh by its rules.
+    """
     if eqn.primitive is logical_constraint_p:
         hint = eqn.params.get("hint")
         if hint is not None:
             return [constrain_hint(ins[0], eqn.params["spec"], *hint)]
         return [with_sharding_constraint(ins[0], PartitionSpec(*eqn.params["spec"]))]
+    if eqn.primitive.name == "sharding_constraint" and _on_other_devices(eqn.params.get("sharding")):
+        return [with_sharding_constraint(ins[0], eqn.params["sharding"].spec)]
     return bind_equation(eqn, ins)
+
+
+def _on_other_devices(sharding: Any) -> bool:
+    """Whether ``sharding`` is a concrete `NamedSharding` over other devices than the placement in force."""
+    placement = current_placement()
+    mesh = getattr(sharding, "mesh", None)
+    return (placement is not None and isinstance(sharding, NamedSharding) and isinstance(mesh, Mesh)
+            and frozenset(mesh.devices.flat) != placement.devices)
 
 
 def _per_leaf(x: Any, shardings: Any, one: Callable) -> Any:
