@@ -1,0 +1,475 @@
+"""Split one scanned layer stack (``nn.scan``, ``jax.lax.scan``) over several pipeline stages.
+
+Production models stack their layers with a scan: one ``scan`` equation runs
+every layer, and each parameter holds all layers along a *layer axis*
+(``(L, ...)``). ``register_task(r"layers", split={(0, 2): stage0, (2, 4): stage1})``
+asks for layers ``[0, 2)`` on one submesh and ``[2, 4)`` on another. This
+module does it on the traced step, before partitioning (`partition.partition`):
+
+1. **Find.** A ``scan`` equation is split when a ``split=`` registration
+   matches one of its scope names: the equation's own (``jax.named_scope``
+   around ``jax.lax.scan``) or the scope every equation of its body shares
+   (Flax Linen runs the scanned module's body under its name, not the scan).
+   The ranges must tile ``[0, length)``; the forward scan and its transpose
+   (the backward, ``reverse=True``) of every microbatch are split alike.
+2. **Propagate.** Which other values are better kept in parts: a value is
+   *split along axis a* when it feeds or comes out of a split scan's stacked
+   operands (``xs``/``ys``, axis 0), or is tied to such a value by an
+   equation that can run part by part: elementwise arithmetic (the optimizer
+   update, gradient accumulation), ``transpose`` (a layer axis at dimension 1,
+   MaxText's ``param_scan_axis=1``, is moved to 0 before scanning),
+   ``broadcast_in_dim``, and reductions that keep the axis. Propagated to a
+   fixed point, this reaches the step's inputs (the stacked parameters, the
+   optimizer moments) and outputs (their new values).
+3. **Rewrite.** The step is re-traced with every split value held as its
+   parts: a split scan becomes consecutive scans over the parts (the carry
+   flows from one to the next; backwards for a reverse scan), each under the
+   scope ``name[first:stop]`` and placed on its part's submesh; per-part
+   equations run once per part; a reduction over the split axis reduces each
+   part and combines the results (``add``/``max``/``min``). Anything else
+   that reads a split value gets it whole (a ``concatenate``, moved to where
+   it runs), and a whole value that a part needs is sliced: correct, but a
+   copy, so this happens only where the model leaves no choice.
+4. **Boundary.** The rewritten step takes a split input as its parts and
+   returns a split output as its parts (`Boundary`). Outside, the array is
+   one `jax.Array` whose layer axis is sharded over a leading ``stage`` axis
+   of the *union* of the parts' submeshes (`union_sharding`): each part's
+   shards live only on its stage's devices, and the runtime views a stage's
+   part as an array on that stage (`run.stacked`), zero-copy, both ways.
+
+Limits (each an error that says so): the ranges must be of equal length (one
+union `NamedSharding` cannot hold uneven parts), and the parts' submeshes must
+be distinct and of the same shape and axis names (they are stacked into the
+union mesh).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+from jax._src import source_info_util
+from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal, Var
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ..core.layout import Layout, LeafLayout
+from ..trace.implicit import scope_names, split_for
+from ..trace.task import Placement
+
+__all__ = ["STAGE_AXIS", "Boundary", "SplitArray", "StackSplit", "is_split_scan", "part_sharding", "split_scans",
+           "union_mesh", "union_sharding", "widen_layout"]
+
+#: The union mesh's leading axis: one entry per part (stage) of a split stack.
+STAGE_AXIS = "stage"
+
+
+@dataclass(frozen=True)
+class StackSplit:
+    """One split registration applied to one scanned stack: its layer ranges and their placements."""
+
+    label: str
+    ranges: tuple[tuple[int, int], ...]
+    placements: tuple[Placement, ...]
+
+    @property
+    def length(self) -> int:
+        return self.ranges[-1][1]
+
+    @property
+    def markers(self) -> list[str]:
+        """The scope name of each part's scan: ``layers[0:2]``."""
+        return [f"{self.label}[{a}:{b}]" for a, b in self.ranges]
+
+    def describe(self) -> str:
+        return ", ".join(f"{m} on {p.name}" for m, p in zip(self.markers, self.placements))
+
+
+@dataclass(frozen=True)
+class SplitArray:
+    """A step input or output held as the parts of ``split`` along dimension ``axis``."""
+
+    split: StackSplit
+    axis: int
+
+    def part_shape(self, shape: Sequence[int], k: int) -> tuple[int, ...]:
+        a, b = self.split.ranges[k]
+        out = list(shape)
+        out[self.axis] = b - a
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """Which step inputs and outputs the rewritten step takes or returns as parts (None: whole)."""
+
+    inputs: tuple[SplitArray | None, ...]
+    outputs: tuple[SplitArray | None, ...]
+
+    def plan_index(self, i: int) -> int:
+        """The position of step input ``i``'s first part (or itself) among the rewritten step's inputs."""
+        return sum(1 if s is None else len(s.split.ranges) for s in self.inputs[:i])
+
+
+# -- 1. find ---------------------------------------------------------------------------
+
+
+def _scan_groups(eqn: JaxprEqn) -> tuple[int, int, int]:
+    """(consts, carry, xs) operand counts of a scan equation (JAX 0.12's ``ft_in``, or older params)."""
+    p = eqn.params
+    if "ft_in" in p:
+        consts, carry, xs = p["ft_in"].unpack()
+        return len(consts), len(carry), len(xs)
+    return p["num_consts"], p["num_carry"], len(eqn.invars) - p["num_consts"] - p["num_carry"]
+
+
+def _body(eqn: JaxprEqn) -> Any:
+    body = eqn.params["jaxpr"]
+    return getattr(body, "jaxpr", body)
+
+
+def scan_scopes(eqn: JaxprEqn) -> list[str]:
+    """A scan's scope names: its own, then those every equation of its body shares (Flax's module name)."""
+    names = scope_names(eqn.source_info.name_stack)
+    inner = [scope_names(e.source_info.name_stack) for e in _body(eqn).eqns]
+    if inner:
+        shared = inner[0]
+        for other in inner[1:]:
+            n = 0
+            while n < min(len(shared), len(other)) and shared[n] == other[n]:
+                n += 1
+            shared = shared[:n]
+        names = names + list(shared)
+    return names
+
+
+def is_split_scan(eqn: JaxprEqn) -> bool:
+    """Whether ``eqn`` is a scan that a ``split=`` registration splits."""
+    return eqn.primitive.name == "scan" and split_for(scan_scopes(eqn)) is not None
+
+
+def _stack_split(eqn: JaxprEqn) -> StackSplit | None:
+    found = split_for(scan_scopes(eqn)) if eqn.primitive.name == "scan" else None
+    if found is None:
+        return None
+    reg, match = found
+    parts = reg.split_parts(match)
+    ranges = tuple(r for r, _ in parts)
+    who = f"register_task({reg.pattern.pattern!r}, split=...)"
+    length = eqn.params["length"]
+    if ranges[0][0] != 0 or ranges[-1][1] != length or any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
+        raise ValueError(f"{who}: the scan {match.group(0)!r} runs {length} layers, but the split ranges "
+                         f"{list(ranges)} do not cover [0, {length}) one after the other; give ranges "
+                         f"(0, k1), (k1, k2), ..., (kn, {length})")
+    return StackSplit(match.group(0), ranges, tuple(p for _, p in parts))
+
+
+# -- 2. propagate -------------------------------------------------------------------------
+
+_ELEMENTWISE = frozenset("""
+    abs add add_any and atan2 cbrt ceil clamp convert_element_type copy copy_p cos div eq erf erf_inv exp exp2
+    expm1 floor ge gt imag integer_pow is_finite le log log1p logistic lt max min mul ne neg nextafter not or
+    pow real reduce_precision rem round rsqrt select_n sign sin sqrt square sub tan tanh xor
+""".split())
+_REDUCE_COMBINE: dict[str, Callable] = {"reduce_sum": lax.add, "reduce_max": lax.max, "reduce_min": lax.min}
+
+
+def _shape(v: Any) -> tuple[int, ...]:
+    return tuple(v.aval.shape)
+
+
+def _partners(eqn: JaxprEqn, v: Var, axis: int) -> dict[Var, int] | None:
+    """If ``eqn`` can run part by part with ``v`` split along ``axis``: every value of it then split, with its
+    axis (``v`` included); None when it cannot."""
+    name, ins, outs = eqn.primitive.name, [x for x in eqn.invars if not isinstance(x, Literal)], eqn.outvars
+    if name in _ELEMENTWISE:
+        shape = _shape(v)
+        arrays = [x for x in ins + outs if _shape(x)]
+        if any(_shape(x) != shape for x in arrays):
+            return None
+        return {x: axis for x in arrays}
+    if name == "transpose" and ins:
+        perm = eqn.params["permutation"]
+        (x,), (y,) = ins, outs
+        return {x: axis, y: perm.index(axis)} if v is x else {x: perm[axis], y: axis}
+    if name in _REDUCE_COMBINE and ins:
+        reduced = set(eqn.params["axes"])
+        (x,), (y,) = ins, outs
+        kept = [d for d in range(len(_shape(x))) if d not in reduced]
+        if v is y:
+            return {x: kept[axis], y: axis}
+        return {x: axis} if axis in reduced else {x: axis, y: kept.index(axis)}
+    if name == "broadcast_in_dim":
+        dims = eqn.params["broadcast_dimensions"]
+        (y,) = outs
+        operand = eqn.invars[0]
+        if v is y:
+            if axis in dims and not isinstance(operand, Literal) and _shape(operand)[dims.index(axis)] == _shape(y)[axis]:
+                return {operand: dims.index(axis), y: axis}
+            return {y: axis}  # each part broadcasts the whole (small) operand
+        return {v: axis, y: dims[axis]} if _shape(v)[axis] == _shape(y)[dims[axis]] else None
+    return None
+
+
+def _propagate(eqns: Sequence[JaxprEqn], scans: dict[int, StackSplit]) -> dict[Var, SplitArray]:
+    """Every value to hold in parts (see the module docstring, step 2)."""
+    want: dict[Var, SplitArray] = {}
+    for i, split in scans.items():
+        e = eqns[i]
+        nc, nk, _ = _scan_groups(e)
+        for v in e.invars[nc + nk:] + e.outvars[nk:]:
+            if not isinstance(v, Literal):
+                want.setdefault(v, SplitArray(split, 0))
+    changed = True
+    while changed:
+        changed = False
+        for i, e in enumerate(eqns):
+            if i in scans:
+                continue
+            for v in [x for x in e.invars if not isinstance(x, Literal)] + list(e.outvars):
+                if v not in want:
+                    continue
+                found = want[v]
+                partners = _partners(e, v, found.axis)
+                if partners is None:
+                    continue
+                for w, axis in partners.items():
+                    if w not in want and _shape(w)[axis] == found.split.length:
+                        want[w] = SplitArray(found.split, axis)
+                        changed = True
+    return want
+
+
+# -- 3. rewrite ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Parts:
+    """A value held as its parts along ``axis``."""
+
+    how: SplitArray
+    vals: list
+
+
+def _whole(x: Any) -> Any:
+    if isinstance(x, _Parts):
+        return lax.concatenate(x.vals, x.how.axis)
+    return x
+
+
+def _parts(x: Any, how: SplitArray) -> list:
+    if isinstance(x, _Parts) and x.how == how:
+        return x.vals
+    whole = _whole(x)
+    return [lax.slice_in_dim(whole, a, b, axis=how.axis) for a, b in how.split.ranges]
+
+
+def _bind(eqn: JaxprEqn, ins: Sequence[Any], **changed: Any) -> list:
+    params = eqn.primitive.get_bind_params({**eqn.params, **changed})
+    with eqn.ctx.manager:
+        outs = eqn.primitive.bind(*ins, **params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _split_scan(eqn: JaxprEqn, split: StackSplit, ins: list) -> list:
+    """Consecutive scans over the parts, the carry threaded through (backwards for a reverse scan)."""
+    nc, nk, _ = _scan_groups(eqn)
+    consts, carry = [_whole(x) for x in ins[:nc]], [_whole(x) for x in ins[nc:nc + nk]]
+    how = SplitArray(split, 0)
+    xs = [_parts(x, how) for x in ins[nc + nk:]]
+    ys: list[list] = [[None] * len(split.ranges) for _ in eqn.outvars[nk:]]
+    order = range(len(split.ranges))
+    for k in (reversed(order) if eqn.params["reverse"] else order):
+        a, b = split.ranges[k]
+        with jax.named_scope(split.markers[k]):
+            outs = _bind(eqn, consts + carry + [x[k] for x in xs], length=b - a)
+        carry = outs[:nk]
+        for j, y in enumerate(outs[nk:]):
+            ys[j][k] = y
+    return carry + [_Parts(how, y) for y in ys]
+
+
+def _by_parts(eqn: JaxprEqn, ins: list, want: dict[Var, SplitArray]) -> list | None:
+    """``eqn`` run once per part (its outputs in parts), or reduced part by part and combined; None when it
+    runs whole."""
+    out = next((v for v in eqn.outvars if v in want), None)
+    partners = _partners(eqn, out, want[out].axis) if out is not None else None
+    if partners is not None and all(v in partners for v in eqn.outvars):
+        how = want[out]
+        per_in = [_parts(x, SplitArray(how.split, partners[v])) if not isinstance(v, Literal) and v in partners
+                  else None for v, x in zip(eqn.invars, ins)]
+        results = []
+        for k in range(len(how.split.ranges)):
+            changed = {}
+            if eqn.primitive.name == "broadcast_in_dim":
+                changed["shape"] = how.part_shape(eqn.params["shape"], k)
+            results.append(_bind(eqn, [p[k] if p is not None else _whole(x) for p, x in zip(per_in, ins)],
+                                 **changed))
+        return [_Parts(SplitArray(how.split, partners[v]), [r[j] for r in results])
+                for j, v in enumerate(eqn.outvars)]
+    combine = _REDUCE_COMBINE.get(eqn.primitive.name)
+    if combine is not None and isinstance(ins[0], _Parts) and ins[0].how.axis in eqn.params["axes"]:
+        partial = [_bind(eqn, [p])[0] for p in ins[0].vals]
+        total = partial[0]
+        for p in partial[1:]:
+            total = combine(total, p)
+        return [total]
+    return None
+
+
+@dataclass
+class Rewritten:
+    """The step with its scans split: the new program, its boundary, and where the part scans run."""
+
+    closed: ClosedJaxpr
+    boundary: Boundary
+    placed: dict[int, Placement]
+    splits: list[StackSplit]
+
+
+def split_scans(closed: ClosedJaxpr) -> Rewritten | None:
+    """``closed`` (nested calls inlined) with every registered scan split; None when none is."""
+    jaxpr = closed.jaxpr
+    scans = {i: s for i, e in enumerate(jaxpr.eqns) if (s := _stack_split(e)) is not None}
+    if not scans:
+        return None
+    want = _propagate(jaxpr.eqns, scans)
+    inputs = tuple(want.get(v) for v in jaxpr.invars)
+    outputs: list[SplitArray | None] = []
+
+    def run(*flat: Any) -> list:
+        env: dict[Var, Any] = dict(zip(jaxpr.constvars, closed.consts))
+        args = iter(flat)
+        for v, how in zip(jaxpr.invars, inputs):
+            env[v] = next(args) if how is None else _Parts(how, [next(args) for _ in how.split.ranges])
+
+        def read(v: Any) -> Any:
+            return v.val if isinstance(v, Literal) else env[v]
+
+        stack = source_info_util.current_name_stack()
+        for i, e in enumerate(jaxpr.eqns):
+            ins = [read(v) for v in e.invars]
+            with source_info_util.user_context(e.source_info.traceback, name_stack=stack + e.source_info.name_stack):
+                if i in scans:
+                    outs = _split_scan(e, scans[i], ins)
+                else:
+                    outs = _by_parts(e, ins, want)
+                    if outs is None:
+                        outs = _bind(e, [_whole(x) for x in ins])
+            env.update(zip(e.outvars, outs))
+        flat_out = []
+        outputs.clear()
+        for v in jaxpr.outvars:
+            x = read(v)
+            outputs.append(x.how if isinstance(x, _Parts) else None)
+            flat_out.extend(x.vals if isinstance(x, _Parts) else [x])
+        return flat_out
+
+    avals = []
+    for v, how in zip(jaxpr.invars, inputs):
+        shapes = [_shape(v)] if how is None else [how.part_shape(_shape(v), k) for k in range(len(how.split.ranges))]
+        avals.extend(jax.ShapeDtypeStruct(s, v.aval.dtype) for s in shapes)
+    new = jax.make_jaxpr(run)(*avals)
+    splits = list(dict.fromkeys(scans.values()))
+    where = {m: p for s in splits for m, p in zip(s.markers, s.placements)}
+    placed = {}
+    for e in new.jaxpr.eqns:
+        names = scope_names(e.source_info.name_stack)
+        if e.primitive.name == "scan" and names and names[-1] in where:
+            placed[id(e)] = where[names[-1]]
+    boundary = Boundary(inputs, tuple(outputs))
+    for how in {h for h in boundary.inputs + boundary.outputs if h is not None}:
+        check_stackable(how.split)
+    return Rewritten(new, boundary, placed, splits)
+
+
+# -- 4. boundary: the union sharding --------------------------------------------------------
+
+
+def check_stackable(split: StackSplit) -> None:
+    """The parts of a split stack held as one array: equal ranges on distinct submeshes of one shape."""
+    sizes = [b - a for a, b in split.ranges]
+    what = f"splitting the scan {split.label!r} into {split.describe()}"
+    if len(set(sizes)) > 1:
+        raise NotImplementedError(
+            f"{what}: the layer ranges have unequal lengths {sizes}; a stacked parameter is one array whose "
+            f"layer axis is split evenly over the stages, so uneven splits are not supported yet: give every "
+            f"range the same number of layers")
+    meshes = [p.mesh for p in split.placements]
+    if len({frozenset(m.devices.flat) for m in meshes}) < len(meshes) or any(
+            set(m.devices.flat) & set(n.devices.flat) for i, m in enumerate(meshes) for n in meshes[i + 1:]):
+        raise NotImplementedError(f"{what}: two ranges share devices; each range needs its own submesh "
+                                  f"(a range per stage; interleaved stages of one stack are not supported yet)")
+    shapes = {(tuple(m.axis_names), tuple(m.devices.shape)) for m in meshes}
+    if len(shapes) > 1:
+        raise NotImplementedError(f"{what}: the stages' submeshes differ in shape or axis names {sorted(shapes)}; "
+                                  f"a split stack needs every stage shaped alike")
+
+
+_UNION: dict[StackSplit, Mesh] = {}
+
+
+def union_mesh(split: StackSplit) -> Mesh:
+    """The parts' submeshes stacked along a leading ``stage`` axis (part k at index k)."""
+    if split not in _UNION:
+        check_stackable(split)
+        first = split.placements[0].mesh
+        if STAGE_AXIS in first.axis_names:
+            raise NotImplementedError(f"the stages of the split scan {split.label!r} have a mesh axis named "
+                                      f"{STAGE_AXIS!r}, which the union mesh of a split stack uses; rename it")
+        devices = np.stack([np.asarray(p.mesh.devices) for p in split.placements])
+        types = getattr(first, "axis_types", None)
+        kwargs = {"axis_types": (types[0],) + tuple(types)} if types else {}
+        _UNION[split] = Mesh(devices, (STAGE_AXIS, *first.axis_names), **kwargs)
+    return _UNION[split]
+
+
+def _entry_axes(entry: Any) -> tuple:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def union_sharding(how: SplitArray, within: PartitionSpec, ndim: int) -> NamedSharding:
+    """The whole array's sharding: ``within`` (a stage's spec) with the split axis also over ``stage``."""
+    entries = list(within) + [None] * (ndim - len(within))
+    entries[how.axis] = (STAGE_AXIS, *_entry_axes(entries[how.axis]))
+    return NamedSharding(union_mesh(how.split), PartitionSpec(*entries))
+
+
+def part_sharding(how: SplitArray, union: NamedSharding, k: int) -> NamedSharding:
+    """Part ``k``'s sharding on its stage's submesh, from the whole array's `union_sharding`."""
+    entries = list(union.spec)
+    rest = tuple(a for a in _entry_axes(entries[how.axis]) if a != STAGE_AXIS)
+    entries[how.axis] = None if not rest else rest[0] if len(rest) == 1 else rest
+    return NamedSharding(how.split.placements[k].mesh, PartitionSpec(*entries))
+
+
+def widen_layout(layout: Layout, splits: Sequence[SplitArray | None]) -> Layout:
+    """``layout`` with each split leaf on its `union_sharding` (its other dimensions sharded as derived)."""
+    if not any(splits):
+        return layout
+    flat, tree = jax.tree.flatten(layout.shardings)
+    leaves = list(layout.leaves)
+    for i, how in enumerate(splits):
+        if how is None:
+            continue
+        leaf = leaves[i]
+        sharding = union_sharding(how, flat[i].spec, len(leaf.shape))
+        _check_divides(leaf, how, sharding)
+        flat[i] = sharding
+        leaves[i] = LeafLayout(leaf.path, leaf.shape, leaf.dtype, leaf.logical, f"{leaf.source}, split stack", sharding)
+    return Layout(jax.tree.unflatten(tree, flat), tuple(leaves))
+
+
+def _check_divides(leaf: LeafLayout, how: SplitArray, sharding: NamedSharding) -> None:
+    axes = _entry_axes(sharding.spec[how.axis])
+    size = math.prod(sharding.mesh.shape[a] for a in axes)
+    if leaf.shape[how.axis] % size:
+        raise ValueError(f"{leaf.path!r} {leaf.shape}: dimension {how.axis}, the layer axis of the split scan "
+                         f"{how.split.label!r}, is sharded over {axes} (size {size}), which does not divide "
+                         f"{leaf.shape[how.axis]}; shard it over fewer devices inside a stage")
