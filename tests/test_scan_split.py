@@ -1,0 +1,229 @@
+"""One scanned layer stack (``nn.scan``) split over pipeline stages: ``register_task(..., split=...)``.
+
+Every check compares with the same step on one device (`ignore_transforms`), and reads where the
+stacked arrays really live from their shards.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from multimesh.checkpoint import CheckpointManager
+from multimesh.jax import clear_tasks, ignore_transforms, microbatch, parallelize, register_task
+
+pytestmark = pytest.mark.devices(8)
+
+WIDTH, HIDDEN, LAYERS, BATCH = 8, 16, 4, 16
+RULES = [("batch", "data"), ("mlp", "model")]
+
+
+class Layer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        w = self.param("w", nn.with_logical_partitioning(nn.initializers.normal(0.3), ("embed", "mlp")),
+                       (WIDTH, HIDDEN))
+        v = self.param("v", nn.with_logical_partitioning(nn.initializers.normal(0.3), ("mlp", "embed")),
+                       (HIDDEN, WIDTH))
+        return x + jnp.tanh(x @ w) @ v, None
+
+
+class Net(nn.Module):
+    scan_axis: int = 0  # MaxText's param_scan_axis
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(WIDTH, name="embed")(x)
+        stack = nn.scan(Layer, variable_axes={"params": self.scan_axis}, split_rngs={"params": True},
+                        length=LAYERS, metadata_params={nn.PARTITION_NAME: "layers"})
+        x, _ = stack(name="layers")(x, None)
+        return nn.Dense(WIDTH, name="head")(x)
+
+
+TX = optax.adam(1e-2)
+
+
+def make_step(model: Net, microbatches: int | None = 4, schedule: str = "1f1b"):
+    def loss(p, b):
+        return jnp.sum((model.apply(p, b["x"]) - b["y"]) ** 2) / (BATCH * WIDTH)
+
+    def step(state, batch):
+        f = loss if microbatches is None else microbatch(loss, 0, BATCH // microbatches, argnum=1,
+                                                         schedule=schedule)
+        value, grads = jax.value_and_grad(f)(state["params"], batch)
+        updates, opt = TX.update(grads, state["opt"], state["params"])
+        return value, {"params": optax.apply_updates(state["params"], updates), "opt": opt}
+
+    return step
+
+
+def init_for(model: Net):
+    def init():
+        params = model.init(jax.random.key(0), jnp.zeros((2, WIDTH)))
+        return {"params": params, "opt": TX.init(params)}
+
+    return init
+
+
+def get_batch():
+    x = jax.random.normal(jax.random.key(1), (BATCH, WIDTH))
+    return {"x": x, "y": jnp.roll(x, 1, axis=-1)}
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_tasks():
+    yield
+    clear_tasks()
+
+
+def register_stages(stages: int, dims: tuple[int, ...], axes: tuple[str, ...], rules=RULES):
+    """embed on the first stage, head on the last, the scanned layers split evenly over all of them."""
+    per, size = LAYERS // stages, int(np.prod(dims))
+    where = [((s * size, (s + 1) * size), f"stage{s}") for s in range(stages)]
+    kw = dict(dims=dims, device_axes=axes, logical_axes=rules)
+    register_task(r"embed", callback=lambda m, b: where[0], **kw)
+    register_task(r"head", callback=lambda m, b: where[-1], **kw)
+    return register_task(r"layers", split={(s * per, (s + 1) * per): where[s] for s in range(stages)}, **kw)
+
+
+def stacked(tree) -> dict[str, jax.Array]:
+    """The stacked arrays (parameters and Adam moments of the scanned layers), by path."""
+    flat = jax.tree_util.tree_flatten_with_path(nn.unbox(tree))[0]
+    return {jax.tree_util.keystr(p): x for p, x in flat if "'layers'" in jax.tree_util.keystr(p)}
+
+
+def reference(model: Net, steps: int, microbatches: int | None = 4):
+    step = make_step(model, microbatches)
+
+    def one(state, batch):
+        with ignore_transforms():
+            return step(state, batch)
+
+    fn = jax.jit(one)
+    state, batch = jax.device_put((init_for(model)(), get_batch()), jax.devices()[0])
+    losses = []
+    for _ in range(steps):
+        loss, state = fn(state, batch)
+        losses.append(float(loss))
+    return losses, state
+
+
+def check_on_stages(x: jax.Array, axis: int, stages: int, size: int) -> None:
+    """Layers [s*L/S, (s+1)*L/S) of ``x`` have their shards on stage s's devices only."""
+    per = LAYERS // stages
+    for shard in x.addressable_shards:
+        first = shard.index[axis].start or 0
+        stop = shard.index[axis].stop or LAYERS
+        s = first // per
+        assert stop <= (s + 1) * per, f"a shard spans two stages: {shard.index}"
+        assert s * size <= shard.device.id < (s + 1) * size, (
+            f"layers [{first}, {stop}) on device {shard.device.id}, not on stage {s}")
+
+
+@pytest.mark.parametrize("scan_axis", [0, 1])
+def test_split_stack_matches_one_device_and_lives_on_its_stages(scan_axis):
+    """2+2 layers over 2 stages of 4 devices, 1F1B over 4 microbatches: 3 Adam steps equal one device."""
+    model = Net(scan_axis)
+    register_stages(2, (2, 2), ("data", "model"))
+    step_fn, init_fn, batch_fn = parallelize(make_step(model), init_params=init_for(model),
+                                             get_input_batch=get_batch, donate=True)
+    state, batch = init_fn(), batch_fn()
+    for x in stacked(state).values():
+        check_on_stages(x, scan_axis, 2, 4)
+
+    plan = step_fn.plan
+    assert any(seg.label.startswith("stage1:") for seg in plan.segments)
+    whole = {tuple(x.shape) for x in stacked(state).values()}
+    parts = {tuple(LAYERS // 2 if d == scan_axis else n for d, n in enumerate(shape)) for shape in whole}
+    moved = {tuple(aval.shape) for *_, aval, _ in plan.transfers()}
+    assert not moved & (whole | parts), f"the stack (or a part) moves between stages: {moved}"
+
+    ref_losses, ref_state = reference(model, 3)
+    for i in range(3):
+        loss, state = step_fn(state, batch)
+        np.testing.assert_allclose(float(loss), ref_losses[i], rtol=1e-5)
+    assert step_fn.stats.peak_live_activations == {0: 2, 1: 1}
+    for (path, got), want in zip(stacked(state).items(), stacked(ref_state).values()):
+        check_on_stages(got, scan_axis, 2, 4)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6, err_msg=path)
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_split_without_microbatches_and_over_four_stages():
+    """No pipeline schedule: the split alone places the parts; 1+1+1+1 over 4 stages of 2 devices."""
+    model = Net()
+    register_stages(4, (2,), ("data",), rules=[("batch", "data")])
+    step_fn, init_fn, batch_fn = parallelize(make_step(model, microbatches=None), init_params=init_for(model),
+                                             get_input_batch=get_batch)
+    state, batch = init_fn(), batch_fn()
+    ref_losses, ref_state = reference(model, 2, microbatches=None)
+    for i in range(2):
+        loss, state = step_fn(state, batch)
+        np.testing.assert_allclose(float(loss), ref_losses[i], rtol=1e-5)
+    for got, want in zip(stacked(state).values(), stacked(ref_state).values()):
+        check_on_stages(got, 0, 4, 2)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoint_of_a_split_stack_restores_onto_another_split_and_onto_spmd(tmp_path):
+    model = Net()
+    with register_stages(2, (2, 2), ("data", "model")):
+        step_fn, init_fn, batch_fn = parallelize(make_step(model), init_params=init_for(model),
+                                                 get_input_batch=get_batch)
+        state, batch = init_fn(), batch_fn()
+        _, state = step_fn(state, batch)
+    clear_tasks()
+    saved = jax.device_get(state)
+    with CheckpointManager(str(tmp_path / "ckpt")) as mgr:
+        mgr.save(1, state)
+    _, after = reference(model, 2)  # where the run goes next
+
+    register_stages(4, (2,), ("data",), rules=[("batch", "data")])
+    split4, _, batch4 = parallelize(make_step(model), init_params=init_for(model), get_input_batch=get_batch)
+    clear_tasks()
+    spmd, _, batch_spmd = parallelize(make_step(model, microbatches=None), init_params=init_for(model),
+                                      get_input_batch=get_batch, mesh={"data": 4, "model": 2}, rules=RULES)
+    for fn, make_batch, stages in ((split4, batch4, 4), (spmd, batch_spmd, None)):
+        with CheckpointManager(str(tmp_path / "ckpt"), read_only=True) as mgr:
+            restored = mgr.restore(1, target=fn).state
+        for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(saved)):
+            assert np.array_equal(np.asarray(got), want)  # bit for bit
+        if stages is not None:
+            for x in stacked(restored).values():
+                check_on_stages(x, 0, 4, 2)
+        _, resumed = fn(restored, make_batch())
+        for got, want in zip(jax.tree.leaves(resumed), jax.tree.leaves(after)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_bad_splits_are_clear_errors():
+    model = Net()
+    kw = dict(dims=(4,), device_axes=("data",))
+    with pytest.raises(ValueError, match=r"increasing order"):
+        register_task(r"layers", split={(2, 4): ((4, 8), "b"), (0, 2): ((0, 4), "a")}, **kw)
+    with pytest.raises(TypeError, match=r"split= maps layer ranges"):
+        register_task(r"layers", split=[(0, 2), (2, 4)], **kw)
+    with pytest.raises(ValueError, match=r"without task=, callback="):
+        register_task(r"layers", split={(0, 2): ((0, 4), "a"), (2, 4): ((4, 8), "b")},
+                      callback=lambda m, b: None, **kw)
+    with pytest.raises(ValueError, match=r"at least two"):
+        register_task(r"layers", split={(0, 4): ((0, 4), "a")}, **kw)
+
+    def build():
+        return parallelize(make_step(model, microbatches=None), init_params=init_for(model),
+                           get_input_batch=get_batch)
+
+    with register_task(r"layers", split={(0, 2): ((0, 4), "a"), (2, 3): ((4, 8), "b")}, **kw):
+        with pytest.raises(ValueError, match=r"runs 4 layers.*\(0, 2\), \(2, 3\)"):
+            build()
+    with register_task(r"layers", split={(0, 3): ((0, 4), "a"), (3, 4): ((4, 8), "b")}, **kw):
+        with pytest.raises(NotImplementedError, match=r"unequal lengths \[3, 1\]"):
+            build()
+    with register_task(r"layers", split={(0, 2): ((0, 4), "a"), (2, 4): ((0, 4), "b")}, **kw):
+        with pytest.raises(NotImplementedError, match=r"share devices"):
+            build()
