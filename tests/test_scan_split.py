@@ -227,3 +227,64 @@ def test_bad_splits_are_clear_errors():
     with register_task(r"layers", split={(0, 2): ((0, 4), "a"), (2, 4): ((0, 4), "b")}, **kw):
         with pytest.raises(NotImplementedError, match=r"share devices"):
             build()
+
+
+# -- the trainer: model.scan_layers ------------------------------------------------------------
+
+SMALL = ["model.d_model=32", "model.max_len=32", "data.seq_len=32", "data.batch_size=8", "data.max_bytes=200000",
+         "train.eval_batches=2", "train.eval_every=1000", "train.log_every=1", "model.scan_layers=true"]
+
+
+def _losses(result, first: int, last: int) -> list[float]:
+    return [result.losses[s] for s in range(first, last + 1)]
+
+
+def _pipeline_and_one_device(tmp_path, *over: str):
+    from trainers.config import load_config
+
+    pipe = load_config("pipeline", [*SMALL, *over, f"train.out_dir={tmp_path / 'run'}"])
+    one = pipe.replace(name="one", layout={"mesh": {"data": 1}, "pipeline": None},
+                       train={"out_dir": str(tmp_path / "one")})
+    return pipe, one
+
+
+def test_trainer_pipeline_splits_the_scanned_stack(tmp_path):
+    """``model.scan_layers`` on the 2-stage pipeline: the stack lives split, the losses follow one device."""
+    from trainers.train import train
+
+    pipe, one = _pipeline_and_one_device(tmp_path, "train.steps=3")
+    got, want = train(pipe, quiet=True), train(one, quiet=True)
+    np.testing.assert_allclose(_losses(got, 1, 3), _losses(want, 1, 3), rtol=1e-4)
+    kernel = nn.unbox(got.state["params"])["params"]["layers"]["mlp"]["wo"]["kernel"]
+    assert kernel.shape[0] == 4 and kernel.sharding.spec[0] == "stage"
+    check_on_stages(kernel, 0, 2, 4)
+
+
+@pytest.mark.slow  # ~2 min: three pipeline programs
+def test_trainer_scanned_checkpoint_resumes_on_four_stages_and_one_device(tmp_path):
+    """Saved from the 2-stage split, resumed on the 4-stage split (another split) and on one device."""
+    import shutil
+
+    from trainers.config import load_config
+    from trainers.train import train
+
+    over = ("train.steps=4", "train.checkpoint_every=2")
+    pipe, one = _pipeline_and_one_device(tmp_path, *over)
+    train(pipe, quiet=True, stop_after=3)
+    want = train(one, quiet=True)
+    shutil.copytree(tmp_path / "run", tmp_path / "single")
+    on_four = train(load_config("pipeline4", [*SMALL, *over, f"train.out_dir={tmp_path / 'run'}"]), quiet=True)
+    on_one = train(one.replace(train={"out_dir": str(tmp_path / "single")}), quiet=True)
+    assert on_four.start_step == on_one.start_step == 2
+    np.testing.assert_allclose(_losses(on_four, 3, 4), _losses(want, 3, 4), rtol=1e-4)
+    np.testing.assert_allclose(_losses(on_one, 3, 4), _losses(want, 3, 4), rtol=1e-4)
+    check_on_stages(nn.unbox(on_four.state["params"])["params"]["layers"]["mlp"]["wo"]["kernel"], 0, 4, 2)
+
+
+def test_trainer_config_refuses_what_the_split_cannot_do():
+    from trainers.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"does not divide model.num_layers=3"):
+        load_config("pipeline", ["model.scan_layers=true", "model.num_layers=3"])
+    with pytest.raises(NotImplementedError, match=r"api='linen' only"):
+        load_config("tiny", ["model.scan_layers=true", "model.api=nnx"])
