@@ -112,6 +112,9 @@ class Plan:
             for what, src, aval, size in moves.get(seg.index, []):
                 origin = "input" if src < 0 else f"[{src}]"
                 lines.append(f"        <- reshard {aval.str_short()} from {origin} ({_mib(size)})")
+        if self.boundary is not None:
+            for split in dict.fromkeys(h.split for h in self.boundary.inputs + self.boundary.outputs if h is not None):
+                lines.append(f"  split scan stack: {split.describe()}")
         total = sum(t[4] for t in self.transfers())
         lines.append(f"  total resharded per step: {_mib(total)}")
         if self.schedule is not None:

@@ -144,7 +144,7 @@ def scan_scopes(eqn: JaxprEqn) -> list[str]:
                 n += 1
             shared = shared[:n]
         names = names + list(shared)
-    return names
+    return [n for n in names if n]  # a transform wrapper with no scope inside (``jvp()``) names nothing
 
 
 def is_split_scan(eqn: JaxprEqn) -> bool:
