@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 from multimesh.checkpoint import CheckpointManager
 from multimesh.jax import clear_tasks, ignore_transforms, microbatch, parallelize, register_task
@@ -124,14 +125,15 @@ def check_on_stages(x: jax.Array, axis: int, stages: int, size: int) -> None:
             f"layers [{first}, {stop}) on device {shard.device.id}, not on stage {s}")
 
 
-@pytest.mark.parametrize("scan_axis", [0, 1])
-def test_split_stack_matches_one_device_and_lives_on_its_stages(scan_axis):
-    """2+2 layers over 2 stages of 4 devices, 1F1B over 4 microbatches: 3 Adam steps equal one device."""
+@pytest.mark.parametrize("scan_axis, schedule", [(0, "1f1b"), (1, "1f1b"), (0, "zb-h1")])
+def test_split_stack_matches_one_device_and_lives_on_its_stages(scan_axis, schedule):
+    """2+2 layers over 2 stages of 4 devices, 4 microbatches: 3 Adam steps equal one device."""
     model = Net(scan_axis)
     register_stages(2, (2, 2), ("data", "model"))
-    step_fn, init_fn, batch_fn = parallelize(make_step(model), init_params=init_for(model),
+    step_fn, init_fn, batch_fn = parallelize(make_step(model, schedule=schedule), init_params=init_for(model),
                                              get_input_batch=get_batch, donate=True)
     state, batch = init_fn(), batch_fn()
+    assert len(stacked(state)) == 6  # w and v: parameters and both Adam moments
     for x in stacked(state).values():
         check_on_stages(x, scan_axis, 2, 4)
 
@@ -150,6 +152,82 @@ def test_split_stack_matches_one_device_and_lives_on_its_stages(scan_axis):
     for (path, got), want in zip(stacked(state).items(), stacked(ref_state).values()):
         check_on_stages(got, scan_axis, 2, 4)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6, err_msg=path)
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+class NnxLayer(nnx.Module):
+    def __init__(self, rngs):
+        init = nnx.initializers.normal(0.3)
+        self.w = nnx.Param(init(rngs.params(), (WIDTH, HIDDEN)), out_sharding=("embed", "mlp"))
+        self.v = nnx.Param(init(rngs.params(), (HIDDEN, WIDTH)), out_sharding=("mlp", "embed"))
+
+    def __call__(self, x):
+        return x + jnp.tanh(x @ self.w[...]) @ self.v[...]
+
+
+class NnxNet(nnx.Module):
+    """The same net in NNX: layers made by ``nnx.vmap``, run by ``nnx.scan`` under ``jax.named_scope``s
+    (NNX modules open no scope of their own)."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+        @nnx.split_rngs(splits=LAYERS)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+        def make(rngs):
+            return NnxLayer(rngs)
+
+        self.layers = make(rngs)
+        self.head = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: None})
+        def run(x, layer):
+            return layer(x)
+
+        with jax.named_scope("embed"):
+            x = self.embed(x)
+        with jax.named_scope("layers"):
+            x = run(x, self.layers)
+        with jax.named_scope("head"):
+            return self.head(x)
+
+
+def test_nnx_scan_splits_alike():
+    with nnx.use_eager_sharding(False):
+        graphdef, _ = nnx.split(nnx.eval_shape(lambda: NnxNet(nnx.Rngs(0))), nnx.Param)
+
+    def init():
+        params = nnx.state(NnxNet(nnx.Rngs(0)), nnx.Param)
+        return {"params": params, "opt": TX.init(params)}
+
+    def step(state, batch):
+        def loss(p, b):
+            return jnp.sum((nnx.merge(graphdef, p)(b["x"]) - b["y"]) ** 2) / (BATCH * WIDTH)
+
+        value, grads = jax.value_and_grad(microbatch(loss, 0, 4, argnum=1))(state["params"], batch)
+        updates, opt = TX.update(grads, state["opt"], state["params"])
+        return value, {"params": optax.apply_updates(state["params"], updates), "opt": opt}
+
+    register_stages(2, (2, 2), ("data", "model"))
+    step_fn, init_fn, batch_fn = parallelize(step, init_params=init, get_input_batch=get_batch)
+    state, batch = init_fn(), batch_fn()
+
+    def one(s, b):
+        with ignore_transforms():
+            return step(s, b)
+
+    with nnx.use_eager_sharding(False):
+        ref_state = jax.device_put(init(), jax.devices()[0])
+    ref_batch = jax.device_put(get_batch(), jax.devices()[0])
+    for _ in range(2):
+        loss, state = step_fn(state, batch)
+        ref_loss, ref_state = jax.jit(one)(ref_state, ref_batch)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    assert len(stacked(state)) == 6  # w and v: parameters and both Adam moments
+    for x in stacked(state).values():
+        check_on_stages(x, 0, 2, 4)
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
