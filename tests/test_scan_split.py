@@ -366,3 +366,21 @@ def test_trainer_config_refuses_what_the_split_cannot_do():
         load_config("pipeline", ["model.scan_layers=true", "model.num_layers=3"])
     with pytest.raises(NotImplementedError, match=r"api='linen' only"):
         load_config("tiny", ["model.scan_layers=true", "model.api=nnx"])
+
+
+def test_a_split_must_name_a_scan_the_step_runs():
+    model = Net()
+    kw = dict(dims=(4,), device_axes=("data",))
+    halves = {(0, 2): ((0, 4), "a"), (2, 4): ((4, 8), "b")}
+    with register_task(r"embed", split=halves, **kw):
+        with pytest.raises(ValueError, match=r"matches \['embed'\], which runs no scan"):
+            parallelize(make_step(model, microbatches=None), init_params=init_for(model), get_input_batch=get_batch)
+
+    def rematted_step(state, batch):  # the whole model under one jax.checkpoint: its scan is inside it
+        loss = jax.checkpoint(lambda p: jnp.sum((model.apply(p, batch["x"]) - batch["y"]) ** 2))
+        value, grads = jax.value_and_grad(loss)(state["params"])
+        return value, grads
+
+    with register_task(r"layers", split=halves, **kw):
+        with pytest.raises(NotImplementedError, match=r"registered with split= runs inside"):
+            parallelize(rematted_step, init_params=init_for(model), get_input_batch=get_batch)

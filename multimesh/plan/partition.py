@@ -38,7 +38,7 @@ from ..trace.task import Placement, task_call_p
 from ..trace.taskspec import split_names
 from .order import schedule_segments
 from .recompute import recompute_constants
-from .scan_split import Boundary, is_split_scan, split_scans
+from .scan_split import Boundary, check_split_registrations, is_split_scan, split_scans
 from .segment import Segment, Unit, nbytes
 from .split import inline_backward_tasks
 
@@ -357,6 +357,7 @@ def _check_overlaps(placements: Sequence[Placement]) -> None:
 def make_plan(closed: ClosedJaxpr, placement: Placement, pipelines: Sequence[Pipeline] = ()) -> Plan:
     """The one plan of a traced step: ``placement`` alone (SPMD: one segment), or, when the step calls
     tasks, its nested calls inlined and the equations partitioned over the tasks' submeshes (MPMD)."""
+    check_split_registrations(closed.jaxpr)
     if has_tasks(closed.jaxpr):
         return partition(inline_calls(closed), pipelines)
     whole = Segment(0, placement, list(closed.jaxpr.eqns))

@@ -58,10 +58,10 @@ from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal, Var
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..core.layout import Layout, LeafLayout
-from ..trace.implicit import scope_names, split_for
+from ..trace.implicit import names_in, registered_tasks, scope_names, split_for
 from ..trace.task import Placement
 
-__all__ = ["STAGE_AXIS", "Boundary", "SplitArray", "StackSplit", "is_split_scan", "part_sharding", "split_scans",
+__all__ = ["STAGE_AXIS", "Boundary", "SplitArray", "StackSplit", "check_split_registrations", "is_split_scan", "part_sharding", "split_scans",
            "union_mesh", "union_sharding", "widen_layout"]
 
 #: The union mesh's leading axis: one entry per part (stage) of a split stack.
@@ -166,6 +166,45 @@ def _stack_split(eqn: JaxprEqn) -> StackSplit | None:
                          f"{list(ranges)} do not cover [0, {length}) one after the other; give ranges "
                          f"(0, k1), (k1, k2), ..., (kn, {length})")
     return StackSplit(match.group(0), ranges, tuple(p for _, p in parts))
+
+
+def _subjaxprs(eqn: JaxprEqn) -> list:
+    out = []
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            inner = getattr(item, "jaxpr", item)
+            if hasattr(inner, "eqns"):
+                out.append(inner)
+    return out
+
+
+def _split_scans_within(jaxpr: Any, inside: tuple[str, ...] = ()) -> list[tuple[JaxprEqn, tuple[str, ...]]]:
+    """Every split scan of ``jaxpr`` at any depth, with the primitives it sits inside (outermost first)."""
+    found = []
+    for e in jaxpr.eqns:
+        if is_split_scan(e):
+            found.append((e, inside))
+            continue
+        for sub in _subjaxprs(e):
+            found.extend(_split_scans_within(sub, inside + (e.primitive.name,)))
+    return found
+
+
+def check_split_registrations(jaxpr: Any) -> None:
+    """A ``split=`` registration whose pattern names a scope of the step but no scan there is a mistake:
+    say so, rather than leave the scope unplaced."""
+    regs = [r for r in registered_tasks() if r.split is not None]
+    if not regs:
+        return
+    used = {id(split_for(scan_scopes(e))[0]) for e, _ in _split_scans_within(jaxpr)}
+    names = names_in(jaxpr)
+    for reg in regs:
+        hit = sorted(n for n in names if reg.pattern.fullmatch(n))
+        if hit and id(reg) not in used:
+            raise ValueError(
+                f"register_task({reg.pattern.pattern!r}, split=...) matches {hit}, which runs no scan: split= "
+                f"cuts a scanned layer stack (nn.scan, nnx.scan or jax.lax.scan under that scope) by layer "
+                f"ranges; to place separate modules, use callback= or devices=")
 
 
 # -- 2. propagate -------------------------------------------------------------------------
@@ -334,6 +373,13 @@ class Rewritten:
 def split_scans(closed: ClosedJaxpr) -> Rewritten | None:
     """``closed`` (nested calls inlined) with every registered scan split; None when none is."""
     jaxpr = closed.jaxpr
+    for e, inside in _split_scans_within(jaxpr):
+        if inside:
+            raise NotImplementedError(
+                f"the scan {split_for(scan_scopes(e))[1].group(0)!r} registered with split= runs inside "
+                f"{' > '.join(inside)}; a stack is split only where the step itself runs the scan (not inside "
+                f"a jax.checkpoint/remat of the whole stack, a task, or a loop): put the remat inside the "
+                f"scanned layer (nn.remat of the layer module) instead")
     scans = {i: s for i, e in enumerate(jaxpr.eqns) if (s := _stack_split(e)) is not None}
     if not scans:
         return None
