@@ -299,6 +299,9 @@ def test_bad_splits_are_clear_errors():
     with register_task(r"layers", split={(0, 2): ((0, 4), "a"), (2, 3): ((4, 8), "b")}, **kw):
         with pytest.raises(ValueError, match=r"runs 4 layers.*\(0, 2\), \(2, 3\)"):
             build()
+    with register_task(r"layers", split={(0, 2): "stage0", (2, 4): "stage1"}, **kw):
+        with pytest.raises(ValueError, match=r"split= values must be a Task, .* got 'stage0' for 'layers'"):
+            build()
     with register_task(r"layers", split={(0, 3): ((0, 4), "a"), (3, 4): ((4, 8), "b")}, **kw):
         with pytest.raises(NotImplementedError, match=r"unequal lengths \[3, 1\]"):
             build()

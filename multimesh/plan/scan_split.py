@@ -38,9 +38,12 @@ module does it on the traced step, before partitioning (`partition.partition`):
    part as an array on that stage (`run.stacked`), zero-copy, both ways.
 
 Limits (each an error that says so): the ranges must be of equal length (one
-union `NamedSharding` cannot hold uneven parts), and the parts' submeshes must
-be distinct and of the same shape and axis names (they are stacked into the
-union mesh).
+union `NamedSharding` cannot hold uneven parts); the parts' submeshes must be
+distinct (no interleaving of one stack's ranges over the same device groups)
+and of the same shape and axis names (they are stacked into the union mesh);
+the scan must run in the step itself, not inside a remat of the whole stack or
+a task's body; `mjit` does not split stacks (`parallelize` does). NNX modules
+open no scope: wrap the ``nnx.scan`` call in ``jax.named_scope("layers")``.
 """
 
 from __future__ import annotations
@@ -61,8 +64,8 @@ from ..core.layout import Layout, LeafLayout
 from ..trace.implicit import names_in, registered_tasks, scope_names, split_for
 from ..trace.task import Placement
 
-__all__ = ["STAGE_AXIS", "Boundary", "SplitArray", "StackSplit", "check_split_registrations", "is_split_scan", "part_sharding", "split_scans",
-           "union_mesh", "union_sharding", "widen_layout"]
+__all__ = ["STAGE_AXIS", "Boundary", "SplitArray", "StackSplit", "check_split_registrations", "is_split_scan",
+           "part_sharding", "split_scans", "union_mesh", "union_sharding", "widen_layout"]
 
 #: The union mesh's leading axis: one entry per part (stage) of a split stack.
 STAGE_AXIS = "stage"
@@ -149,7 +152,9 @@ def scan_scopes(eqn: JaxprEqn) -> list[str]:
 
 def is_split_scan(eqn: JaxprEqn) -> bool:
     """Whether ``eqn`` is a scan that a ``split=`` registration splits."""
-    return eqn.primitive.name == "scan" and split_for(scan_scopes(eqn)) is not None
+    if eqn.primitive.name != "scan" or all(r.split is None for r in registered_tasks()):
+        return False
+    return split_for(scan_scopes(eqn)) is not None
 
 
 def _stack_split(eqn: JaxprEqn) -> StackSplit | None:

@@ -139,6 +139,9 @@ class Registration:
             parts = []
             for (first, stop), where in self.split or ():
                 got = where if isinstance(where, (Placement, Task)) else self._resolve(where, match)
+                if got is None:
+                    raise ValueError(f"register_task({self.pattern.pattern!r}): split= places layers "
+                                     f"[{first}, {stop}) nowhere (None); give every range a placement")
                 if isinstance(got, Task):
                     got = got.placement(self.name or f"{match.group(0)}[{first}:{stop}]",
                                         global_mesh=self.global_mesh or current_global_mesh())
@@ -158,8 +161,8 @@ class Registration:
             where, name = got
         except (TypeError, ValueError):
             raise ValueError(
-                f"{who}: callback must return a Task, ((start, stop), name), (devices, name) or None, "
-                f"got {got!r} for {match.group(0)!r}"
+                f"{who}: {'split= values must be' if self.split is not None else 'callback must return'} a "
+                f"Task, ((start, stop), name), (devices, name) or None, got {got!r} for {match.group(0)!r}"
             ) from None
         if _is_index_range(where):
             start, stop = (int(i) for i in where)
