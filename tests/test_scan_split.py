@@ -387,3 +387,13 @@ def test_a_split_must_name_a_scan_the_step_runs():
     with register_task(r"layers", split=halves, **kw):
         with pytest.raises(NotImplementedError, match=r"registered with split= runs inside"):
             parallelize(rematted_step, init_params=init_for(model), get_input_batch=get_batch)
+
+
+def test_a_stack_no_registration_places_is_named_in_a_warning():
+    """A per-layer pattern matches nothing inside a scan: the stack would run whole on one stage, silently."""
+    model = Net()
+    kw = dict(dims=(4,), device_axes=("data",))
+    register_task(r"embed", devices=jax.devices()[:4], **{k: v for k, v in kw.items() if k != "dims"})
+    register_task(r"head|layers_(\d+)", callback=lambda m, b: ((4, 8), "stage1"), **kw)
+    with pytest.warns(UserWarning, match=r"scanned stack 'layers' \(4 layers in one scan\) matches no registration"):
+        parallelize(make_step(model, microbatches=None), init_params=init_for(model), get_input_batch=get_batch)

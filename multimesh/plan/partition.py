@@ -38,7 +38,7 @@ from ..trace.task import Placement, task_call_p
 from ..trace.taskspec import split_names
 from .order import schedule_segments
 from .recompute import recompute_constants
-from .scan_split import Boundary, check_split_registrations, is_split_scan, split_scans
+from .scan_split import Boundary, check_split_registrations, is_split_scan, split_scans, warn_whole_stacks
 from .segment import Segment, Unit, nbytes
 from .split import inline_backward_tasks
 
@@ -316,6 +316,7 @@ def partition(closed: ClosedJaxpr, pipelines: Sequence[Pipeline] = ()) -> Plan:
     _check_overlaps(tasks)
     units = _units(eqns, colour)
     colour = _propagate(eqns, colour)
+    warn_whole_stacks(eqns, pinned, colour)
     if current_knobs().enable_recomputation:  # values of constants and small inputs: computed where read
         eqns, colour, units, copies = recompute_constants(eqns, colour, units, closed.jaxpr.outvars,
                                                           closed.jaxpr.invars, pinned)

@@ -49,6 +49,7 @@ open no scope: wrap the ``nnx.scan`` call in ``jax.named_scope("layers")``.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,7 +66,7 @@ from ..trace.implicit import names_in, registered_tasks, scope_names, split_for
 from ..trace.task import Placement
 
 __all__ = ["STAGE_AXIS", "Boundary", "SplitArray", "StackSplit", "check_split_registrations", "is_split_scan",
-           "part_sharding", "split_scans", "union_mesh", "union_sharding", "widen_layout"]
+           "part_sharding", "split_scans", "union_mesh", "union_sharding", "warn_whole_stacks", "widen_layout"]
 
 #: The union mesh's leading axis: one entry per part (stage) of a split stack.
 STAGE_AXIS = "stage"
@@ -210,6 +211,26 @@ def check_split_registrations(jaxpr: Any) -> None:
                 f"register_task({reg.pattern.pattern!r}, split=...) matches {hit}, which runs no scan: split= "
                 f"cuts a scanned layer stack (nn.scan, nnx.scan or jax.lax.scan under that scope) by layer "
                 f"ranges; to place separate modules, use callback= or devices=")
+
+
+def warn_whole_stacks(eqns: Sequence[JaxprEqn], pinned: Sequence[bool], colour: Sequence[Placement]) -> None:
+    """Warn about a scanned module stack that no registration placed, in a step over several submeshes: it
+    runs whole where its neighbours put it, which is rarely what a per-layer pattern meant."""
+    if len(set(colour)) < 2:
+        return
+    seen = set()
+    for e, fixed, where in zip(eqns, pinned, colour):
+        if e.primitive.name != "scan" or fixed or e.params["length"] < 2:
+            continue
+        own = [n for n in scope_names(e.source_info.name_stack) if n]
+        module = scan_scopes(e)[len(own):]
+        if module and module[-1] not in seen:
+            seen.add(module[-1])
+            warnings.warn(
+                f"the scanned stack {module[-1]!r} ({e.params['length']} layers in one scan) matches no "
+                f"registration and runs whole on {where.name!r}; a per-layer pattern cannot place the "
+                f"layers of a scan: split it with register_task({module[-1]!r}, split={{(0, k): ..., "
+                f"(k, {e.params['length']}): ...}}), or register its name to place it whole", stacklevel=5)
 
 
 # -- 2. propagate -------------------------------------------------------------------------
