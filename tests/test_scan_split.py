@@ -397,3 +397,16 @@ def test_a_stack_no_registration_places_is_named_in_a_warning():
     register_task(r"head|layers_(\d+)", callback=lambda m, b: ((4, 8), "stage1"), **kw)
     with pytest.warns(UserWarning, match=r"scanned stack 'layers' \(4 layers in one scan\) matches no registration"):
         parallelize(make_step(model, microbatches=None), init_params=init_for(model), get_input_batch=get_batch)
+
+
+def test_trainer_spmd_layout_runs_the_scanned_stack(tmp_path):
+    """``model.scan_layers`` on an SPMD layout (tensor parallel): the stack runs whole, as on one device."""
+    from trainers.config import load_config
+    from trainers.train import train
+
+    cfg = load_config("tp", [*SMALL, "model.num_layers=2", "train.steps=2", f"train.out_dir={tmp_path / 'tp'}"])
+    one = cfg.replace(name="one", layout={"mesh": {"data": 1}}, train={"out_dir": str(tmp_path / "one")})
+    got, want = train(cfg, quiet=True), train(one, quiet=True)
+    np.testing.assert_allclose(_losses(got, 1, 2), _losses(want, 1, 2), rtol=1e-4)
+    kernel = nn.unbox(got.state["params"])["params"]["layers"]["mlp"]["wo"]["kernel"]
+    assert kernel.shape[0] == 2 and kernel.sharding.spec[0] is None and "tensor" in tuple(kernel.sharding.spec)
