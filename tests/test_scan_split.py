@@ -35,11 +35,13 @@ class Layer(nn.Module):
 
 class Net(nn.Module):
     scan_axis: int = 0  # MaxText's param_scan_axis
+    remat: bool = False  # each layer rematerialised in the backward (nn.remat inside the scan)
 
     @nn.compact
     def __call__(self, x):
         x = nn.Dense(WIDTH, name="embed")(x)
-        stack = nn.scan(Layer, variable_axes={"params": self.scan_axis}, split_rngs={"params": True},
+        layer = nn.remat(Layer) if self.remat else Layer
+        stack = nn.scan(layer, variable_axes={"params": self.scan_axis}, split_rngs={"params": True},
                         length=LAYERS, metadata_params={nn.PARTITION_NAME: "layers"})
         x, _ = stack(name="layers")(x, None)
         return nn.Dense(WIDTH, name="head")(x)
@@ -125,10 +127,11 @@ def check_on_stages(x: jax.Array, axis: int, stages: int, size: int) -> None:
             f"layers [{first}, {stop}) on device {shard.device.id}, not on stage {s}")
 
 
-@pytest.mark.parametrize("scan_axis, schedule", [(0, "1f1b"), (1, "1f1b"), (0, "zb-h1")])
-def test_split_stack_matches_one_device_and_lives_on_its_stages(scan_axis, schedule):
+@pytest.mark.filterwarnings("error:split scan stack")  # nothing is gathered whole
+@pytest.mark.parametrize("scan_axis, schedule, remat", [(0, "1f1b", False), (1, "1f1b", False), (0, "zb-h1", True)])
+def test_split_stack_matches_one_device_and_lives_on_its_stages(scan_axis, schedule, remat):
     """2+2 layers over 2 stages of 4 devices, 4 microbatches: 3 Adam steps equal one device."""
-    model = Net(scan_axis)
+    model = Net(scan_axis, remat)
     register_stages(2, (2, 2), ("data", "model"))
     step_fn, init_fn, batch_fn = parallelize(make_step(model, schedule=schedule), init_params=init_for(model),
                                              get_input_batch=get_batch, donate=True)
@@ -329,6 +332,7 @@ def _pipeline_and_one_device(tmp_path, *over: str):
     return pipe, one
 
 
+@pytest.mark.filterwarnings("error:split scan stack")  # nothing is gathered whole
 def test_trainer_pipeline_splits_the_scanned_stack(tmp_path):
     """``model.scan_layers`` on the 2-stage pipeline: the stack lives split, the losses follow one device."""
     from trainers.train import train
@@ -410,3 +414,38 @@ def test_trainer_spmd_layout_runs_the_scanned_stack(tmp_path):
     np.testing.assert_allclose(_losses(got, 1, 2), _losses(want, 1, 2), rtol=1e-4)
     kernel = nn.unbox(got.state["params"])["params"]["layers"]["mlp"]["wo"]["kernel"]
     assert kernel.shape[0] == 2 and kernel.sharding.spec[0] is None and "tensor" in tuple(kernel.sharding.spec)
+
+
+def test_a_use_that_needs_the_whole_stack_gathers_it_with_a_warning_and_stays_correct():
+    """A cumulative sum over the layer axis cannot run part by part: the parts are put together there."""
+    model = Net()
+
+    def step(state, batch):
+        def loss(p):
+            w = nn.unbox(p)["params"]["layers"]["w"]
+            penalty = 1e-3 * jnp.sum(jnp.cumsum(w, axis=0) ** 2)
+            return jnp.sum((model.apply(p, batch["x"]) - batch["y"]) ** 2) / (BATCH * WIDTH) + penalty
+
+        value, grads = jax.value_and_grad(loss)(state["params"])
+        updates, opt = TX.update(grads, state["opt"], state["params"])
+        return value, {"params": optax.apply_updates(state["params"], updates), "opt": opt}
+
+    register_stages(2, (2, 2), ("data", "model"))
+    with pytest.warns(UserWarning, match=r"split scan stack .layers.: \d+ equations read its layers whole \(.*cumsum"):
+        step_fn, init_fn, batch_fn = parallelize(step, init_params=init_for(model), get_input_batch=get_batch)
+    clear_tasks()
+    state, batch = init_fn(), batch_fn()
+
+    def one(s, b):
+        with ignore_transforms():
+            return step(s, b)
+
+    ref_state, ref_batch = jax.device_put((init_for(model)(), get_batch()), jax.devices()[0])
+    for _ in range(2):
+        loss, state = step_fn(state, batch)
+        ref_loss, ref_state = jax.jit(one)(ref_state, ref_batch)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    for x in stacked(state).values():
+        check_on_stages(x, 0, 2, 4)

@@ -48,6 +48,7 @@ open no scope: wrap the ``nnx.scan`` call in ``jax.named_scope("layers")``.
 
 from __future__ import annotations
 
+import contextvars
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -139,7 +140,7 @@ def _body(eqn: JaxprEqn) -> Any:
 def scan_scopes(eqn: JaxprEqn) -> list[str]:
     """A scan's scope names: its own, then those every equation of its body shares (Flax's module name)."""
     names = scope_names(eqn.source_info.name_stack)
-    inner = [scope_names(e.source_info.name_stack) for e in _body(eqn).eqns]
+    inner = _scoped(_body(eqn))
     if inner:
         shared = inner[0]
         for other in inner[1:]:
@@ -149,6 +150,24 @@ def scan_scopes(eqn: JaxprEqn) -> list[str]:
             shared = shared[:n]
         names = names + list(shared)
     return [n for n in names if n]  # a transform wrapper with no scope inside (``jvp()``) names nothing
+
+
+#: Scopes JAX itself opens inside a body (a rematerialised forward's): not the model's names.
+_JAX_SCOPES = frozenset({"rematted_computation"})
+
+
+def _scoped(jaxpr: Any) -> list[list[str]]:
+    """The scope names of ``jaxpr``'s equations; one without a scope (a transpose's accumulation, the
+    remat that wraps a rematerialised body) stands for the equations inside it."""
+    out = []
+    for e in jaxpr.eqns:
+        names = [x for x in scope_names(e.source_info.name_stack) if x and x not in _JAX_SCOPES]
+        if names:
+            out.append(names)
+        else:
+            for sub in _subjaxprs(e):
+                out.extend(_scoped(sub))
+    return out
 
 
 def is_split_scan(eqn: JaxprEqn) -> bool:
@@ -320,8 +339,15 @@ class _Parts:
     vals: list
 
 
+#: While a step is rewritten: the labels of the split stacks whose parts were put back together (a copy).
+_GATHERED: contextvars.ContextVar[list | None] = contextvars.ContextVar("multimesh_gathered", default=None)
+
+
 def _whole(x: Any) -> Any:
     if isinstance(x, _Parts):
+        log = _GATHERED.get()
+        if log is not None:
+            log.append(x.how.split.label)
         return lax.concatenate(x.vals, x.how.axis)
     return x
 
@@ -412,6 +438,7 @@ def split_scans(closed: ClosedJaxpr) -> Rewritten | None:
     want = _propagate(jaxpr.eqns, scans)
     inputs = tuple(want.get(v) for v in jaxpr.invars)
     outputs: list[SplitArray | None] = []
+    gathered: dict[str, list[str]] = {}
 
     def run(*flat: Any) -> list:
         env: dict[Var, Any] = dict(zip(jaxpr.constvars, closed.consts))
@@ -423,7 +450,10 @@ def split_scans(closed: ClosedJaxpr) -> Rewritten | None:
             return v.val if isinstance(v, Literal) else env[v]
 
         stack = source_info_util.current_name_stack()
+        log: list = []
+        token = _GATHERED.set(log)
         for i, e in enumerate(jaxpr.eqns):
+            before = len(log)
             ins = [read(v) for v in e.invars]
             with source_info_util.user_context(e.source_info.traceback, name_stack=stack + e.source_info.name_stack):
                 if i in scans:
@@ -433,6 +463,9 @@ def split_scans(closed: ClosedJaxpr) -> Rewritten | None:
                     if outs is None:
                         outs = _bind(e, [_whole(x) for x in ins])
             env.update(zip(e.outvars, outs))
+            if len(log) > before:
+                gathered.setdefault(log[-1], []).append(f"{e.primitive.name} at {str(e.source_info.name_stack) or '/'}")
+        _GATHERED.reset(token)
         flat_out = []
         outputs.clear()
         for v in jaxpr.outvars:
@@ -446,6 +479,11 @@ def split_scans(closed: ClosedJaxpr) -> Rewritten | None:
         shapes = [_shape(v)] if how is None else [how.part_shape(_shape(v), k) for k in range(len(how.split.ranges))]
         avals.extend(jax.ShapeDtypeStruct(s, v.aval.dtype) for s in shapes)
     new = jax.make_jaxpr(run)(*avals)
+    for label, readers in gathered.items():
+        shown = ", ".join(sorted(set(readers))[:5]) + (", ..." if len(set(readers)) > 5 else "")
+        warnings.warn(f"split scan stack {label!r}: {len(readers)} equations read its layers whole ({shown}), so "
+                      f"its parts are gathered (copied between stages) there; only elementwise arithmetic, "
+                      f"transposes, broadcasts and reductions run part by part", stacklevel=6)
     splits = list(dict.fromkeys(scans.values()))
     where = {m: p for s in splits for m, p in zip(s.markers, s.placements)}
     placed = {}
