@@ -37,7 +37,7 @@ def _view(x: jax.Array, shape: tuple[int, ...], sharding: NamedSharding) -> jax.
     """The shards ``x`` holds on ``sharding``'s devices, as one array of ``shape`` there (no copy)."""
     by_device = {s.device: s.data for s in x.addressable_shards}
     arrays = [by_device[d] for d in sharding.addressable_devices_indices_map(shape)]
-    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=x.dtype)
 
 
 def to_parts(flat: Sequence[Any], splits: Sequence[SplitArray | None], shardings: Sequence[NamedSharding]) -> list:
@@ -74,7 +74,8 @@ def from_parts(flat: Sequence[Any], splits: Sequence[SplitArray | None],
             if p.sharding != want:
                 (p,) = move([p], [want])
             arrays.extend(s.data for s in p.addressable_shards)
-        out.append(jax.make_array_from_single_device_arrays(tuple(shape), union, arrays))
+        # dtype: a process may hold no shard of it (its stages run elsewhere)
+        out.append(jax.make_array_from_single_device_arrays(tuple(shape), union, arrays, dtype=parts[0].dtype))
     return out
 
 
