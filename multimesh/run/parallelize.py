@@ -21,7 +21,7 @@ from ..core.meshes import MeshLike, build_mesh
 from ..core.placement import Placement, use_placement
 from ..core.rules import MeshAxes, PathRules, Rules
 from ..plan.partition import Plan, make_plan
-from ..plan.scan_split import widen_layout
+from ..plan.stack_layout import widen_layout
 from ..trace.implicit import names_in, registered_tasks
 from ..trace.microbatch import collect_pipelines
 from ..trace.taskspec import current_global_mesh

@@ -1,8 +1,8 @@
 """A split layer stack's arrays at the step's boundary: the whole array <-> its per-stage parts, zero-copy.
 
 A stacked parameter of a scan split over stages (`plan.scan_split`) is one
-`jax.Array` on the *union* of the stages' submeshes, its layer axis sharded
-over the union's ``stage`` axis: the shards of layers ``[first, stop)`` sit
+`jax.Array` on the *union* of the stages' submeshes (`plan.stack_layout`), its
+layer axis sharded over the union's ``stage`` axis: the shards of layers ``[first, stop)`` sit
 on that range's stage only. The plan's programs run on one stage each, so
 each takes its part as an array of that stage (`to_parts`), and the step's
 outputs are put back together from the parts (`from_parts`). Both reuse the
@@ -20,7 +20,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..core.transfer import move
-from ..plan.scan_split import STAGE_AXIS, SplitArray, part_sharding, union_mesh, union_sharding
+from ..plan.stack_layout import STAGE_AXIS, SplitArray, part_sharding, union_mesh, union_sharding
 
 __all__ = ["from_parts", "part_shardings", "to_parts"]
 
