@@ -39,9 +39,9 @@ from ..trace.taskspec import split_names
 from .order import schedule_segments
 from .recompute import recompute_constants
 from .scan_split import check_split_registrations, is_split_scan, split_scans, warn_whole_stacks
-from .stack_layout import Boundary
 from .segment import Segment, Unit, nbytes
 from .split import inline_backward_tasks
+from .stack_layout import Boundary
 
 __all__ = ["Plan", "has_tasks", "inline_calls", "make_plan", "partition"]
 
