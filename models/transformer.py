@@ -38,7 +38,10 @@ Parameter tree (``params`` collection), with ``L = num_layers``::
     head/output/kernel            [embed, vocab]           ('embed', 'vocab') (untied only)
 
 The blocks are separate submodules named ``layers_0``, ``layers_1``, ... so that
-``register_task(r"layers_[0-1]")`` can place them. Staged execution (e.g. for a
+``register_task(r"layers_[0-1]")`` can place them. With ``scan_layers`` they are
+one ``nn.scan`` module ``layers`` instead: ``layers/attn/query/kernel`` is
+``[L, embed, heads, kv]`` with logical names ``('layers', 'embed', 'heads', 'kv')``,
+and ``register_task(r"layers", split=...)`` splits the stack over stages. Staged execution (e.g. for a
 pipeline) uses the methods :meth:`Transformer.embed_tokens`,
 :meth:`Transformer.run_blocks` and :meth:`Transformer.compute_logits` through
 ``model.apply(params, ..., method=...)``, or the modules :class:`Embed`,
@@ -67,6 +70,7 @@ __all__ = [
     "Attention",
     "MlpBlock",
     "Block",
+    "ScannedBlock",
     "Head",
     "Transformer",
     "rotary_embedding",
@@ -100,7 +104,10 @@ class TransformerConfig:
     ``num_kv_heads`` defaults to ``num_heads`` (plain multi-head attention),
     ``head_dim`` to ``d_model // num_heads`` and ``d_ff`` to ``4 * d_model``.
     ``dtype`` is the compute dtype (``'float32'`` or ``'bfloat16'``),
-    ``param_dtype`` the storage dtype of parameters. ``api`` says which
+    ``param_dtype`` the storage dtype of parameters. ``scan_layers`` stacks the
+    blocks with ``nn.scan`` (one module ``layers`` whose parameters have a
+    leading layer axis, logical name ``layers``), as production models do to
+    compile once per stack instead of once per block. ``api`` says which
     implementation a trainer builds from the config: ``'linen'`` (this
     module's :class:`Transformer`) or ``'nnx'`` (:mod:`models.nnx_transformer`,
     the same model and parameter tree in Flax NNX).
@@ -118,6 +125,7 @@ class TransformerConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: bool = False
+    scan_layers: bool = False
     rope_base: float = 10_000.0
     norm_eps: float = 1e-6
     api: str = "linen"
@@ -125,6 +133,9 @@ class TransformerConfig:
     def __post_init__(self) -> None:
         if self.api not in ("linen", "nnx"):
             raise ValueError(f"api={self.api!r}: use 'linen' (flax.linen) or 'nnx' (flax.nnx)")
+        if self.scan_layers and self.api == "nnx":
+            raise NotImplementedError("scan_layers=True is implemented for api='linen' only; the NNX model "
+                                      "(models/nnx_transformer.py) has no nnx.scan variant yet")
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.head_dim is None:
@@ -334,6 +345,13 @@ class Block(nn.Module):
         return constrain(x, ACT_EMBED)
 
 
+class ScannedBlock(Block):
+    """A :class:`Block` as the body of ``nn.scan``: ``(x, _) -> (block(x), None)``."""
+
+    def __call__(self, x: Array, _: Any = None) -> tuple[Array, None]:  # type: ignore[override]
+        return Block.__call__(self, x), None
+
+
 class _OutputProjection(nn.Module):
     """Untied output kernel [embed, vocab]; float32 logits."""
 
@@ -391,9 +409,14 @@ class Transformer(nn.Module):
 
     def setup(self) -> None:
         cfg = self.config
-        block_cls = nn.remat(Block) if cfg.remat else Block
         self.embed = Embed(cfg)
-        self.layers = [block_cls(cfg) for _ in range(cfg.num_layers)]  # layers_0, layers_1, ...
+        if cfg.scan_layers:  # one module `layers`, every parameter stacked along a leading layer axis
+            body = nn.remat(ScannedBlock) if cfg.remat else ScannedBlock
+            self.layers = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
+                                  length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})(cfg)
+        else:
+            block_cls = nn.remat(Block) if cfg.remat else Block
+            self.layers = [block_cls(cfg) for _ in range(cfg.num_layers)]  # layers_0, layers_1, ...
         self.head = Head(cfg)
 
     def embed_tokens(self, tokens: Array) -> Array:
@@ -407,6 +430,12 @@ class Transformer(nn.Module):
         stop = self.config.num_layers if stop is None else stop
         if not 0 <= start <= stop <= self.config.num_layers:
             raise ValueError(f"bad block range [{start}, {stop}) for {self.config.num_layers} layers")
+        if self.config.scan_layers:
+            if (start, stop) != (0, self.config.num_layers):
+                raise NotImplementedError(f"run_blocks({start}, {stop}): a scanned stack (scan_layers=True) runs "
+                                          f"all {self.config.num_layers} blocks at once; split it over stages with "
+                                          f"register_task('layers', split=...)")
+            return self.layers(x, None)[0]
         for layer in self.layers[start:stop]:
             x = layer(x)
         return x

@@ -489,6 +489,9 @@ def _check_consistency(cfg: Config) -> None:
             )
         if m.num_layers < p.stages:
             raise ConfigError(f"layout.pipeline.stages={p.stages} exceeds model.num_layers={m.num_layers}")
+        if m.scan_layers and m.num_layers % p.stages:
+            raise ConfigError(f"model.scan_layers splits the scanned stack evenly over the stages, but "
+                              f"layout.pipeline.stages={p.stages} does not divide model.num_layers={m.num_layers}")
         if d.batch_size % p.microbatches:
             raise ConfigError(
                 f"layout.pipeline.microbatches={p.microbatches} does not divide data.batch_size={d.batch_size}"

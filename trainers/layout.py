@@ -8,7 +8,9 @@ Pipeline: the same model and step. ``register_task`` places the modules by
 name: ``embed`` and the first blocks on stage 0, ..., the last blocks and
 ``head`` on the last stage (blocks split evenly); stage ``s`` runs on the
 layout's devices ``[s*n, (s+1)*n)`` (``n`` = the size of ``layout.mesh``, its
-shape and axes), with the same rules. ``microbatch`` wraps the loss so that the global batch
+shape and axes), with the same rules. With ``model.scan_layers`` the blocks are
+one scanned stack, split evenly over the stages (``register_task("layers",
+split=...)``): its stacked parameters live in per-stage parts. ``microbatch`` wraps the loss so that the global batch
 runs as ``microbatches`` microbatches in ``schedule`` order.
 """
 
@@ -33,6 +35,8 @@ __all__ = ["RunLayout", "build_layout", "pipeline_schedule", "sharding_rows", "s
 
 #: Module names placed on pipeline stages: the embedding, each block, the head.
 STAGE_MODULES = r"embed|head|layers_(\d+)"
+#: The blocks as one scanned stack (``model.scan_layers``), split over the stages.
+SCANNED_STACK = r"layers"
 
 
 def stage_of_layer(layer: int, num_layers: int, stages: int) -> int:
@@ -76,12 +80,17 @@ class RunLayout:
                           num_stages=p.stages)
 
     @contextlib.contextmanager
-    def tasks(self, num_layers: int) -> Iterator[None]:
-        """Within the block, the model's modules run as pipeline stages (nothing for SPMD)."""
+    def tasks(self, num_layers: int, scanned: bool = False) -> Iterator[None]:
+        """Within the block, the model's modules run as pipeline stages (nothing for SPMD).
+
+        ``scanned``: the blocks are one ``nn.scan`` stack ``layers`` (``model.scan_layers``), split
+        evenly over the stages by ``register_task(..., split=...)``.
+        """
         if self.pipeline is None:
             yield
             return
         stages, per_stage = self.pipeline.stages, math.prod(self.mesh.values())
+        placement_kw = dict(dims=tuple(self.mesh.values()), device_axes=tuple(self.mesh), logical_axes=self.rules)
 
         def placement(match: Any, backprop: bool) -> tuple[tuple, str]:
             name = match.group(0)
@@ -93,8 +102,13 @@ class RunLayout:
                 s = stage_of_layer(int(match.group(1)), num_layers, stages)
             return self.devices[s * per_stage:(s + 1) * per_stage], f"stage{s}"
 
-        with register_task(STAGE_MODULES, callback=placement, dims=tuple(self.mesh.values()),
-                           device_axes=tuple(self.mesh), logical_axes=self.rules):
+        with contextlib.ExitStack() as registered:
+            registered.enter_context(register_task(STAGE_MODULES, callback=placement, **placement_kw))
+            if scanned:
+                per_layer = num_layers // stages  # the config checks that the stages divide the layers
+                split = {(s * per_layer, (s + 1) * per_layer):
+                         (self.devices[s * per_stage:(s + 1) * per_stage], f"stage{s}") for s in range(stages)}
+                registered.enter_context(register_task(SCANNED_STACK, split=split, **placement_kw))
             yield
 
     def parallelize(self, fun: Callable, init: Callable[[], Any], batch: Any, *, donate: bool) -> tuple:

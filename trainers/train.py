@@ -154,7 +154,7 @@ def train(cfg: Config, *, devices: Any = None, quiet: bool = False, stop_after: 
     train_ds, val_ds, baseline = make_datasets(cfg.data)
 
     with CheckpointManager(out / "checkpoints", max_to_keep=cfg.train.keep) as ckpt, \
-            layout.tasks(cfg.model.num_layers):
+            layout.tasks(cfg.model.num_layers, cfg.model.scan_layers):
         latest = _resume_point(ckpt, cfg)
         program = build_program(cfg, layout, train_ds.batch_at(0), val_ds.batch_at(0))
         train_feed, val_feed = Feed(train_ds, program.step), Feed(val_ds, program.evaluate)

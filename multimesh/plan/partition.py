@@ -39,8 +39,10 @@ from ..trace.taskspec import split_names
 from .loop_slices import floating, place_per_microbatch
 from .order import schedule_segments
 from .recompute import recompute_constants
+from .scan_split import check_split_registrations, is_split_scan, split_scans, warn_whole_stacks
 from .segment import Segment, Unit, nbytes
 from .split import inline_backward_tasks
+from .stack_layout import Boundary
 
 __all__ = ["Plan", "has_tasks", "inline_calls", "make_plan", "partition"]
 
@@ -48,7 +50,8 @@ __all__ = ["Plan", "has_tasks", "inline_calls", "make_plan", "partition"]
 def has_tasks(jaxpr: Jaxpr) -> bool:
     """Whether any task is called (or an implicit one matched), at the top level or inside nested calls."""
     for e in jaxpr.eqns:
-        if e.primitive is task_call_p or implicit_placement(e.source_info.name_stack) is not None:
+        if e.primitive is task_call_p or implicit_placement(e.source_info.name_stack) is not None \
+                or is_split_scan(e):
             return True
         for value in e.params.values():
             inner = getattr(value, "jaxpr", value)
@@ -67,6 +70,15 @@ class Plan:
     producer: dict[Var, int]
     consts: dict[Var, Any]
     schedule: Schedule | None = None
+    #: a split scanned stack (`scan_split`): which step inputs and outputs ``jaxpr`` takes and returns in parts
+    boundary: Boundary | None = None
+    #: the step's own jaxpr (its inputs and outputs are the step's); ``jaxpr`` unless a stack is split
+    step_jaxpr: Jaxpr | None = None
+
+    def step_input_placement(self, i: int) -> Placement:
+        """Where step input ``i`` is first read (a split stack's: its first part's stage)."""
+        k = i if self.boundary is None else self.boundary.plan_index(i)
+        return self.input_placement.get(self.jaxpr.invars[k], self.placements[0])
 
     @property
     def placements(self) -> list[Placement]:
@@ -102,6 +114,9 @@ class Plan:
             for what, src, aval, size in moves.get(seg.index, []):
                 origin = "input" if src < 0 else f"[{src}]"
                 lines.append(f"        <- reshard {aval.str_short()} from {origin} ({_mib(size)})")
+        if self.boundary is not None:
+            for split in dict.fromkeys(h.split for h in self.boundary.inputs + self.boundary.outputs if h is not None):
+                lines.append(f"  split scan stack: {split.describe()}")
         total = sum(t[4] for t in self.transfers())
         lines.append(f"  total resharded per step: {_mib(total)}")
         if self.schedule is not None:
@@ -301,12 +316,16 @@ def partition(closed: ClosedJaxpr, pipelines: Sequence[Pipeline] = ()) -> Plan:
     ``pipelines`` are the `microbatch` calls seen while tracing; their schedule
     orders the segments.
     """
+    step_jaxpr, rewritten = closed.jaxpr, split_scans(closed)
+    if rewritten is not None:  # a scanned stack split over stages: its scans, parameters and updates in parts
+        closed = rewritten.closed
     eqns = place_per_microbatch(closed.jaxpr.eqns, [implicit_placement(e.source_info.name_stack)
                                                      for e in closed.jaxpr.eqns])
     consts = dict(zip(closed.jaxpr.constvars, closed.consts))
-    placed: dict[int, Placement] = {}
+    placed: dict[int, Placement] = dict(rewritten.placed) if rewritten is not None else {}
     if any(p.split_backward for p in pipelines):  # zero-bubble: a task's backward splits into B and W
-        eqns, consts, placed = inline_backward_tasks(eqns, consts)
+        eqns, consts, inlined = inline_backward_tasks(eqns, consts)
+        placed.update(inlined)
     colour = _initial_colours(eqns, placed)
     pinned = [c is not None for c in colour]
     tasks = [c for c in colour if c is not None]
@@ -315,6 +334,7 @@ def partition(closed: ClosedJaxpr, pipelines: Sequence[Pipeline] = ()) -> Plan:
     _check_overlaps(tasks)
     units = _units(eqns, colour)
     colour = _propagate(eqns, colour)
+    warn_whole_stacks(eqns, pinned, colour)
     if current_knobs().enable_recomputation:  # values of constants and small inputs: computed where read
         eqns, colour, units, copies = recompute_constants(eqns, colour, units, closed.jaxpr.outvars,
                                                           closed.jaxpr.invars, pinned)
@@ -323,7 +343,10 @@ def partition(closed: ClosedJaxpr, pipelines: Sequence[Pipeline] = ()) -> Plan:
     segments = _group(eqns, colour, units)
     segments, schedule = schedule_segments(segments, pipelines)
     _check_split_backprop(segments, schedule)
-    return link_segments(closed.jaxpr, consts, segments, schedule, recomputed=copies)
+    plan = link_segments(closed.jaxpr, consts, segments, schedule, recomputed=copies)
+    plan.boundary = rewritten.boundary if rewritten is not None else None
+    plan.step_jaxpr = step_jaxpr
+    return plan
 
 
 def _check_split_backprop(segments: Sequence[Segment], schedule: Schedule | None) -> None:
@@ -353,6 +376,7 @@ def _check_overlaps(placements: Sequence[Placement]) -> None:
 def make_plan(closed: ClosedJaxpr, placement: Placement, pipelines: Sequence[Pipeline] = ()) -> Plan:
     """The one plan of a traced step: ``placement`` alone (SPMD: one segment), or, when the step calls
     tasks, its nested calls inlined and the equations partitioned over the tasks' submeshes (MPMD)."""
+    check_split_registrations(closed.jaxpr)
     if has_tasks(closed.jaxpr):
         return partition(inline_calls(closed), pipelines)
     whole = Segment(0, placement, list(closed.jaxpr.eqns))

@@ -170,6 +170,10 @@ class MJitFunction:
         donated_leaves = self._donated_leaves(args)
         if plan.placements == [placement]:
             return self._spmd(plan, tree, out_tree, out_shape, placement, donated_leaves)
+        if plan.boundary is not None:
+            raise NotImplementedError("mjit: a scanned stack split over stages (register_task(..., split=...)) "
+                                      "runs under parallelize only, which lays its stacked arrays out over the "
+                                      "stages; use parallelize")
         donated = {plan.jaxpr.invars[i] for i in donated_leaves}
         shardings = {v: s for v, x in zip(plan.jaxpr.invars, flat)
                      if isinstance(s := _sharding_of(x), NamedSharding)}

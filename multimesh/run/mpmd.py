@@ -16,6 +16,7 @@ from ..plan.partition import Plan
 from .checks import StepInputError, check_shapes
 from .runtime import Runtime
 from .spmd import Parallelized
+from .stacked import from_parts, part_shardings, to_parts
 
 __all__ = ["READABLE_BYTES", "MPMDFunction"]
 
@@ -37,6 +38,10 @@ class MPMDFunction(Parallelized):
         self.plan = plan
         flat_shardings = jax.tree.leaves(params.shardings) + jax.tree.leaves(batch.shardings)
         n_params = len(jax.tree.leaves(abstract_params))
+        self._shardings = flat_shardings
+        if plan.boundary is not None:  # a split scanned stack: the plan takes its arrays in per-stage parts
+            flat_shardings = part_shardings(plan.boundary.inputs, flat_shardings)
+            n_params = plan.boundary.plan_index(n_params)
         donated = set(plan.jaxpr.invars[:n_params]) if donate else set()
         self.runtime = Runtime(plan, dict(zip(plan.jaxpr.invars, flat_shardings)), donated=donated)
         self._donate = donate
@@ -59,8 +64,13 @@ class MPMDFunction(Parallelized):
             check_shapes(self._abstract_params, params, "params", self.fun)
             check_shapes(self._abstract_batch, placed, "batch", self.fun)
         try:
+            boundary = self.plan.boundary
             with no_mesh_context():
-                outs = self.runtime(flat)
+                if boundary is None:
+                    outs = self.runtime(flat)
+                else:
+                    outs = self.runtime(to_parts(flat, boundary.inputs, self._shardings))
+                    outs = from_parts(outs, boundary.outputs, self._out_targets)
             outs = [self._deliver(x, t) for x, t in zip(outs, self._out_targets)]
         except (ValueError, TypeError, RuntimeError) as e:
             if isinstance(e, StepInputError):

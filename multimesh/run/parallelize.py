@@ -21,6 +21,7 @@ from ..core.meshes import MeshLike, build_mesh, explicit_axes
 from ..core.placement import Placement, use_placement
 from ..core.rules import MeshAxes, PathRules, Rules
 from ..plan.partition import Plan, make_plan
+from ..plan.stack_layout import widen_layout
 from ..trace.implicit import names_in, registered_tasks
 from ..trace.linen_constraints import flax_context_rules
 from ..trace.microbatch import collect_pipelines
@@ -269,19 +270,21 @@ def _input_layouts(plan: Plan | None, placement: Placement, abstract_params: Any
     """Parameter and batch layouts, each input on the placement of its first consumer in the plan (SPMD:
     the one placement): from its annotations, a path rule, a constraint found in the trace, or the default."""
     n_params = len(jax.tree.leaves(abstract_params))
-    found = constrained_inputs(plan.jaxpr) if plan is not None else {}
-    invars = plan.jaxpr.invars if plan is not None else []
+    found = constrained_inputs(plan.step_jaxpr or plan.jaxpr) if plan is not None else {}
 
     def placement_of(offset: int) -> Callable[[int], Placement]:
         if plan is None:
             return lambda i: placement
-        return lambda i: plan.input_placement.get(invars[offset + i], plan.placements[0])
+        return lambda i: plan.step_input_placement(offset + i)
 
     params = derive_layout(abstract_params, placement_of(0), path_rules=path_rules, what="parameter",
                            constraints={i: s for i, s in found.items() if i < n_params})
     batch = derive_layout(abstract_batch, placement_of(n_params), default=batch_spec, exact=True, what="batch",
                           constraints={i - n_params: s for i, s in found.items() if i >= n_params})
     warn_replicated_batch(batch, placement_of(n_params), stacklevel=3)
+    if plan is not None and plan.boundary is not None:  # a split scanned stack: its arrays span its stages
+        params = widen_layout(params, plan.boundary.inputs[:n_params])
+        batch = widen_layout(batch, plan.boundary.inputs[n_params:])
     return params, batch
 
 

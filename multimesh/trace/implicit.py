@@ -30,7 +30,7 @@ import functools
 import math
 import re
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
@@ -58,6 +58,7 @@ __all__ = [
     "register_task",
     "registered_tasks",
     "scope_names",
+    "split_for",
     "task_scope",
 ]
 
@@ -104,12 +105,19 @@ class Registration:
     task: Task | None = None
     #: the global mesh a `Task`'s ``mesh_slice`` slices (the `MultiMesh` registered on; None: the one in force)
     global_mesh: Mesh | None = None
+    #: ``split=``: ``((first, stop), where)`` per layer range of a scanned stack (`plan.scan_split`)
+    split: tuple[tuple[tuple[int, int], Any], ...] | None = None
     _cache: dict = field(default_factory=dict, repr=False)
     #: registrations whose matches inside this one's were warned about (`_warn_shadowed`): once each
     _shadowed: set = field(default_factory=set, repr=False)
 
     def placement_for(self, match: re.Match, backprop: bool, iteration: int | None = None) -> Placement | None:
-        """Where ``match`` runs (``iteration``: its `microbatch` index, for loop-dependent slices)."""
+        """Where ``match`` runs (``iteration``: its `microbatch` index, for loop-dependent slices).
+
+        A ``split=`` registration places no equation whole (None): its scans are split by the planner.
+        """
+        if self.split is not None:
+            return None
         if self.callback is None and self.task is None:
             return self.placement
         key = (match.group(0), backprop)
@@ -128,8 +136,28 @@ class Registration:
                                                                 iteration=iteration)
         return self._cache[(key, iteration, mesh)]
 
+    def split_parts(self, match: re.Match) -> list[tuple[tuple[int, int], Placement]]:
+        """``split=`` resolved: ``((first, stop), placement)`` per layer range, in the order given."""
+        key = ("split", match.group(0))
+        if key not in self._cache:
+            parts = []
+            for (first, stop), where in self.split or ():
+                got = where if isinstance(where, (Placement, Task)) else self._resolve(where, match)
+                if got is None:
+                    raise ValueError(f"register_task({self.pattern.pattern!r}): split= places layers "
+                                     f"[{first}, {stop}) nowhere (None); give every range a placement")
+                if isinstance(got, Task):
+                    got = got.placement(self.name or f"{match.group(0)}[{first}:{stop}]",
+                                        global_mesh=self.global_mesh or current_global_mesh())
+                parts.append(((first, stop), got))
+            self._cache[key] = parts
+        return self._cache[key]
+
     def _from_callback(self, match: re.Match, backprop: bool) -> Placement | Task | None:
-        got = self.callback(MatchedName(match), backprop)
+        return self._resolve(self.callback(MatchedName(match), backprop), match)
+
+    def _resolve(self, got: Any, match: re.Match) -> Placement | Task | None:
+        """A callback's answer (a Task, ``((start, stop), name)``, ``(devices, name)`` or None) as a placement."""
         if got is None or isinstance(got, Task):
             return got
         who = f"register_task({self.pattern.pattern!r})"
@@ -137,8 +165,8 @@ class Registration:
             where, name = got
         except (TypeError, ValueError):
             raise ValueError(
-                f"{who}: callback must return a Task, ((start, stop), name), (devices, name) or None, "
-                f"got {got!r} for {match.group(0)!r}"
+                f"{who}: {'split= values must be' if self.split is not None else 'callback must return'} a "
+                f"Task, ((start, stop), name), (devices, name) or None, got {got!r} for {match.group(0)!r}"
             ) from None
         if _is_index_range(where):
             start, stop = (int(i) for i in where)
@@ -175,6 +203,8 @@ class Registration:
 
     def __repr__(self) -> str:
         where = self.placement.describe() if self.placement is not None else f"callback {self.callback!r}"
+        if self.split is not None:
+            where = f"split {[r for r, _ in self.split]}"
         return f"Registration({self.pattern.pattern!r} -> {where})"
 
 
@@ -234,6 +264,7 @@ def register_task(
     device_axes: Sequence[str] | None = None,
     logical_axes: Iterable[tuple[str, MeshAxes]] | None = None,
     task: Task | None = None,
+    split: Any = None,
 ) -> Registration:
     """Run every Flax module (or `jax.named_scope`) whose name fully matches ``regex`` as a task.
 
@@ -262,6 +293,13 @@ def register_task(
         with ``devices`` a sequence or array of `jax.Device`s (reshaped to ``dims``
         when given, else used as shaped), or None (not a task).
       dims: the submesh shape (default: 1-D, or the shape of ``devices``).
+      split: split a *scanned* layer stack (``nn.scan``, ``jax.lax.scan``) whose
+        scope matches over several submeshes: ``{(first, stop): where, ...}`` (or
+        a sequence of such pairs), layers ``[first, stop)`` on ``where``, which
+        is what a callback returns (``((start, stop), name)``, ``(devices,
+        name)``, a `Task`), shaped by ``dims``/``device_axes``/``logical_axes``.
+        The ranges cover the stack in order; the stacked parameters live split
+        over the parts' submeshes (`multimesh.plan.scan_split`).
 
     Inside a `MultiMesh` (or `Context`) block, the registration belongs to it
     and ends when the block ends.
@@ -273,7 +311,7 @@ def register_task(
         raise TypeError("register_task needs the name pattern: register_task(regex, ...) or register_task(matcher=...)")
     regex = regex if regex is not None else matcher
     reg = make_registration(regex, name=name, mesh=mesh, dims=dims, callback=callback, devices=devices,
-                            device_axes=device_axes, logical_axes=logical_axes, task=task)
+                            device_axes=device_axes, logical_axes=logical_axes, task=task, split=split)
     if _CONTEXTS:
         _CONTEXTS[-1].adopt(reg)
     add_registration(reg)
@@ -292,6 +330,7 @@ def make_registration(
     logical_axes: Iterable[tuple[str, MeshAxes]] | None = None,
     task: Task | None = None,
     global_mesh: Mesh | None = None,
+    split: Any = None,
 ) -> Registration:
     """A `Registration` checked and built, not yet in force (`add_registration`)."""
     try:
@@ -302,6 +341,12 @@ def make_registration(
     axes = tuple(device_axes) if device_axes is not None else None
     rules = tuple(logical_axes) if logical_axes is not None else None
     who = f"register_task({regex!r})"
+    if split is not None:
+        if task is not None or callback is not None or mesh is not None or devices is not None:
+            raise ValueError(f"{who}: split= says where each layer range runs; give it without task=, callback=, "
+                             f"mesh= or devices= (dims=, device_axes=, logical_axes= shape its device ranges)")
+        return Registration(pattern, name, None, None, tuple(dims) if dims is not None else None, axes, rules,
+                            global_mesh=global_mesh, split=_check_split(split, who))
     if task is not None:
         if not isinstance(task, Task):
             raise TypeError(f"{who}: task= must be a multimesh Task, got {task!r}")
@@ -329,6 +374,45 @@ def make_registration(
         devices = arr.reshape(tuple(dims))
     return Registration(pattern, name, make_placement(name or regex, mesh, devices, axes, rules),
                         global_mesh=global_mesh)
+
+
+def _check_split(split: Any, who: str) -> tuple[tuple[tuple[int, int], Any], ...]:
+    """``split=`` as ``((first, stop), where)`` pairs: ranges of non-negative ints, in order, not overlapping."""
+    items = list(split.items()) if isinstance(split, Mapping) else list(split)
+    example = "split={(0, 2): ((0, 4), 'stage0'), (2, 4): ((4, 8), 'stage1')}"
+    out, end = [], 0
+    for item in items:
+        try:
+            rng, where = item
+            first, stop = (int(i) for i in rng)
+        except (TypeError, ValueError):
+            raise TypeError(f"{who}: split= maps layer ranges (first, stop) to where they run, e.g. {example}; "
+                            f"got the entry {item!r}") from None
+        if not end <= first < stop:
+            raise ValueError(f"{who}: split= layer ranges must be non-empty, in increasing order and not "
+                             f"overlapping; got {[r for r, _ in items]}")
+        out.append(((first, stop), where))
+        end = stop
+    if len(out) < 2:
+        raise ValueError(f"{who}: split= needs at least two layer ranges (one range is a plain task: use "
+                         f"callback=/devices=), got {items!r}")
+    return tuple(out)
+
+
+def split_for(names: Sequence[str]) -> tuple[Registration, re.Match] | None:
+    """The ``split=`` registration that places a scan whose scope names are ``names`` (outermost first), and
+    its match; None when no registration matches or one that places it whole comes first (as `_lookup`)."""
+    for n in names:
+        if n in _SCOPES:
+            return None
+        for reg in _REGISTRY:
+            m = reg.pattern.fullmatch(n)
+            if m:
+                if reg.split is not None:
+                    return reg, m
+                if reg.placement_for(m, False) is not None:
+                    return None
+    return None
 
 
 def add_registration(reg: Registration) -> None:
