@@ -659,3 +659,36 @@ def test_inspector_lists_steps_and_describes_one(tmp_path, capsys):
     assert "unfinished saves ignored: [3]" in capsys.readouterr().err
     assert ckpt_inspect.main([str(tmp_path / "nowhere")]) == 2
     assert not os.path.exists(tmp_path / "nowhere")
+
+
+def test_nnx_objects_save_and_restore_as_objects_onto_another_layout(tmp_path):
+    """An NNX state kept as the objects themselves, ``(model, optimizer)`` with an ``nnx.List`` of blocks, comes
+    back as objects on the target's layout (Orbax alone cannot read those key paths back)."""
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(8, 16, rngs=rngs)
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+
+    def make():
+        model = Model(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    devices = np.asarray(jax.devices())
+    mesh = Mesh(devices.reshape(4, 2), ("data", "model"))
+    state = jax.device_put(make(), NamedSharding(mesh, P()))
+    with CheckpointManager(str(tmp_path)) as mgr:
+        mgr.save(1, state)
+    one = SingleDeviceSharding(jax.devices()[0])
+    with CheckpointManager(str(tmp_path)) as mgr:
+        restored = mgr.restore(1, target=abstract_target(jax.eval_shape(make), one)).state
+    model, optimizer = restored
+    assert isinstance(model, nnx.Module) and isinstance(optimizer, nnx.Optimizer)
+    assert model.blocks[1].up.kernel[...].sharding == one
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert [p for p, _ in leaves_with_paths(restored)] == [p for p, _ in leaves_with_paths(state)]

@@ -40,6 +40,7 @@ from . import ondisk, quiet, release
 from .errors import CheckpointCorruptError, CheckpointExistsError, CheckpointSaveError
 from .handlers import DocHandler, PendingDoc, StateHandler, registry
 from .jsonsafe import to_json_safe
+from .nnx_objects import as_states
 from .tree import (
     LeafRecord,
     MeshRecord,
@@ -256,6 +257,7 @@ class CheckpointManager:
             raise PermissionError(f"checkpoint manager for {self._directory} is read-only")
         if step in self._mgr.all_steps():
             raise CheckpointExistsError(step, self._directory)
+        state, _ = as_states(state)  # NNX objects as their nnx.State: the key paths Orbax reads back
         named = check_saveable(state)
         leaves, meshes = build_manifest(named, None)
         doc = {
@@ -410,7 +412,7 @@ class CheckpointManager:
                 not divide a saved shape (lists every difference).
             CheckpointCorruptError: a file is damaged or a value fails its checksum.
         """
-        target = normalize_target(target)
+        target, as_objects = as_states(normalize_target(target))
         info = self.info(step)
         step, path = info.step, info.path
         compare(list(info.leaves), target, step=step, directory=self._directory)
@@ -439,7 +441,7 @@ class CheckpointManager:
             reader.hasher, reader.hashed = None, set()
         if verify:
             self._verify(info, state, hasher, hashed)
-        return Restored(state, info.metadata, info.data_position, step)
+        return Restored(as_objects(state), info.metadata, info.data_position, step)
 
     def _read_item(self, step: int, item: str, args: Any, path: str) -> Any:
         """One item of a step, read by Orbax; storage errors become
