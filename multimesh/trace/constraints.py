@@ -128,7 +128,8 @@ def constrain_hint(x: jax.Array, spec: tuple, flax_rules: tuple[tuple[str, MeshA
         by_flax = Placement(placement.mesh, Rules(rules, strict=placement.rules.strict), placement.name)
     except RuleError as e:
         raise RuleError(f"{e} (a rule of Flax's rules in force, which resolve nn.with_logical_constraint(x, "
-                        f"{tuple(spec)}) where multimesh has no rules of its own: give rules= or logical_axes=)") from None
+                        f"{tuple(spec)}) where multimesh has no rules of its own: give rules= or "
+                        f"logical_axes=)") from None
     with use_placement(by_flax):
         return with_sharding_constraint(x, PartitionSpec(*spec))
 
