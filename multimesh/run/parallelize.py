@@ -183,7 +183,7 @@ def _typed(placement: Placement, abstract_params: Any, abstract_batch: Any, path
     annotations, path rules, own shardings or the default give them; on Auto axes, as they are."""
     if not explicit_axes(placement.mesh):
         return abstract_params, abstract_batch
-    layouts = _input_layouts(None, placement, abstract_params, abstract_batch, path_rules, batch_spec)
+    layouts = _input_layouts(None, placement, abstract_params, abstract_batch, path_rules, batch_spec, advise=False)
     return _typed_by(layouts, abstract_params, abstract_batch)
 
 
@@ -214,7 +214,7 @@ def _retrace_on_stages(fun: Callable, plan: Plan, placement: Placement, abstract
             f"one shape, axis names and axis types, and these differ: {shown}. Give every stage the same submesh "
             f"shape (e.g. slices of the mesh along a 'stage' axis), or use a mesh of Auto axes")
     stage = plan.placements[0]
-    layouts = _input_layouts(plan, placement, abstract_params, abstract_batch, path_rules, batch_spec)
+    layouts = _input_layouts(plan, placement, abstract_params, abstract_batch, path_rules, batch_spec, advise=False)
     with use_placement(stage.deferring()), collect_pipelines() as pipelines:
         closed, out_shape = _trace(fun, *_typed_by(layouts, abstract_params, abstract_batch))
     return closed, out_shape, make_plan(closed, placement, pipelines)
@@ -266,9 +266,10 @@ def _unmatched_registrations(plan: Plan, strict: bool) -> None:
 
 
 def _input_layouts(plan: Plan | None, placement: Placement, abstract_params: Any, abstract_batch: Any,
-                   path_rules: PathRules, batch_spec: tuple) -> tuple[Layout, Layout]:
+                   path_rules: PathRules, batch_spec: tuple, *, advise: bool = True) -> tuple[Layout, Layout]:
     """Parameter and batch layouts, each input on the placement of its first consumer in the plan (SPMD:
-    the one placement): from its annotations, a path rule, a constraint found in the trace, or the default."""
+    the one placement): from its annotations, a path rule, a constraint found in the trace, or the default.
+    ``advise``: warn about a batch the rules leave replicated (once, for the step's final layouts)."""
     n_params = len(jax.tree.leaves(abstract_params))
     found = constrained_inputs(plan.step_jaxpr or plan.jaxpr) if plan is not None else {}
 
@@ -281,7 +282,8 @@ def _input_layouts(plan: Plan | None, placement: Placement, abstract_params: Any
                            constraints={i: s for i, s in found.items() if i < n_params})
     batch = derive_layout(abstract_batch, placement_of(n_params), default=batch_spec, exact=True, what="batch",
                           constraints={i - n_params: s for i, s in found.items() if i >= n_params})
-    warn_replicated_batch(batch, placement_of(n_params), stacklevel=3)
+    if advise:
+        warn_replicated_batch(batch, placement_of(n_params), stacklevel=3)
     if plan is not None and plan.boundary is not None:  # a split scanned stack: its arrays span its stages
         params = widen_layout(params, plan.boundary.inputs[:n_params])
         batch = widen_layout(batch, plan.boundary.inputs[n_params:])
