@@ -18,7 +18,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from helpers import ATOL, RTOL
-from multimesh.jax import ignore_transforms, microbatch, parallelize, register_task, task, with_sharding_constraint
+from multimesh.jax import Task, ignore_transforms, microbatch, parallelize, register_task, task, with_sharding_constraint
 
 STEPS = 3
 TX = optax.adam(1e-2)
@@ -285,3 +285,47 @@ def test_an_explicit_pipeline_needs_stages_of_one_shape():
         with pytest.raises(NotImplementedError, match=r"Explicit axes .* needs stages of one shape.*a: \{'data': 4\}"):
             parallelize(step_two, init_params=lambda: {"a": jnp.ones((16, 16)), "b": jnp.ones((16, 16))},
                         get_input_batch=get_batch, mesh=mesh, rules=[("batch", "data")])
+
+
+def test_tasks_on_slices_of_an_explicit_mesh_with_logical_constraints_inside():
+    """`Task(mesh_slice=...)` stages of the mesh in context (``jax.set_mesh``), each constraining its values
+    with logical names: the constraints apply on the stages' mesh, where the step is traced again."""
+    mesh = jax.make_mesh((2, 4), ("stage", "data"))
+
+    def layer(w, x):
+        h = with_sharding_constraint(jnp.tanh(jnp.dot(x, w, out_sharding=P("data", None))), P("batch", None))
+        assert jax.typeof(h).sharding.spec == P("data", None)
+        return h
+
+    stages = [task(layer, task=Task(name=f"stage{i}", mesh_slice={"stage": i}, logical_axes=[("batch", "data")]))
+              for i in range(2)]
+
+    def init_two():
+        k = jax.random.split(jax.random.key(0), 2)
+        params = [jax.random.normal(k[i], (16, 16)) * 0.3 for i in range(2)]
+        return {"params": params, "opt": TX.init(params)}
+
+    def step_two(state, batch, run=lambda i, w, h: stages[i](w, h)):
+        def loss_fn(p):
+            h = batch["x"]
+            for i in range(2):
+                h = run(i, p[i], h)
+            return jnp.mean((h - batch["y"]) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        updates, opt = TX.update(grads, state["opt"], state["params"])
+        return loss, {"params": optax.apply_updates(state["params"], updates), "opt": opt}
+
+    with jax.set_mesh(mesh):
+        step_fn, init_fn, batch_fn = parallelize(step_two, init_params=init_two, get_input_batch=get_batch,
+                                                 rules=[("batch", "data")])
+        got = train(step_fn, init_fn(), batch_fn())
+    assert [p.name for p in step_fn.plan.placements] == ["stage0", "stage1"]
+    for i in range(2):
+        assert got[1]["params"][i].sharding.device_set == set(mesh.devices[i].flat)
+
+    def reference(state, batch):  # one device: no stages and no rules for the logical names
+        with ignore_transforms():
+            return step_two(state, batch, run=lambda i, w, h: jnp.tanh(jnp.dot(h, w, out_sharding=P("data", None))))
+
+    assert_same(got, one_device(reference, init_two, axis_types=(AxisType.Explicit, AxisType.Explicit)))

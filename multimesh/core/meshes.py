@@ -199,10 +199,16 @@ def _keep_axes(spec: PartitionSpec, keep: frozenset[str]) -> PartitionSpec:
 
 def constrain(x: Any, sharding: NamedSharding) -> Any:
     """Put traced ``x`` in ``sharding``: `jax.lax.with_sharding_constraint` on Auto axes, and on Explicit
-    axes (which JAX's constraint refuses) `jax.sharding.reshard`, which changes the array's type."""
+    axes (which JAX's constraint refuses) `jax.sharding.reshard`, which changes the array's type. A
+    constraint on Explicit axes of another mesh than the one in context is left out (see below)."""
     explicit = explicit_axes(sharding.mesh)
     if not explicit:
         return jax.lax.with_sharding_constraint(x, sharding)
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and explicit_axes(context) and context != sharding.mesh.abstract_mesh:
+        # A task's constraint while a pipeline is first traced on its whole mesh, where the task's values are
+        # typed: `parallelize` traces the step again on its stages' mesh, where the constraint applies.
+        return x
     x = jax.sharding.reshard(x, NamedSharding(sharding.mesh, _keep_axes(sharding.spec, explicit)))
     auto = frozenset(sharding.mesh.axis_names) - explicit
     if auto:

@@ -26,7 +26,7 @@ from ..trace.implicit import names_in, registered_tasks
 from ..trace.linen_constraints import flax_context_rules
 from ..trace.microbatch import collect_pipelines
 from ..trace.nnx_scopes import scopes_for_tasks
-from ..trace.taskspec import current_global_mesh
+from ..trace.taskspec import current_global_mesh, use_global_mesh
 from .advice import warn_replicated_batch
 from .checks import check_arrays, check_in_place_nnx, check_outputs, checked, fun_name
 from .initializers import with_initializers
@@ -215,7 +215,9 @@ def _retrace_on_stages(fun: Callable, plan: Plan, placement: Placement, abstract
             f"shape (e.g. slices of the mesh along a 'stage' axis), or use a mesh of Auto axes")
     stage = plan.placements[0]
     layouts = _input_layouts(plan, placement, abstract_params, abstract_batch, path_rules, batch_spec, advise=False)
-    with use_placement(stage.deferring()), collect_pipelines() as pipelines:
+    with use_placement(placement):
+        whole = current_global_mesh()  # what tasks' mesh slices sliced in the first trace
+    with use_global_mesh(whole), use_placement(stage.deferring()), collect_pipelines() as pipelines:
         closed, out_shape = _trace(fun, *_typed_by(layouts, abstract_params, abstract_batch))
     return closed, out_shape, make_plan(closed, placement, pipelines)
 
