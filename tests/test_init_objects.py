@@ -71,6 +71,18 @@ def _reference(init, get_batch, step):
     return losses, state
 
 
+def _train_like(step_fn, state, batch, want_losses, want_state):
+    """``STEPS`` calls of ``step_fn``; their losses and the final state equal the one-device run's."""
+    losses = []
+    for _ in range(STEPS):
+        loss, state = step_fn(state, batch)
+        losses.append(float(loss))
+    np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(want_state)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=RTOL, atol=ATOL)
+    return state
+
+
 def _build(pipelined: bool):
     """The step built by `parallelize`; pipelined: each block a stage of 4 devices (data=2 x model=2)."""
     init, get_batch, step = _parts()
@@ -99,13 +111,7 @@ def test_a_train_state_built_inside_init_params_initialises_and_trains_like_one_
         assert len(kernel.sharding.device_set) == 8
     assert kernel.addressable_shards[0].data.shape == (16, 16)  # (16, 32) split over model=2
     want_losses, want_state = _reference(*parts)
-    losses = []
-    for _ in range(STEPS):
-        loss, state = step_fn(state, batch)
-        losses.append(float(loss))
-    np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
-    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(want_state)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=RTOL, atol=ATOL)
+    state = _train_like(step_fn, state, batch, want_losses, want_state)
     assert state.step == STEPS
 
 
@@ -187,13 +193,7 @@ def test_an_nnx_train_state_holding_graphdef_apply_initialises_and_trains_like_o
     step_fn, init_fn, batch_fn = parallelize(step, init_params=init, get_input_batch=get_batch,
                                              mesh={"data": 4, "model": 2}, rules=RULES)
     state, batch = init_fn(), batch_fn()
-    assert state.params["up"]["kernel"].value.sharding.spec == P(None, "model")
+    assert state.params["up"]["kernel"][...].sharding.spec == P(None, "model")
     with nnx.use_eager_sharding(False):  # one device: no mesh for the names
         want_losses, want_state = _reference(init, get_batch, step)
-    losses = []
-    for _ in range(STEPS):
-        loss, state = step_fn(state, batch)
-        losses.append(float(loss))
-    np.testing.assert_allclose(losses, want_losses, rtol=RTOL)
-    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(want_state)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=RTOL, atol=ATOL)
+    state = _train_like(step_fn, state, batch, want_losses, want_state)
