@@ -673,9 +673,28 @@ REGISTER = [
       "'a' is a str"),
 ]
 
+def deleted_state() -> dict:
+    """A state whose ``w`` was freed, as a step built with donate=True frees the state it is given."""
+    state = ckpt_state()
+    state["w"].delete()
+    return state
+
+
+def self_referencing() -> dict:
+    meta = {"config": {"lr": 1e-3}}
+    meta["config"]["parent"] = meta
+    return meta
+
+
 CHECKPOINTS = [
     C("ckpt-max-to-keep-zero", lambda s: CheckpointManager(s.tmp("k"), max_to_keep=0), ValueError,
       "max_to_keep", "0"),
+    C("ckpt-max-to-keep-bool", lambda s: CheckpointManager(s.tmp("kb"), max_to_keep=True), TypeError,
+      "max_to_keep", "True (bool)"),
+    C("ckpt-save-deleted-leaf", lambda s: save(s.tmp("del"), 0, deleted_state()), ValueError, "deleted", "w",
+      "donate=True"),
+    C("ckpt-save-metadata-contains-itself", lambda s: mgr(s).save(5, ckpt_state(), metadata=self_referencing()),
+      ValueError, "metadata['config']['parent']", "contains itself"),
     C("ckpt-restore-empty-dir", lambda s: CheckpointManager(s.tmp("empty")).restore(target=ckpt_target()),
       FileNotFoundError, "no complete checkpoint", "empty"),
     C("ckpt-restore-missing-dir-read-only", lambda s: CheckpointManager(

@@ -692,3 +692,12 @@ def test_nnx_objects_save_and_restore_as_objects_onto_another_layout(tmp_path):
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
     assert [p for p, _ in leaves_with_paths(restored)] == [p for p, _ in leaves_with_paths(state)]
+
+
+def test_a_prng_key_in_metadata_is_stored_as_its_key_data(tmp_path):
+    key = jax.random.key(7)
+    state = {"w": jax.device_put(np.arange(4.0, dtype=np.float32))}
+    with CheckpointManager(str(tmp_path), async_save=False) as mgr:
+        mgr.save(0, state, metadata={"rng": key, "seed": 7})
+        info = mgr.info(0)
+    assert info.metadata == {"rng": np.asarray(jax.random.key_data(key)).tolist(), "seed": 7}

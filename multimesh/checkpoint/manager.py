@@ -155,7 +155,10 @@ class CheckpointManager:
         compression: bool = False,
         read_only: bool = False,
     ):
-        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
+        if max_to_keep is not None and (not isinstance(max_to_keep, int) or isinstance(max_to_keep, bool)):
+            raise TypeError(f"max_to_keep must be a positive int (how many steps to keep) or None (keep all), "
+                            f"got {max_to_keep!r} ({type(max_to_keep).__name__})")
+        if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be a positive int or None, got {max_to_keep!r}")
         directory = os.fspath(directory)
         if "://" not in directory:
@@ -267,8 +270,8 @@ class CheckpointManager:
             "saved_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "versions": _versions(),
             "process_count": jax.process_count(),
-            "metadata": to_json_safe(metadata),
-            "data_position": to_json_safe(data_position),
+            "metadata": to_json_safe(metadata, what="metadata"),
+            "data_position": to_json_safe(data_position, what="data_position"),
             "tree": {"leaves": [r.to_json() for r in leaves],
                      "meshes": [m.to_json() for m in meshes]},
         }

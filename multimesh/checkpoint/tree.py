@@ -227,6 +227,12 @@ def check_saveable(state: PyTree) -> list[tuple[str, jax.Array]]:
         )
     if not named:
         raise ValueError("the state to save has no leaves")
+    deleted = [p for p, x in named if x.is_deleted()]
+    if deleted:
+        raise ValueError(
+            f"{len(deleted)} leaf(s) of the state to save have been deleted, e.g. {', '.join(deleted[:3])}: "
+            f"a step built with donate=True frees the state it is given. Save the state the step returned "
+            f"(loss, state = step(state, batch); then save state), not the one passed in")
     return named
 
 
