@@ -12,8 +12,8 @@ import numpy as np
 from jax._src import core as jcore
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["abstract_mesh_context", "build_mesh", "constrain", "explicit_axes", "mesh_context", "mesh_devices",
-           "no_mesh_context", "place_mesh", "slice_mesh"]
+__all__ = ["abstract_mesh_context", "build_mesh", "constrain", "drop_axes", "explicit_axes", "mesh_context",
+           "mesh_devices", "no_mesh_context", "place_mesh", "slice_mesh"]
 
 MeshLike = Mesh | Mapping[str, int] | None
 
@@ -186,14 +186,17 @@ def explicit_axes(mesh: Any) -> frozenset[str]:
     return frozenset(n for n, t in zip(mesh.axis_names, types) if t == AxisType.Explicit)
 
 
-def _keep_axes(spec: PartitionSpec, keep: frozenset[str]) -> PartitionSpec:
+def drop_axes(spec: PartitionSpec, drop: frozenset[str]) -> PartitionSpec:
+    """``spec`` without the mesh axes ``drop`` (a dimension left with none is replicated)."""
+    if not drop:
+        return spec
     out = []
     for entry in spec:
         if entry is None or entry is PartitionSpec.UNCONSTRAINED:
             out.append(entry)
             continue
-        axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a in keep)
-        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in drop)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
     return PartitionSpec(*out)
 
 
@@ -209,10 +212,10 @@ def constrain(x: Any, sharding: NamedSharding) -> Any:
         # A task's constraint while a pipeline is first traced on its whole mesh, where the task's values are
         # typed: `parallelize` traces the step again on its stages' mesh, where the constraint applies.
         return x
-    x = jax.sharding.reshard(x, NamedSharding(sharding.mesh, _keep_axes(sharding.spec, explicit)))
     auto = frozenset(sharding.mesh.axis_names) - explicit
+    x = jax.sharding.reshard(x, NamedSharding(sharding.mesh, drop_axes(sharding.spec, auto)))
     if auto:
-        x = jax.lax.with_sharding_constraint(x, NamedSharding(sharding.mesh, _keep_axes(sharding.spec, auto)))
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(sharding.mesh, drop_axes(sharding.spec, explicit)))
     return x
 
 

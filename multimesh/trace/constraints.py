@@ -8,9 +8,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..core.meshes import constrain
+from ..core.meshes import constrain, drop_axes
 from ..core.placement import Placement, current_placement, use_placement
-from ..core.rules import MeshAxes, RuleError, Rules, _as_axes
+from ..core.rules import MeshAxes, RuleError, Rules
 from .deferred import logical_constraint_p
 from .implicit import placement_in_scope
 from .interpret import bind_equation
@@ -34,19 +34,6 @@ def _no_mesh_in_context() -> bool:
 def _has_named_sharding(shardings: Any) -> bool:
     leaves = jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, (PartitionSpec, NamedSharding)))
     return any(not isinstance(s, PartitionSpec) for s in leaves)
-
-
-def _drop_axes(spec: PartitionSpec, drop: frozenset[str]) -> PartitionSpec:
-    if not drop:
-        return spec
-    out = []
-    for entry in spec:
-        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
-            out.append(entry)
-            continue
-        kept = tuple(a for a in _as_axes(entry) if a not in drop)
-        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-    return PartitionSpec(*out)
 
 
 def logical_spec_to_mesh(spec: PartitionSpec, placement: Placement | None = None, shape=None) -> PartitionSpec:
@@ -86,7 +73,7 @@ def with_sharding_constraint(x: Any, shardings: Any) -> Any:
             return constrain(leaf, sharding)
         if not isinstance(sharding, PartitionSpec):
             return jax.lax.with_sharding_constraint(leaf, sharding)
-        spec = _drop_axes(placement.spec(tuple(sharding), leaf.shape), manual)
+        spec = drop_axes(placement.spec(tuple(sharding), leaf.shape), manual)
         if manual:  # inside a partially manual shard_map JAX wants a bare spec
             return jax.lax.with_sharding_constraint(leaf, spec)
         return constrain(leaf, NamedSharding(placement.mesh, spec))
