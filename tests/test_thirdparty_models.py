@@ -489,11 +489,8 @@ def test_flax_on_pjit_guide_train_state():
         loss, grads = jax.value_and_grad(lambda p: m.loss({"params": p}, batch))(state.params)
         return loss, state.apply_gradients(grads=grads)
 
-    step_fn, init_state, batch_fn = parallelize(step, init_params=init, get_input_batch=m.batch, **m.spmd)
-    state, batch, losses = init_state(), batch_fn(), []
-    for _ in range(SAVE_AT):
-        loss, state = step_fn(state, batch)
-        losses.append(float(loss))
+    built = parallelize(step, init_params=init, get_input_batch=m.batch, **m.spmd)
+    losses, state = run("flax_on_pjit", built, SAVE_AT)
     ref_losses, ref_states = reference("flax_on_pjit")
     np.testing.assert_allclose(losses, ref_losses[:SAVE_AT], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_states[SAVE_AT - 1]["params"]["params"])):
@@ -537,12 +534,8 @@ def test_gemma_nnx_optimizer():
         return loss, nnx.state((net, optimizer))
 
     with m.context():
-        step_fn, init_fn, batch_fn = parallelize(step, init_params=lambda: nnx.state(build()),
-                                                 get_input_batch=m.batch, **m.spmd)
-        state, batch, losses = init_fn(), batch_fn(), []
-        for _ in range(SAVE_AT):
-            loss, state = step_fn(state, batch)
-            losses.append(float(loss))
+        built = parallelize(step, init_params=lambda: nnx.state(build()), get_input_batch=m.batch, **m.spmd)
+    losses, state = run("flax_gemma", built, SAVE_AT)  # in the model's context, as built
     ref_losses, ref_states = reference("flax_gemma")
     np.testing.assert_allclose(losses, ref_losses[:SAVE_AT], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(state[0]), jax.tree.leaves(ref_states[SAVE_AT - 1]["params"])):
