@@ -190,18 +190,46 @@ class Head(nnx.Module):
         return constrain(logits.astype(jnp.float32), ACT_VOCAB)
 
 
+def _stacked_blocks(cfg: TransformerConfig, rngs: nnx.Rngs) -> Block:
+    """``num_layers`` blocks as one, each parameter stacked along a leading axis named ``layers`` (the
+    Linen ``nn.scan`` model's tree: ``layers/attn/query/kernel`` of shape ``(L, ...)``)."""
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs: nnx.Rngs) -> Block:
+        return Block(cfg, rngs)
+
+    return make(rngs)
+
+
+def _scan_blocks(stack: Block, x: Array, remat: bool) -> Array:
+    """Run the stacked blocks one after the other with ``nnx.scan`` (each rematerialised if ``remat``)."""
+
+    def one(y: Array, block: Block) -> Array:
+        return nnx.remat(lambda b, z: b(z))(block, y) if remat else block(y)
+
+    run = nnx.scan(one, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry,
+                   transform_metadata={nnx.PARTITION_NAME: "layers"})
+    return run(x, stack)
+
+
 class Transformer(nnx.Module):
     """Decoder-only LM: ``Transformer(config, rngs=nnx.Rngs(0))(tokens) -> float32 logits``.
 
     Submodules ``embed``, ``layers_0`` .. ``layers_{L-1}`` and ``head`` (the
-    Linen model's names), which are also their attribute paths.
+    Linen model's names), which are also their attribute paths. With
+    ``config.scan_layers`` the blocks are one module ``layers`` made by
+    ``nnx.vmap`` and run by ``nnx.scan``, as the Linen model's ``nn.scan``.
     """
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         self.config = config
         self.embed = Embed(config, rngs)
-        for i in range(config.num_layers):
-            setattr(self, f"layers_{i}", Block(config, rngs))  # layers_0, ...: the Linen names
+        if config.scan_layers:  # one module `layers`, every parameter stacked along a leading layer axis
+            self.layers = _stacked_blocks(config, rngs)
+        else:
+            for i in range(config.num_layers):
+                setattr(self, f"layers_{i}", Block(config, rngs))  # layers_0, ...: the Linen names
         self.head = Head(config, rngs)
 
     def block(self, i: int) -> Block:
@@ -218,6 +246,12 @@ class Transformer(nnx.Module):
         stop = self.config.num_layers if stop is None else stop
         if not 0 <= start <= stop <= self.config.num_layers:
             raise ValueError(f"bad block range [{start}, {stop}) for {self.config.num_layers} layers")
+        if self.config.scan_layers:
+            if (start, stop) != (0, self.config.num_layers):
+                raise NotImplementedError(f"run_blocks({start}, {stop}): a scanned stack (scan_layers=True) runs "
+                                          f"all {self.config.num_layers} blocks at once; split it over stages with "
+                                          f"register_task('layers', split=...)")
+            return _scan_blocks(self.layers, x, self.config.remat)
         for i in range(start, stop):
             if self.config.remat:  # the copy nnx.remat makes keeps the block's path (layers_i)
                 x = nnx.remat(lambda blk, y: blk(y))(self.block(i), x)

@@ -105,7 +105,7 @@ class TransformerConfig:
     ``head_dim`` to ``d_model // num_heads`` and ``d_ff`` to ``4 * d_model``.
     ``dtype`` is the compute dtype (``'float32'`` or ``'bfloat16'``),
     ``param_dtype`` the storage dtype of parameters. ``scan_layers`` stacks the
-    blocks with ``nn.scan`` (one module ``layers`` whose parameters have a
+    blocks with ``nn.scan`` (``nnx.scan`` in NNX; one module ``layers`` whose parameters have a
     leading layer axis, logical name ``layers``), as production models do to
     compile once per stack instead of once per block. ``api`` says which
     implementation a trainer builds from the config: ``'linen'`` (this
@@ -133,9 +133,6 @@ class TransformerConfig:
     def __post_init__(self) -> None:
         if self.api not in ("linen", "nnx"):
             raise ValueError(f"api={self.api!r}: use 'linen' (flax.linen) or 'nnx' (flax.nnx)")
-        if self.scan_layers and self.api == "nnx":
-            raise NotImplementedError("scan_layers=True is implemented for api='linen' only; the NNX model "
-                                      "(models/nnx_transformer.py) has no nnx.scan variant yet")
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.head_dim is None:

@@ -39,15 +39,19 @@ def _paths(tree) -> dict[str, tuple]:
             for p, x in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-@pytest.mark.parametrize("tie", [True, False])
-def test_same_parameter_tree_names_and_outputs(tie):
-    cfg = TransformerConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, max_len=16, tie_embeddings=tie)
+@pytest.mark.parametrize("tie, scan", [(True, False), (False, False), (False, True)])
+def test_same_parameter_tree_names_and_outputs(tie, scan):
+    """Also scanned: ``nn.scan`` and ``nnx.vmap`` + ``nnx.scan`` stack the same tree (leading ``layers`` axis)."""
+    cfg = TransformerConfig(num_layers=2, d_model=32, num_heads=4, num_kv_heads=2, max_len=16, tie_embeddings=tie,
+                            scan_layers=scan)
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
     linen_vars = Transformer(cfg).init(jax.random.key(0), tokens)
     model = FunctionalModel(cfg)
     params = model.init(jax.random.key(3))
     # Same paths and shapes, same logical names on every parameter.
     assert _paths(to_linen(params)) == _paths(nn.meta.unbox(linen_vars))
+    if scan:
+        assert _paths(to_linen(params))["params/layers/mlp/wo/kernel"] == (2, cfg.d_ff, 32)
     linen_names = {jax.tree_util.keystr(p, simple=True, separator="/"): tuple(b.names)
                    for p, b in jax.tree_util.tree_flatten_with_path(
                        linen_vars["params"], is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))[0]}

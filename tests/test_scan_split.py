@@ -170,8 +170,8 @@ class NnxLayer(nnx.Module):
 
 
 class NnxNet(nnx.Module):
-    """The same net in NNX: layers made by ``nnx.vmap``, run by ``nnx.scan`` under ``jax.named_scope``s
-    (NNX modules open no scope of their own)."""
+    """The same net in NNX: layers made by ``nnx.vmap``, run by ``nnx.scan``, no scope of its own (multimesh
+    names the scan's body ``layers`` by the stacked module's attribute path)."""
 
     def __init__(self, rngs):
         self.embed = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
@@ -189,12 +189,7 @@ class NnxNet(nnx.Module):
         def run(x, layer):
             return layer(x)
 
-        with jax.named_scope("embed"):
-            x = self.embed(x)
-        with jax.named_scope("layers"):
-            x = run(x, self.layers)
-        with jax.named_scope("head"):
-            return self.head(x)
+        return self.head(run(self.embed(x), self.layers))
 
 
 def test_nnx_scan_splits_alike():
@@ -332,15 +327,24 @@ def _pipeline_and_one_device(tmp_path, *over: str):
     return pipe, one
 
 
+def _stacked_kernel(params) -> jax.Array:
+    """The scanned stack's ``mlp/wo/kernel`` from the trainer's Linen variables or NNX state."""
+    if isinstance(params, nnx.State):
+        return params["layers"]["mlp"]["wo"]["kernel"][...]
+    return nn.unbox(params)["params"]["layers"]["mlp"]["wo"]["kernel"]
+
+
 @pytest.mark.filterwarnings("error:split scan stack")  # nothing is gathered whole
-def test_trainer_pipeline_splits_the_scanned_stack(tmp_path):
-    """``model.scan_layers`` on the 2-stage pipeline: the stack lives split, the losses follow one device."""
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_trainer_pipeline_splits_the_scanned_stack(tmp_path, api):
+    """``model.scan_layers`` on the 2-stage pipeline: the stack lives split, the losses follow one device.
+    The NNX model (``nnx.vmap`` + ``nnx.scan``, no scope of its own) is split by the same registration."""
     from trainers.train import train
 
-    pipe, one = _pipeline_and_one_device(tmp_path, "train.steps=3")
+    pipe, one = _pipeline_and_one_device(tmp_path, "train.steps=3", f"model.api={api}")
     got, want = train(pipe, quiet=True), train(one, quiet=True)
     np.testing.assert_allclose(_losses(got, 1, 3), _losses(want, 1, 3), rtol=1e-4)
-    kernel = nn.unbox(got.state["params"])["params"]["layers"]["mlp"]["wo"]["kernel"]
+    kernel = _stacked_kernel(got.state["params"])
     assert kernel.shape[0] == 4 and kernel.sharding.spec[0] == "stage"
     check_on_stages(kernel, 0, 2, 4)
 
@@ -371,8 +375,6 @@ def test_trainer_config_refuses_what_the_split_cannot_do():
 
     with pytest.raises(ConfigError, match=r"does not divide model.num_layers=3"):
         load_config("pipeline", ["model.scan_layers=true", "model.num_layers=3"])
-    with pytest.raises(NotImplementedError, match=r"api='linen' only"):
-        load_config("tiny", ["model.scan_layers=true", "model.api=nnx"])
 
 
 def test_a_split_must_name_a_scan_the_step_runs():
