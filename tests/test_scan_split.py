@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from multimesh.checkpoint import CheckpointManager
-from multimesh.jax import clear_tasks, ignore_transforms, microbatch, parallelize, register_task
+from multimesh.jax import clear_tasks, ignore_transforms, microbatch, mjit, parallelize, register_task
 
 pytestmark = pytest.mark.devices(8)
 
@@ -243,6 +243,24 @@ def test_split_without_microbatches_and_over_four_stages():
         np.testing.assert_allclose(float(loss), ref_losses[i], rtol=1e-5)
     for got, want in zip(stacked(state).values(), stacked(ref_state).values()):
         check_on_stages(got, 0, 4, 2)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_mjit_splits_the_stack_of_arguments_it_takes_as_they_are():
+    """`mjit` takes the state on one device; the stacked arrays come back split over the stages, and a second
+    call takes them as they came."""
+    model = Net()
+    register_stages(2, (2, 2), ("data", "model"))
+    fn = mjit(make_step(model), donate_argnums=0)
+    state, batch = jax.device_put((init_for(model)(), get_batch()), jax.devices()[0])
+    ref_losses, ref_state = reference(model, 2)
+    for i in range(2):
+        loss, state = fn(state, batch)
+        np.testing.assert_allclose(float(loss), ref_losses[i], rtol=1e-5)
+    assert "split scan stack: layers[0:2] on stage0, layers[2:4] on stage1" in str(fn.plan)
+    assert len(stacked(state)) == 6
+    for got, want in zip(stacked(state).values(), stacked(ref_state).values()):
+        check_on_stages(got, 0, 2, 4)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 

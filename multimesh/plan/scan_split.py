@@ -42,9 +42,9 @@ union `NamedSharding` cannot hold uneven parts); the parts' submeshes must be
 distinct (no interleaving of one stack's ranges over the same device groups)
 and of the same shape and axis names (they are stacked into the union mesh);
 the scan must run in the step itself, not inside a remat of the whole stack or
-a task's body; `mjit` does not split stacks (`parallelize` does). An NNX
-stack (``nnx.vmap`` to build, ``nnx.scan`` to run) needs no scope of its own:
-its body runs under the stacked module's attribute path (`trace.nnx_scopes`).
+a task's body. `parallelize` and `mjit` both split stacks. An NNX stack
+(``nnx.vmap`` to build, ``nnx.scan`` to run) needs no scope of its own: its
+body runs under the stacked module's attribute path (`trace.nnx_scopes`).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from ..trace.microbatch import collect_pipelines
 from ..trace.nnx_scopes import scopes_for_tasks
 from ..trace.taskspec import current_global_mesh
 from .runtime import Runtime
+from .stacked import from_parts, part_shardings, to_parts, union_for
 
 __all__ = ["MJitFunction", "mjit"]
 
@@ -171,15 +172,36 @@ class MJitFunction:
         if plan.placements == [placement]:
             return self._spmd(plan, tree, out_tree, out_shape, placement, donated_leaves)
         if plan.boundary is not None:
-            raise NotImplementedError("mjit: a scanned stack split over stages (register_task(..., split=...)) "
-                                      "runs under parallelize only, which lays its stacked arrays out over the "
-                                      "stages; use parallelize")
+            return self._split_stack(plan, flat, out_tree, donated_leaves)
         donated = {plan.jaxpr.invars[i] for i in donated_leaves}
         shardings = {v: s for v, x in zip(plan.jaxpr.invars, flat)
                      if isinstance(s := _sharding_of(x), NamedSharding)}
         runtime = Runtime(plan, shardings, donated=donated)
         self.runtime = runtime
         return _Compiled(plan, runtime, out_tree, spmd=False)
+
+    def _split_stack(self, plan: Plan, flat: list, out_tree: Any, donated_leaves: list[int]) -> _Compiled:
+        """The MPMD runtime for a plan with a split scanned stack: each split argument is laid over its
+        stages (`run.stacked.union_for`, a copy only if it is not already) and given to the plan as its
+        per-stage parts; split outputs come back as one array over the stages."""
+        boundary = plan.boundary
+        unions = [None if how is None else union_for(x, how) for x, how in zip(flat, boundary.inputs)]
+        own = [u if u is not None else _sharding_of(x) for x, u in zip(flat, unions)]
+        shardings = {v: s for v, s in zip(plan.jaxpr.invars, part_shardings(boundary.inputs, own))
+                     if isinstance(s, NamedSharding)}
+        donated = set()
+        for i in donated_leaves:
+            how, first = boundary.inputs[i], boundary.plan_index(i)
+            donated.update(plan.jaxpr.invars[first:first + (1 if how is None else len(how.split.ranges))])
+        runtime = Runtime(plan, shardings, donated=donated)
+        self.runtime = runtime
+        targets = [None] * len(boundary.outputs)
+
+        def call(args: list) -> list:
+            outs = runtime(to_parts(args, boundary.inputs, unions))
+            return from_parts(outs, boundary.outputs, targets)
+
+        return _Compiled(plan, call, out_tree, spmd=False)
 
     def _donated_leaves(self, args: tuple) -> list[int]:
         out, offset = [], 0

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from ..core.transfer import move
 from ..plan.stack_layout import STAGE_AXIS, SplitArray, part_sharding, union_mesh, union_sharding
 
-__all__ = ["from_parts", "part_shardings", "to_parts"]
+__all__ = ["from_parts", "part_shardings", "to_parts", "union_for"]
 
 
 def part_shardings(splits: Sequence[SplitArray | None], shardings: Sequence[NamedSharding]) -> list[NamedSharding]:
@@ -91,3 +91,16 @@ def _default_union(part: jax.Array, how: SplitArray) -> NamedSharding:
     s = part.sharding
     within = s.spec if isinstance(s, NamedSharding) and s.mesh == how.split.placements[0].mesh else PartitionSpec()
     return union_sharding(how, within, part.ndim)
+
+
+def union_for(x: Any, how: SplitArray) -> NamedSharding:
+    """Where a whole split array ``x`` goes over its stages: its own sharding when that already is a union
+    sharding of ``how``; else the union sharding with ``x``'s spec inside each stage when ``x`` lies on a
+    mesh with the stages' axis names (a whole stage, say), else replicated inside each stage."""
+    s = getattr(x, "sharding", None)
+    if _is_union_of(s, how):
+        return s
+    stage = how.split.placements[0].mesh
+    keep = isinstance(s, NamedSharding) and tuple(s.mesh.axis_names) == tuple(stage.axis_names) and all(
+        s.mesh.shape[a] == stage.shape[a] for a in stage.axis_names)
+    return union_sharding(how, s.spec if keep else PartitionSpec(), len(x.shape))
