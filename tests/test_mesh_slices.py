@@ -285,6 +285,17 @@ def test_sliced_tasks_under_jax_set_mesh_train_as_on_one_device():
     assert ids(state["p"]["s1"]["a"].sharding.device_set) == {3, 2, 1, 0}
 
 
+def test_sliced_microbatched_tasks_under_an_auto_jax_set_mesh():
+    """The same with microbatches: a task's outputs are typed on its slice, and JAX's transposes refuse to mix
+    mesh sizes in one trace unless they come back to the caller's (Auto) mesh."""
+    mesh = Mesh(np.asarray(jax.devices()[::-1], dtype=object).reshape(2, 4), ("stage", "data"))
+    n_mb, slice_of = 4, lambda i: i % 2
+    init, batch, step = explicit_problem("1f1b", n_mb, slice_of, rows="data")
+    with jax.set_mesh(mesh):
+        fn, state = check_mpmd_against_reference(step, init, batch, grad_rtol=2e-5)
+    check_units_on_their_slices(fn, state, batch, mesh, "embed", n_mb, slice_of)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_a_loop_dependent_embedding_runs_each_microbatch_on_its_slice(schedule):
     n_mb, slice_of = 4, lambda i: i % 2

@@ -28,7 +28,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..core.meshes import constrain
+from ..core.meshes import constrain, explicit_axes
 from ..core.placement import Placement, current_placement, use_placement
 from ..core.rules import MeshAxes, Rules, identity_rules
 from ..core.transfer import reshard_to
@@ -58,8 +58,23 @@ def _eval(*args, jaxpr, placement, kind):
     return jcore.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
 
 
+def _in_caller_mesh(aval: Any) -> Any:
+    """A task's output as its caller's trace types it. On Auto axes a type's sharding holds only its mesh
+    (the partitioner chooses the rest), but JAX refuses to mix meshes of different sizes in one trace (a
+    gradient's transpose, say): an output typed on the task's submesh is retyped on the caller's mesh. On
+    Explicit axes the type is the layout, and stays (`parallelize` traces such pipelines on their stages'
+    mesh)."""
+    mesh = getattr(getattr(aval, "sharding", None), "mesh", None)
+    if mesh is None or mesh.empty or explicit_axes(mesh):
+        return aval
+    caller = jax.sharding.get_abstract_mesh()
+    if caller == mesh:
+        return aval
+    return aval.update(sharding=NamedSharding(caller, PartitionSpec(*[None] * aval.ndim)))
+
+
 task_call_p.def_impl(_eval)
-task_call_p.def_abstract_eval(lambda *args, jaxpr, **_: [v.aval for v in jaxpr.jaxpr.outvars])
+task_call_p.def_abstract_eval(lambda *args, jaxpr, **_: [_in_caller_mesh(v.aval) for v in jaxpr.jaxpr.outvars])
 mlir.register_lowering(task_call_p, mlir.lower_fun(_eval, multiple_results=True))
 
 _IGNORED: contextvars.ContextVar[bool] = contextvars.ContextVar("multimesh_ignore_transforms", default=False)
