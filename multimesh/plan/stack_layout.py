@@ -89,9 +89,10 @@ def check_stackable(split: StackSplit) -> None:
     what = f"splitting the scan {split.label!r} into {split.describe()}"
     if len(set(sizes)) > 1:
         raise NotImplementedError(
-            f"{what}: the layer ranges have unequal lengths {sizes}; a stacked parameter is one array whose "
-            f"layer axis is split evenly over the stages, so uneven splits are not supported yet: give every "
-            f"range the same number of layers")
+            f"{what}: the layer ranges have unequal lengths {sizes}; a stacked parameter stays one jax.Array "
+            f"whose layer axis is sharded over the stages, and JAX gives every shard of an array the same shape, "
+            f"so the ranges must be equal: give every range the same number of layers (or, for unequal stages, "
+            f"stack fewer layers per scan and place the modules with callback=)")
     meshes = [p.mesh for p in split.placements]
     if len({frozenset(m.devices.flat) for m in meshes}) < len(meshes) or any(
             set(m.devices.flat) & set(n.devices.flat) for i, m in enumerate(meshes) for n in meshes[i + 1:]):

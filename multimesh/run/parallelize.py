@@ -211,8 +211,11 @@ def _retrace_on_stages(fun: Callable, plan: Plan, placement: Placement, abstract
         shown = "; ".join(f"{p.name}: {dict(p.mesh.shape)} {p.mesh.axis_types}" for p in plan.placements)
         raise NotImplementedError(
             f"parallelize: a pipeline on a mesh with Explicit axes ({dict(placement.mesh.shape)}) needs stages of "
-            f"one shape, axis names and axis types, and these differ: {shown}. Give every stage the same submesh "
-            f"shape (e.g. slices of the mesh along a 'stage' axis), or use a mesh of Auto axes")
+            f"one shape, axis names and axis types, and these differ: {shown}. On Explicit axes a value's type "
+            f"holds its mesh's shape, and JAX refuses to combine values typed on different meshes in one function "
+            f"(the loss, the optimizer's update and a gradient norm combine every stage's values). Give every "
+            f"stage the same submesh shape (e.g. slices of the mesh along a 'stage' axis), or use a mesh of Auto "
+            f"axes")
     stage = plan.placements[0]
     layouts = _input_layouts(plan, placement, abstract_params, abstract_batch, path_rules, batch_spec, advise=False)
     with use_placement(placement):
