@@ -212,8 +212,8 @@ def test_parallelize_step_arguments():
         parallelize_step(Tiny(), optax.sgd(0.1), mesh)
     with pytest.raises(TypeError, match="exactly one of global_batch= or local_batch="):
         parallelize_step(Tiny(), optax.sgd(0.1), mesh, global_batch=batch, local_batch=batch)
-    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh, got dict"):
-        parallelize_step(Tiny(), optax.sgd(0.1), MESH, global_batch=batch)
+    with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh or an \{axis: size\} dict, got tuple"):
+        parallelize_step(Tiny(), optax.sgd(0.1), (4, 2), global_batch=batch)
 
 
 @pytest.fixture(scope="module")

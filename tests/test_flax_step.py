@@ -118,15 +118,51 @@ def test_parallelize_step_matches_optax_reference(kind, form, replicate):
             check_placement(arr, EXPECTED[role], devices, MESH_SHAPE, f"{kind} moment {role}")
 
 
+def test_parallelize_step_shards_the_batch_by_default_and_takes_a_mesh_shape():
+    """Data parallel unless told otherwise (MultiMesh replicates): the batch over ``data`` of a ``data x tensor``
+    mesh given as a shape, the losses those of one device."""
+    batch = loss_batch()
+    step, state, mesh = parallelize_step(LinenLossModel(), TX, MESH_SHAPE, global_batch=batch)
+    assert isinstance(mesh, jax.sharding.Mesh) and dict(mesh.shape) == MESH_SHAPE
+    for k, s in step.batch_shardings.items():
+        assert norm_spec(s.spec) == ("data",), k
+    ref_losses, _ = _reference("linen", batch)
+    losses = []
+    for _ in range(STEPS):
+        loss, state = step(state, batch)
+        losses.append(float(loss))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh or an \{axis: size\} dict, got list"):
+        parallelize_step(LinenLossModel(), TX, [4, 2], global_batch=batch)
+
+
 def test_shard_axes_attaches_logical_names():
     init = shard_axes("embed", "mlp")
     box = init(jax.random.key(0), (4, 6))
     assert isinstance(box, nn.LogicallyPartitioned)
     assert tuple(box.names) == ("embed", "mlp")
     assert box.value.shape == (4, 6)
-    # xavier-normal by default
+    # outside a module's field: xavier-normal (MultiMesh's default)
     ref = nn.initializers.xavier_normal()(jax.random.key(0), (4, 6))
     np.testing.assert_array_equal(np.asarray(box.value), np.asarray(ref))
+
+
+def test_shard_axes_keeps_the_initializer_of_the_module_it_is_given_to():
+    """Naming the axes changes nothing else: nn.Dense's kernel stays LeCun normal (std 1/sqrt(fan_in)), its
+    bias zeros, nn.Embed's table its own; ``init=`` still wins."""
+    x, tokens, key = np.ones((2, 512), np.float32), np.ones((2,), np.int32), jax.random.key(0)
+    named = nn.Dense(1024, kernel_init=shard_axes("embed", "mlp"), bias_init=shard_axes("mlp")).init(key, x)
+    plain = nn.Dense(1024).init(key, x)
+    kernel = named["params"]["kernel"]
+    assert tuple(kernel.names) == ("embed", "mlp")
+    np.testing.assert_array_equal(np.asarray(kernel.value), np.asarray(plain["params"]["kernel"]))
+    np.testing.assert_allclose(float(kernel.value.std()), 1 / np.sqrt(512), rtol=0.05)
+    np.testing.assert_array_equal(np.asarray(named["params"]["bias"].value), np.zeros(1024))
+    table = nn.Embed(64, 16, embedding_init=shard_axes("vocab", "embed")).init(key, tokens)["params"]["embedding"]
+    np.testing.assert_array_equal(np.asarray(table.value),
+                                  np.asarray(nn.Embed(64, 16).init(key, tokens)["params"]["embedding"]))
+    given = nn.Dense(4, kernel_init=shard_axes("embed", "mlp", init=nn.initializers.ones)).init(key, x)
+    np.testing.assert_array_equal(np.asarray(given["params"]["kernel"].value), np.ones((512, 4)))
 
 
 class _NNXSpellings(nnx.Module):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -13,21 +13,60 @@ from flax import nnx
 from flax.training.train_state import TrainState
 from jax.sharding import Mesh, NamedSharding
 
+from ..core.meshes import build_mesh
 from ..core.rules import MeshAxes, Rules, standard_rules
 from ..run.parallelize import parallelize
 from ..trace.linen_constraints import flax_context_rules
 from .nnx_bridge import nnx_model_parts
 
-__all__ = ["parallelize_step", "shard_axes"]
+__all__ = ["FALLBACK_INIT", "parallelize_step", "shard_axes"]
 
 
-def shard_axes(*names: str | None, init: Callable = nn.initializers.xavier_normal()) -> Callable:
+#: What `shard_axes` initialises with when neither ``init=`` nor the module it is given to says (MultiMesh's).
+FALLBACK_INIT = nn.initializers.xavier_normal()
+
+
+def shard_axes(*names: str | None, init: Callable | None = None) -> Callable:
     """An initializer that attaches logical axis names to the parameter it creates.
 
     ``nn.Dense(4, kernel_init=shard_axes("embed", "mlp"))`` or
     ``self.param("w", shard_axes("embed", "mlp"), (d, f))``.
+
+    It initialises as ``init`` when given; else as the module it is given to
+    would by default (``nn.Dense``'s ``kernel_init``: LeCun normal;
+    ``bias_init``: zeros; ``nn.Embed``'s ``embedding_init``), so that naming
+    the axes changes nothing else; else (``self.param`` of a module without
+    such a field) with `FALLBACK_INIT`, Xavier normal as in MultiMesh.
     """
-    return nn.with_logical_partitioning(init, names)
+    if init is not None:
+        return nn.with_logical_partitioning(init, names)
+
+    def own(key: jax.Array, shape: Any, dtype: Any = jax.numpy.float32) -> jax.Array:
+        return _module_default(own)(key, shape, dtype)
+
+    return nn.with_logical_partitioning(own, names)
+
+
+def _module_default(initializer: Callable) -> Callable:
+    """The class default of the field of the running Linen module that holds ``initializer`` (e.g. the
+    ``kernel_init`` of an ``nn.Dense(kernel_init=shard_axes(...))``); `FALLBACK_INIT` when there is none."""
+    from flax.linen.module import _context  # Flax keeps the module being run here
+
+    stack = _context.module_stack
+    module = stack[-1] if stack else None
+    fields = getattr(type(module), "__dataclass_fields__", {})
+    for name, field in fields.items():
+        value = getattr(module, name, None)
+        if callable(field.default) and _wraps(value, initializer):
+            return field.default
+    return FALLBACK_INIT
+
+
+def _wraps(value: Any, initializer: Callable) -> bool:
+    """Whether ``value`` is the boxed initializer `shard_axes` returned around ``initializer``."""
+    inner = getattr(value, "__wrapped__", None) or getattr(value, "fn", None)
+    closure = getattr(value, "__closure__", None) or ()
+    return inner is initializer or any(c.cell_contents is initializer for c in closure)
 
 
 def _is_linen(model: Any) -> bool:
@@ -40,10 +79,10 @@ def _is_linen(model: Any) -> bool:
 def parallelize_step(
     model: Any,
     optimizer: optax.GradientTransformation,
-    mesh: Mesh,
+    mesh: Mesh | Mapping[str, int],
     global_batch: Any = None,
     local_batch: Any = None,
-    replicate_inputs: bool = True,
+    replicate_inputs: bool = False,
     *,
     rules: Iterable[tuple[str, MeshAxes]] | Rules | None = None,
     seed: int = 42,
@@ -60,9 +99,10 @@ def parallelize_step(
 
     The state is a `flax.training.train_state.TrainState`; the step is
     ``step(state, batch) -> (loss, new_state)``, the loss computed before the
-    update. ``replicate_inputs=True`` places the batch whole on every device;
-    ``False`` shards its leading dimension over the data axes (rule
-    ``"batch"``). ``rules`` default to those of Flax's ``nn.logical_axis_rules``
+    update. The batch's leading dimension is sharded over the data axes (rule
+    ``"batch"``: data parallelism); ``replicate_inputs=True`` places it whole
+    on every device instead (MultiMesh's default). ``mesh`` is a `Mesh` or an
+    ``{axis: size}`` shape (`build_mesh`). ``rules`` default to those of Flax's ``nn.logical_axis_rules``
     context in force, else `standard_rules` for the mesh's axes.
     ``strict=True`` makes indivisible dimensions, logical names without a
     rule and `register_task` patterns that match nothing errors (as
@@ -80,8 +120,10 @@ def parallelize_step(
     """
     if (global_batch is None) == (local_batch is None):
         raise TypeError("parallelize_step needs exactly one of global_batch= or local_batch=")
+    if isinstance(mesh, Mapping):
+        mesh = build_mesh(mesh)
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        raise TypeError(f"mesh must be a jax.sharding.Mesh or an {{axis: size}} dict, got {type(mesh).__name__}")
     if rules is None:
         rules = flax_context_rules(mesh) or standard_rules(mesh.axis_names)
     key = jax.random.key(seed) if rng is None else rng
