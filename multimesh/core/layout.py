@@ -60,6 +60,8 @@ class Layout:
 
     shardings: Any
     leaves: tuple[LeafLayout, ...]
+    #: Warnings about the rules that laid it out (a logical name without a rule, a rule matching nothing).
+    advice: tuple[str, ...] = ()
 
     def by_path(self) -> dict[str, LeafLayout]:
         return {leaf.path: leaf for leaf in self.leaves}

@@ -95,7 +95,8 @@ class Placement:
     def own_rules(self) -> Rules:
         """The rules less the identity rule of each mesh axis (which every placement has): what was given."""
         axes = set(self.mesh.axis_names)
-        return Rules([(n, a) for n, a in self.rules if not (n == a and n in axes)], strict=self.rules.strict)
+        return Rules([(n, a) for n, a in self.rules if not (n == a and n in axes)], strict=self.rules.strict,
+                     generic=self.rules.generic)
 
     @functools.cached_property
     def devices(self) -> frozenset:

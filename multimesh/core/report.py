@@ -38,6 +38,7 @@ class ShardingReport:
     leaves: Sequence[LeafLayout]
     title: str = "sharding report"
     threshold: int = LARGE_BYTES
+    notes: Sequence[str] = ()  # warnings found elsewhere (about the rules), listed with the table's own
 
     @property
     def total_bytes(self) -> int:
@@ -53,7 +54,7 @@ class ShardingReport:
 
     @property
     def warnings(self) -> list[str]:
-        return [
+        return list(self.notes) + [
             f"{leaf.path or '<root>'} ({format_bytes(leaf.nbytes)}, shape {leaf.shape}) is replicated on "
             f"every device of its mesh although a mesh axis divides it; give it a logical spec or a rule"
             for leaf in replicated_but_shardable(self.leaves, self.threshold)

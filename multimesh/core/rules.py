@@ -99,14 +99,22 @@ class Rules:
 
     ``strict=True`` turns silent decisions into errors: a dimension that a
     rule's mesh axes do not divide, and a logical name that no rule mentions.
+    ``generic``: logical names these rules cover as generic defaults
+    (`standard_rules`: every name it knows, a rule or not on this mesh);
+    `parallelize` warns about a name without a rule, or a rule that matches
+    nothing, only for other names.
     """
 
     rules: tuple[tuple[str, MeshAxes], ...] = ()
     strict: bool = False
+    generic: frozenset[str] = frozenset()
 
-    def __init__(self, rules: Iterable[tuple[str, MeshAxes]] | Rules = (), *, strict: bool = False):
+    def __init__(self, rules: Iterable[tuple[str, MeshAxes]] | Rules = (), *, strict: bool = False,
+                 generic: Iterable[str] = ()):
+        generic = frozenset(generic)
         if isinstance(rules, Rules):
             strict = strict or rules.strict
+            generic = generic | rules.generic
             rules = rules.rules
         if isinstance(rules, (str, bytes)) or not isinstance(rules, Iterable):
             raise RuleError(f"rules must be a sequence of (logical_name, mesh_axes) pairs, got {rules!r}")
@@ -135,6 +143,7 @@ class Rules:
             normalised.append((name, axes))
         object.__setattr__(self, "rules", tuple(normalised))
         object.__setattr__(self, "strict", strict)
+        object.__setattr__(self, "generic", generic)
 
     def __iter__(self):
         return iter(self.rules)
@@ -143,7 +152,8 @@ class Rules:
         return len(self.rules)
 
     def __add__(self, other: Iterable[tuple[str, MeshAxes]]) -> Rules:
-        return Rules(self.rules + Rules(other).rules, strict=self.strict)
+        other = Rules(other)
+        return Rules(self.rules + other.rules, strict=self.strict, generic=self.generic | other.generic)
 
     def __repr__(self) -> str:
         body = ", ".join(f"{n!r}->{a!r}" for n, a in self.rules)
@@ -440,4 +450,4 @@ def standard_rules(axis_names: Iterable[str], *, strict: bool = False) -> Rules:
         ("layers", "stage"),
     ]
     rules = [(n, a) for n, a in wanted if a is not None and a in names]
-    return Rules(rules, strict=strict)
+    return Rules(rules, strict=strict, generic={n for n, _ in wanted})

@@ -8,6 +8,7 @@ mesh) or, when the function calls tasks, the MPMD plan.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -31,6 +32,7 @@ from .advice import warn_replicated_batch
 from .checks import check_arrays, check_in_place_nnx, check_outputs, checked, fun_name
 from .initializers import with_initializers
 from .mpmd import MPMDFunction
+from .rule_coverage import constraint_names, rule_coverage, warn_rule_coverage
 from .spmd import ShardedFunction
 
 __all__ = ["ShardedFunction", "parallelize"]
@@ -270,6 +272,13 @@ def _unmatched_registrations(plan: Plan, strict: bool) -> None:
     warnings.warn(message, stacklevel=3)
 
 
+def _input_placement(plan: Plan | None, placement: Placement, offset: int) -> Callable[[int], Placement]:
+    """Step input ``offset + i`` -> the placement of its first consumer (SPMD: the one placement)."""
+    if plan is None:
+        return lambda i: placement
+    return lambda i: plan.step_input_placement(offset + i)
+
+
 def _input_layouts(plan: Plan | None, placement: Placement, abstract_params: Any, abstract_batch: Any,
                    path_rules: PathRules, batch_spec: tuple, *, advise: bool = True) -> tuple[Layout, Layout]:
     """Parameter and batch layouts, each input on the placement of its first consumer in the plan (SPMD:
@@ -279,20 +288,23 @@ def _input_layouts(plan: Plan | None, placement: Placement, abstract_params: Any
     found = constrained_inputs(plan.step_jaxpr or plan.jaxpr) if plan is not None else {}
 
     def placement_of(offset: int) -> Callable[[int], Placement]:
-        if plan is None:
-            return lambda i: placement
-        return lambda i: plan.step_input_placement(offset + i)
+        return _input_placement(plan, placement, offset)
 
     params = derive_layout(abstract_params, placement_of(0), path_rules=path_rules, what="parameter",
                            constraints={i: s for i, s in found.items() if i < n_params})
     batch = derive_layout(abstract_batch, placement_of(n_params), default=batch_spec, exact=True, what="batch",
                           constraints={i - n_params: s for i, s in found.items() if i >= n_params})
+    advice: tuple[str, ...] = ()
     if advise:
         warn_replicated_batch(batch, placement_of(n_params), stacklevel=3)
+        spmd = plan is None or plan.placements == [placement]
+        names = constraint_names(plan.step_jaxpr or plan.jaxpr) if plan is not None and spmd else None
+        advice = tuple(rule_coverage([(params, placement_of(0)), (batch, placement_of(n_params))], placement, names))
+        warn_rule_coverage(advice, stacklevel=3)
     if plan is not None and plan.boundary is not None:  # a split scanned stack: its arrays span its stages
         params = widen_layout(params, plan.boundary.inputs[:n_params])
         batch = widen_layout(batch, plan.boundary.inputs[n_params:])
-    return params, batch
+    return dataclasses.replace(params, advice=advice), dataclasses.replace(batch, advice=advice)
 
 
 def _trace(fun: Callable, params: Any, batch: Any):

@@ -92,7 +92,8 @@ class Parallelized:
     def report(self, *, batch: bool = False) -> ShardingReport:
         """Where each parameter (or batch array) lives; print it for a table."""
         layout = self.batch_layout if batch else self.param_layout
-        return ShardingReport(layout.leaves, title=f"{'batch' if batch else 'parameters'} of {self!r}")
+        return ShardingReport(layout.leaves, title=f"{'batch' if batch else 'parameters'} of {self!r}",
+                              notes=layout.advice)
 
 
 class ShardedFunction(Parallelized):
