@@ -19,7 +19,8 @@ from ..core.schedules import (
 from ..run.checks import DonatedArrayError, StepInputError
 from ..run.mjit import MJitFunction, mjit
 from ..run.mpmd import MPMDFunction
-from ..run.parallelize import ShardedFunction, parallelize
+from ..run.initializers import ShardedInitializer
+from ..run.parallelize import BatchStep, ShardedFunction, StepAndInit, StepFunctions, parallelize
 from ..trace.constraints import shard_map, with_sharding_constraint
 from ..trace.context import Context, MultiMesh, tasks
 from ..trace.implicit import (
@@ -47,6 +48,7 @@ __all__ = [
     "DonatedArrayError",
     "GPipe",
     "Interleaved1F1B",
+    "BatchStep",
     "MJitFunction",
     "MPMDFunction",
     "MatchedName",
@@ -57,7 +59,10 @@ __all__ = [
     "Rules",
     "Schedule",
     "ShardedFunction",
+    "ShardedInitializer",
     "ShardingReport",
+    "StepAndInit",
+    "StepFunctions",
     "StepInputError",
     "Task",
     "TaskMesh",

@@ -98,6 +98,13 @@ class Plan:
                     out.append((str(v), -1 if src is None else src, seg.index, v.aval, nbytes(v)))
         return out
 
+    def __repr__(self) -> str:
+        stages = ", ".join(p.name or "default" for p in self.placements)
+        schedule = f", {self.schedule!r}" if self.schedule is not None else ""
+        moved = sum(t[4] for t in self.transfers())
+        return (f"Plan({len(self.segments)} segments on [{stages}]{schedule}, {format_bytes(moved)} resharded per "
+                f"step; print it for the table)")
+
     def __str__(self) -> str:
         lines = [f"MPMD plan: {len(self.segments)} segments on {len(self.placements)} submeshes"]
         for p in self.placements:

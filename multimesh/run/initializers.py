@@ -13,8 +13,10 @@ traced, and the step was traced with the first ones.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -22,13 +24,14 @@ from ..core.meshes import mesh_context
 from ..core.placement import Placement, use_placement
 from .checks import fun_name
 
-__all__ = ["ShardedInitializer", "with_initializers"]
+__all__ = ["ShardedInitializer", "StepAndInit", "StepFunctions", "with_initializers"]
 
 
 class ShardedInitializer:
     """``make`` compiled so that each leaf is created directly in its sharding; call it with no arguments."""
 
     def __init__(self, make: Callable[[], Any], shardings: Any, placement: Placement | None):
+        functools.update_wrapper(self, make)  # its name, module and docstring are the user's function's
         self.make = make
         self.shardings = shardings
         flat, self._treedef = jax.tree.flatten(shardings)
@@ -72,14 +75,39 @@ class ShardedInitializer:
         return lowered[0] if len(lowered) == 1 else lowered
 
     def __repr__(self) -> str:
-        return (f"ShardedInitializer({fun_name(self.make)}, {self._treedef.num_leaves} arrays on "
+        return (f"ShardedInitializer({_origin(self.make)}, {self._treedef.num_leaves} arrays on "
                 f"{len(self._parts)} device group(s))")
 
 
+def _origin(fun: Callable) -> str:
+    """``module.qualname`` of ``fun`` and, when Python knows it, ``file:line``."""
+    name = f"{getattr(fun, '__module__', None) or '?'}.{getattr(fun, '__qualname__', None) or fun_name(fun)}"
+    try:
+        where = f" at {inspect.getsourcefile(fun)}:{inspect.getsourcelines(fun)[1]}"
+    except (OSError, TypeError):
+        where = ""
+    return name + where
+
+
+class StepFunctions(NamedTuple):
+    """What `parallelize` returns with ``get_input_batch=``: unpack it as ``step, init_params, get_input_batch``."""
+
+    step: Any
+    init_params: ShardedInitializer
+    get_input_batch: ShardedInitializer
+
+
+class StepAndInit(NamedTuple):
+    """What `parallelize` returns with ``initial_batch=``: unpack it as ``step, init_params``."""
+
+    step: Any
+    init_params: ShardedInitializer
+
+
 def with_initializers(sharded: Any, init_params: Callable, get_input_batch: Callable | None,
-                      placement: Placement | None) -> tuple:
+                      placement: Placement | None) -> StepFunctions | StepAndInit:
     """``(sharded, init, get_batch)`` (``(sharded, init)`` without ``get_input_batch``)."""
     init = ShardedInitializer(init_params, sharded.param_shardings, placement)
     if get_input_batch is None:
-        return sharded, init
-    return sharded, init, ShardedInitializer(get_input_batch, sharded.batch_shardings, placement)
+        return StepAndInit(sharded, init)
+    return StepFunctions(sharded, init, ShardedInitializer(get_input_batch, sharded.batch_shardings, placement))

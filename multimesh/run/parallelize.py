@@ -12,7 +12,7 @@ import dataclasses
 import inspect
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -30,12 +30,12 @@ from ..trace.nnx_scopes import scopes_for_tasks
 from ..trace.taskspec import current_global_mesh, use_global_mesh
 from .advice import warn_replicated_batch
 from .checks import check_arrays, check_in_place_nnx, check_outputs, checked, fun_name
-from .initializers import with_initializers
+from .initializers import ShardedInitializer, StepAndInit, StepFunctions, with_initializers
 from .mpmd import MPMDFunction
 from .rule_coverage import constraint_names, rule_coverage, warn_rule_coverage
 from .spmd import ShardedFunction
 
-__all__ = ["ShardedFunction", "parallelize"]
+__all__ = ["BatchStep", "ShardedFunction", "StepAndInit", "StepFunctions", "parallelize"]
 
 
 def _required_positional(fn: Any) -> int:
@@ -80,7 +80,7 @@ def parallelize(
     batch_spec: tuple = ("batch",),
     donate: bool = False,
     strict: bool = False,
-) -> tuple:
+) -> StepFunctions | StepAndInit | BatchStep | tuple:
     """Compile ``fun(params, batch, *args)`` into a sharded function.
 
     Args:
@@ -106,9 +106,11 @@ def parallelize(
       strict: indivisible dimensions and logical names without a rule are errors.
 
     Returns:
-      ``(sharded_fun, sharded_init_params, sharded_get_input_batch)`` with
-      ``get_input_batch``, else ``(sharded_fun, sharded_init_params)``; without
-      ``init_params`` the same less ``sharded_init_params``.
+      With ``get_input_batch``, a `StepFunctions` ``(step, init_params,
+      get_input_batch)``, else a `StepAndInit` ``(step, init_params)``: named
+      tuples, so ``step_fn, init_fn, batch_fn = parallelize(...)`` unpacks
+      them. Without ``init_params`` the same less ``init_params``
+      (`BatchStep`, or a 1-tuple with ``initial_batch``).
     """
     if not callable(fun):
         raise TypeError(f"parallelize needs a function, got {type(fun).__name__}")
@@ -125,7 +127,9 @@ def parallelize(
         made = parallelize(_batch_only(fun), init_params=tuple, get_input_batch=get_input_batch,
                            initial_batch=initial_batch, devices=devices, mesh=mesh, rules=rules,
                            param_rules=param_rules, batch_spec=batch_spec, donate=donate, strict=strict)
-        return (BatchFunction(made[0]),) + tuple(made[2:])
+        if len(made) == 3:
+            return BatchStep(BatchFunction(made[0]), made[2])
+        return (BatchFunction(made[0]),)
     _check_zero_arg(init_params, "init_params")
     if (get_input_batch is None) == (initial_batch is None):
         raise TypeError(
@@ -235,6 +239,13 @@ def _batch_only(fun: Callable) -> Callable:
 
     step.__name__ = getattr(fun, "__name__", "step")
     return step
+
+
+class BatchStep(NamedTuple):
+    """What `parallelize` returns for a ``fun(batch)`` with ``get_input_batch=``: ``step, get_input_batch``."""
+
+    step: BatchFunction
+    get_input_batch: ShardedInitializer
 
 
 class BatchFunction:

@@ -15,6 +15,7 @@ from ..core.report import ShardingReport
 from ..core.rules import Rules
 from ..core.treecheck import check_same_structure, static_difference
 from ..plan.partition import Plan
+from .runtime import RunStats
 from .checks import (
     StepInputError,
     check_outputs,
@@ -90,7 +91,15 @@ class Parallelized:
                                   donate=donate)
 
     def report(self, *, batch: bool = False) -> ShardingReport:
-        """Where each parameter (or batch array) lives; print it for a table."""
+        """Where each parameter (``batch=True``: each batch array) lives, built without running anything.
+
+        Print it for a table: per array its path, shape, dtype, logical names,
+        `PartitionSpec`, mesh and bytes per device, then the total and the most
+        any one device holds. Its ``warnings`` name logical names without a
+        rule, rules that match nothing, and large arrays left replicated
+        although a mesh axis divides them. ``bytes_per_device()`` gives the
+        memory per device. See ``docs/sharding-report.md``.
+        """
         layout = self.batch_layout if batch else self.param_layout
         return ShardingReport(layout.leaves, title=f"{'batch' if batch else 'parameters'} of {self!r}",
                               notes=layout.advice)
@@ -115,6 +124,7 @@ class ShardedFunction(Parallelized):
 
         self._donate = donate
         self._jitted: dict[tuple, Any] = {}
+        self._stats = RunStats()
 
     def _step_for(self, param_treedef: Any) -> Callable:
         """``fun`` as jit traces it, for parameters of this tree structure (new static data: traced again)."""
@@ -139,6 +149,12 @@ class ShardedFunction(Parallelized):
         return self.placement.mesh
 
     @property
+    def stats(self) -> RunStats:
+        """What the last call did, as an MPMD step's ``stats``: an SPMD step is one program on one mesh, so one
+        execution, no copies between submeshes and no pipeline stages."""
+        return self._stats
+
+    @property
     def rules(self) -> Rules:
         return self.placement.rules
 
@@ -160,7 +176,9 @@ class ShardedFunction(Parallelized):
         placed = self._check_inputs(params, batch, treedefs)
         try:
             with mesh_context(self.placement.mesh):  # its axis types, not a mesh the caller may have set
-                return self._jit(len(args), *treedefs)(params, placed, *args)
+                out = self._jit(len(args), *treedefs)(params, placed, *args)
+            self._stats = RunStats(executions=1, executed=[getattr(self.fun, "__name__", "step")])
+            return out
         except (ValueError, TypeError, RuntimeError) as e:
             if isinstance(e, StepInputError):
                 raise
