@@ -661,6 +661,18 @@ def test_inspector_lists_steps_and_describes_one(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "nowhere")
 
 
+def test_inspector_given_a_run_directory_reads_its_checkpoints(tmp_path, capsys):
+    """``multimesh-ckpt runs/tiny`` (the trainer's out_dir) lists ``runs/tiny/checkpoints``, saying so."""
+    with CheckpointManager(tmp_path / "run" / "checkpoints") as mgr:
+        mgr.save(5, place(host_state(3), named(mesh((4, 2)))))
+    assert ckpt_inspect.main([str(tmp_path / "run")]) == 0
+    captured = capsys.readouterr()
+    assert "latest complete step: 5" in captured.out
+    assert f"reading {tmp_path / 'run' / 'checkpoints'}" in captured.err
+    assert ckpt_inspect.main([str(tmp_path / "run"), "latest"]) == 0
+    assert "checkpoint step 5" in capsys.readouterr().out
+
+
 def test_nnx_objects_save_and_restore_as_objects_onto_another_layout(tmp_path):
     """An NNX state kept as the objects themselves, ``(model, optimizer)`` with an ``nnx.List`` of blocks, comes
     back as objects on the target's layout (Orbax alone cannot read those key paths back)."""

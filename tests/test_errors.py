@@ -169,6 +169,21 @@ def test_devices_do_not_fit_mesh_shape():
         build_mesh({"data": 3, "model": -1})
 
 
+def test_a_mesh_larger_than_one_cpu_says_how_to_simulate_devices():
+    """With JAX's one default CPU device, the error says how to simulate more (XLA_FLAGS)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    code = "from multimesh.jax import build_mesh; build_mesh({'data': 4, 'model': 2})"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert "1 devices do not fit mesh shape {'data': 4, 'model': 2}, which needs 8" in last
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts" in last
+
+
 def test_batch_not_divisible_over_data_axes():
     with pytest.raises(RuleError, match=r"dimension 0 \('batch'\) of the batch 'x' has size 10, which does not "
                                         r"divide over mesh axes \('data',\)"):

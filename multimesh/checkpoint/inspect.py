@@ -113,6 +113,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not os.path.isdir(directory):
         print(f"multimesh-ckpt: error: no such directory: {directory}", file=sys.stderr)
         return 2
+    inner = os.path.join(directory, "checkpoints")
+    if not ondisk.scan(directory) and os.path.isdir(inner):  # a trainer's run directory: read its checkpoints
+        print(f"multimesh-ckpt: {directory} is a run directory; reading {inner}", file=sys.stderr)
+        directory = inner
     try:
         if args.step is None:
             print(list_steps(directory))

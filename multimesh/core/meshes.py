@@ -77,7 +77,8 @@ def build_mesh(mesh: MeshLike = None, devices: Any | None = None, *, default_axi
     if -1 in sizes:
         known = math.prod(s for s in sizes if s != -1)
         if devs.size % known:
-            raise ValueError(f"{devs.size} devices do not fit mesh shape {dict(mesh)}: {devs.size} % {known} != 0")
+            raise ValueError(f"{devs.size} devices do not fit mesh shape {dict(mesh)}: {devs.size} % {known} != 0"
+                             f"{_simulate_hint(known)}")
         sizes[sizes.index(-1)] = devs.size // known
     if any(s < 1 for s in sizes):
         raise ValueError(f"mesh shape {dict(mesh)} has a size below 1")
@@ -85,8 +86,17 @@ def build_mesh(mesh: MeshLike = None, devices: Any | None = None, *, default_axi
         raise ValueError(
             f"{devs.size} devices do not fit mesh shape {dict(zip(names, sizes))}, which needs "
             f"{math.prod(sizes)}; change the shape or pass devices=jax.devices()[:{math.prod(sizes)}]"
+            f"{_simulate_hint(math.prod(sizes))}"
         )
     return Mesh(devs.reshape(-1).reshape(sizes), names, axis_types=_context_axis_types(names))
+
+
+def _simulate_hint(needed: int) -> str:
+    """On a CPU with too few devices: how to simulate ``needed`` of them."""
+    if jax.default_backend() != "cpu" or jax.device_count() >= needed:
+        return ""
+    return (f" (this machine has {jax.device_count()} CPU device(s); to simulate {needed}, set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={needed} before JAX starts)")
 
 
 def _context_axis_types(names: Sequence[str]) -> tuple:
