@@ -275,7 +275,7 @@ def test_no_rules_warns_everything_replicated():
 def test_no_warning_with_rules_or_mesh_axis_annotations():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _build(mesh=MESH, rules=[("batch", "data"), ("mlp", "model")])
+        _build(mesh=MESH, rules=[("batch", "data"), ("mlp", "model"), ("embed", None)])
         fun, _ = _build(Tiny(names=(None, "model"), physical=True), mesh=MESH)
     specs = {p: norm_spec(s.spec) for p, s in leaves_by_path(fun.param_shardings).items()}
     assert specs["params/Dense_0/kernel/value"] == (None, "model"), specs
