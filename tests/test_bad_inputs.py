@@ -811,7 +811,60 @@ CONFIGS = [
     C("config-override-into-a-value", lambda s: load("train.steps.x=1"), _ce, "train.steps", "not a mapping"),
 ]
 
-CASES = RULES + MESHES + PARALLELIZE + TASKS + REGISTER + CHECKPOINTS + CONFIGS
+# A config that does not fit its batch, its data, the devices or its out_dir: exit 2, before anything compiles.
+# What the config alone decides fails --print-config; what needs this machine fails --plan and training.
+FITS = [
+    C("cli-mesh-not-dividing-batch", lambda s: cli("layout.mesh={data: 3}", "--print-config"), CliFailed,
+      "exit 2", "layout.mesh={data: 3}", "('data',)", "data.batch_size=16", "multiple of 3"),
+    C("cli-mesh-more-devices-plan", lambda s: cli("layout.mesh={data: 16}", "--plan", out_dir(s)), CliFailed,
+      "exit 2", "layout.mesh={data: 16}", "16 devices", "this run has 8", "device_count=16"),
+    C("cli-mesh-more-devices-train", lambda s: cli("layout.mesh={data: 16}", "train.steps=1", out_dir(s)),
+      CliFailed, "exit 2", "layout.mesh={data: 16}", "16 devices", "this run has 8"),
+    C("cli-pipeline-more-devices-plan", lambda s: cli("pipeline", "layout.mesh={data: 8}", "--plan", out_dir(s)),
+      CliFailed, "exit 2", "layout.mesh={data: 8} x layout.pipeline.stages=2", "16 devices", "per pipeline stage"),
+    C("cli-batch-size-zero", lambda s: cli("data.batch_size=0", "--print-config"), CliFailed, "exit 2",
+      "data.batch_size=0", "at least 1"),
+    C("cli-seq-len-zero", lambda s: cli("data.seq_len=0", "--print-config"), CliFailed, "exit 2",
+      "data.seq_len=0", "at least 1"),
+    C("cli-val-fraction-zero", lambda s: cli("data.val_fraction=0", "--print-config"), CliFailed, "exit 2",
+      "data.val_fraction=0.0", "between 0 and 1"),
+    C("cli-val-fraction-one", lambda s: cli("data.val_fraction=1", "--print-config"), CliFailed, "exit 2",
+      "data.val_fraction=1.0"),
+    C("cli-max-bytes-below-one-validation-batch", lambda s: cli("data.max_bytes=4000", "--print-config"), CliFailed,
+      "exit 2", "data.max_bytes=4000", "validation split of 200 bytes", "1 window(s)", "needs 4",
+      "raise data.max_bytes"),
+    C("cli-max-bytes-below-one-training-batch", lambda s: cli("data.max_bytes=20000", "data.batch_size=256",
+                                                              "--print-config"), CliFailed,
+      "exit 2", "data.max_bytes=20000", "training split", "data.batch_size=256"),
+    C("cli-corpus-smaller-than-max-bytes", lambda s: cli(f"data.paths=[{small_corpus(s)}]", "train.steps=1",
+                                                         out_dir(s)), CliFailed,
+      "exit 2", "the corpus (3,000 bytes", "data.paths", "validation split", "add text to data.paths"),
+    C("cli-out-dir-a-file-plan", lambda s: cli("--plan", f"train.out_dir={a_file(s)}"), CliFailed, "exit 2",
+      "train.out_dir=", "a_file'", "is an existing file"),
+    C("cli-out-dir-a-file-train", lambda s: cli("train.steps=1", f"train.out_dir={a_file(s)}"), CliFailed,
+      "exit 2", "train.out_dir=", "a_file'", "is an existing file"),
+    C("cli-out-dir-under-a-file", lambda s: cli("train.steps=1", f"train.out_dir={a_file(s)}/run"), CliFailed,
+      "exit 2", "a_file/run'", "lies under", "an existing file"),
+]
+
+
+def out_dir(sh: Shared) -> str:
+    return f"train.out_dir={sh.tmp('run')}/run"
+
+
+def a_file(sh: Shared) -> str:
+    path = os.path.join(sh.tmp("out"), "a_file")
+    open(path, "w").close()
+    return path
+
+
+def small_corpus(sh: Shared) -> str:
+    path = os.path.join(sh.tmp("corpus"), "small.py")
+    with open(path, "w") as f:
+        f.write("x = 1\n" * 500)  # 3,000 bytes: validation gets 150, not one window of 129 per batch shard
+    return path
+
+CASES = RULES + MESHES + PARALLELIZE + TASKS + REGISTER + CHECKPOINTS + CONFIGS + FITS
 
 
 def test_the_table_is_large_and_ids_are_unique():
@@ -924,3 +977,42 @@ def test_mpmd_state_on_other_devices_is_moved_to_its_stages_not_refused(shared):
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
     for name, stage in zip(("s0", "s1"), _stages()):
         assert new[name].sharding.device_set == set(stage.placement.mesh.devices.flat)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["layout.mesh={data: 16}"], "layout.mesh={data: 16}"),
+    (["data.paths=[CORPUS]"], "data.paths"),
+    (["train.out_dir=FILE"], "is an existing file"),
+])
+def test_a_config_that_does_not_fit_is_refused_before_the_step_is_built(shared, monkeypatch, overrides, key):
+    import trainers.train
+
+    def built(*args, **kwargs):
+        raise AssertionError("the step was built (traced and compiled) before the config was refused")
+
+    monkeypatch.setattr(trainers.train, "build_program", built)
+    given = [o.replace("CORPUS", small_corpus(shared)).replace("FILE", a_file(shared)) for o in overrides]
+    with pytest.raises(CliFailed, match=r"^exit 2: multimesh-train: config error: ") as info:
+        cli(out_dir(shared), "train.steps=1", *given)
+    assert key in str(info.value)
+
+
+def test_the_cli_refuses_a_mesh_larger_than_the_machine_in_one_line_within_seconds(tmp_path):
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(repo), "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "trainers", "layout.mesh={data: 16}", "train.steps=1",
+                           f"train.out_dir={tmp_path / 'run'}"], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    took = time.monotonic() - start
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert "config error: layout.mesh={data: 16} needs 16 devices, but this run has 8" in done.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert took < 60, f"{took:.0f} s: the refusal must come before anything compiles"
+
