@@ -572,6 +572,33 @@ def pipeline_with_stages(num_stages):
     return parallelize(step, init_params=pipeline_params, get_input_batch=pipeline_batch)
 
 
+def pipeline_scheduled(schedule="1f1b", *, interleave=None, pipelines=1, same_call=False):
+    """`pipeline_step`'s chain (stage0 -> stage1, once per microbatch) microbatched ``pipelines`` times in one
+    step (``same_call``: one microbatched function called again, else one `microbatch` call each)."""
+    def loss(p, mb):
+        stages = _stages()
+        return jnp.sum(stages[1](p["s1"], stages[0](p["s0"], mb["x"])))
+
+    def step(state, b):
+        grads = microbatch(jax.grad(loss), 0, 4, argnum=1, schedule=schedule, interleave=interleave)
+        total = grads(state, b)
+        for _ in range(pipelines - 1):
+            again = grads if same_call else microbatch(jax.grad(loss), 0, 4, argnum=1, schedule=schedule,
+                                                       interleave=interleave)
+            total = jax.tree.map(jnp.add, total, again(state, b))
+        return total
+
+    return parallelize(step, init_params=pipeline_params, get_input_batch=pipeline_batch)
+
+
+def task_returning(value, *, traced: bool):
+    stage = task(lambda w, x: (jnp.tanh(x @ w), value), "odd_stage", devices=D()[:4])
+    if not traced:  # called eagerly: runs on its submesh at once
+        return stage(jnp.ones((16, 16)), jnp.ones((8, 16)))
+    return parallelize(lambda p, b: jnp.sum(stage(p["s0"], b["x"])[0]), init_params=pipeline_params,
+                       get_input_batch=pipeline_batch)
+
+
 TASKS = [
     C("task-mesh-and-devices", lambda s: task(_double, "t", mesh=build_mesh(MESH), devices=D()[:2]), ValueError,
       "task 't'", "mesh=", "devices="),
@@ -618,6 +645,24 @@ TASKS = [
     C("microbatch-leaves-disagree", lambda s: microbatch(lambda t: t["a"], 0, 2)({"a": jnp.ones(8), "b": jnp.ones(4)}),
       ValueError, "different numbers of microbatches", "[2, 4]"),
     C("microbatch-num-stages-mismatch", lambda s: pipeline_with_stages(3), ValueError, "num_stages=3", "2 stages"),
+    C("microbatch-interleaved-on-a-one-pass-chain", lambda s: pipeline_scheduled("interleaved"), ValueError,
+      "microbatch(loss)", "schedule='interleaved'", "2 chunks", "stage0 -> stage1 visits each submesh once",
+      "stage0 -> stage1 -> stage0 -> stage1", "schedule='1f1b'"),
+    C("microbatch-interleave-2-on-a-one-pass-chain", lambda s: pipeline_scheduled("interleaved", interleave=2),
+      ValueError, "microbatch(loss)", "schedule='interleaved'", "2 chunks", "visits each submesh once",
+      "schedule='1f1b'"),
+    C("microbatch-interleave-3-on-a-one-pass-chain", lambda s: pipeline_scheduled("interleaved", interleave=3),
+      ValueError, "microbatch(loss)", "3 chunks", "visits each submesh once",
+      "stage0 -> stage1 -> stage0 -> stage1 -> stage0 -> stage1"),
+    C("microbatch-two-pipelines-in-one-step", lambda s: pipeline_scheduled(pipelines=2), ValueError,
+      "one step may hold one microbatch pipeline", "found 2", "microbatch(loss), microbatch(loss)",
+      "separate steps"),
+    C("microbatch-one-pipeline-called-twice", lambda s: pipeline_scheduled(pipelines=2, same_call=True), ValueError,
+      "one step may hold one microbatch pipeline", "found 2"),
+    C("task-returns-string", lambda s: task_returning("done", traced=True), TypeError, "task 'odd_stage'",
+      "output 1: str 'done'", "jnp.asarray"),
+    C("task-returns-object-eagerly", lambda s: task_returning({"note": object()}, traced=False), TypeError,
+      "task 'odd_stage'", "output 1/note: object", "outside the task"),
     C("schedule-unknown-name", lambda s: get_schedule("foo", 2, 4), ValueError, "'foo'", "gpipe"),
     C("schedule-zero-stages", lambda s: get_schedule("gpipe", 0, 4), ValueError, "num_stages", "0"),
     C("schedule-negative-microbatches", lambda s: get_schedule("1f1b", 2, -1), ValueError, "num_microbatches", "-1"),
@@ -1016,3 +1061,27 @@ def test_the_cli_refuses_a_mesh_larger_than_the_machine_in_one_line_within_secon
     assert not (tmp_path / "run" / "checkpoints").exists()
     assert took < 60, f"{took:.0f} s: the refusal must come before anything compiles"
 
+
+def test_a_task_takes_keyword_arguments_as_it_takes_positional_ones():
+    """Keyword arguments reach the task's function, traced and differentiated like positional ones: a pipeline
+    whose stages are called with them gives the one-device losses, gradients and parameters."""
+    from helpers import check_mpmd_against_reference
+
+    first = task(lambda w, x, *, scale: jnp.tanh(x @ w) * scale, "kw_first", devices=D()[:4])
+    second = task(_stage, "kw_second", devices=D()[4:])
+
+    def loss(p, mb):
+        h = first(p["s0"], x=mb["x"], scale=jnp.float32(0.5))  # a keyword-only argument and a named positional
+        return jnp.sum((second(w=p["s1"], x=h) - mb["y"]) ** 2) / 8  # a parameter given by keyword
+
+    def step(state, b):
+        value, g = microbatch(jax.value_and_grad(loss), 0, 4, argnum=1, schedule="1f1b")(state, b)
+        return value, g, jax.tree.map(lambda p, d: p - 0.1 * d, state, g)
+
+    fn, _ = check_mpmd_against_reference(step, pipeline_params, lambda: {"x": jnp.ones((8, 16)),
+                                                                          "y": jnp.full((8, 16), 0.3)}, steps=2)
+    assert sorted(p.name for p in fn.plan.placements) == ["kw_first", "kw_second"]
+    w, x = jnp.full((16, 16), 0.1), jnp.ones((8, 16))
+    eager = second(w=w, x=x)  # outside parallelize: runs on its submesh
+    np.testing.assert_allclose(eager, _stage(w, x), rtol=1e-6)
+    assert eager.sharding.device_set == set(D()[4:])
