@@ -572,6 +572,33 @@ def pipeline_with_stages(num_stages):
     return parallelize(step, init_params=pipeline_params, get_input_batch=pipeline_batch)
 
 
+def pipeline_scheduled(schedule="1f1b", *, interleave=None, pipelines=1, same_call=False):
+    """`pipeline_step`'s chain (stage0 -> stage1, once per microbatch) microbatched ``pipelines`` times in one
+    step (``same_call``: one microbatched function called again, else one `microbatch` call each)."""
+    def loss(p, mb):
+        stages = _stages()
+        return jnp.sum(stages[1](p["s1"], stages[0](p["s0"], mb["x"])))
+
+    def step(state, b):
+        grads = microbatch(jax.grad(loss), 0, 4, argnum=1, schedule=schedule, interleave=interleave)
+        total = grads(state, b)
+        for _ in range(pipelines - 1):
+            again = grads if same_call else microbatch(jax.grad(loss), 0, 4, argnum=1, schedule=schedule,
+                                                       interleave=interleave)
+            total = jax.tree.map(jnp.add, total, again(state, b))
+        return total
+
+    return parallelize(step, init_params=pipeline_params, get_input_batch=pipeline_batch)
+
+
+def task_returning(value, *, traced: bool):
+    stage = task(lambda w, x: (jnp.tanh(x @ w), value), "odd_stage", devices=D()[:4])
+    if not traced:  # called eagerly: runs on its submesh at once
+        return stage(jnp.ones((16, 16)), jnp.ones((8, 16)))
+    return parallelize(lambda p, b: jnp.sum(stage(p["s0"], b["x"])[0]), init_params=pipeline_params,
+                       get_input_batch=pipeline_batch)
+
+
 TASKS = [
     C("task-mesh-and-devices", lambda s: task(_double, "t", mesh=build_mesh(MESH), devices=D()[:2]), ValueError,
       "task 't'", "mesh=", "devices="),
@@ -618,6 +645,24 @@ TASKS = [
     C("microbatch-leaves-disagree", lambda s: microbatch(lambda t: t["a"], 0, 2)({"a": jnp.ones(8), "b": jnp.ones(4)}),
       ValueError, "different numbers of microbatches", "[2, 4]"),
     C("microbatch-num-stages-mismatch", lambda s: pipeline_with_stages(3), ValueError, "num_stages=3", "2 stages"),
+    C("microbatch-interleaved-on-a-one-pass-chain", lambda s: pipeline_scheduled("interleaved"), ValueError,
+      "microbatch(loss)", "schedule='interleaved'", "2 chunks", "stage0 -> stage1 visits each submesh once",
+      "stage0 -> stage1 -> stage0 -> stage1", "schedule='1f1b'"),
+    C("microbatch-interleave-2-on-a-one-pass-chain", lambda s: pipeline_scheduled("interleaved", interleave=2),
+      ValueError, "microbatch(loss)", "schedule='interleaved'", "2 chunks", "visits each submesh once",
+      "schedule='1f1b'"),
+    C("microbatch-interleave-3-on-a-one-pass-chain", lambda s: pipeline_scheduled("interleaved", interleave=3),
+      ValueError, "microbatch(loss)", "3 chunks", "visits each submesh once",
+      "stage0 -> stage1 -> stage0 -> stage1 -> stage0 -> stage1"),
+    C("microbatch-two-pipelines-in-one-step", lambda s: pipeline_scheduled(pipelines=2), ValueError,
+      "one step may hold one microbatch pipeline", "found 2", "microbatch(loss), microbatch(loss)",
+      "separate steps"),
+    C("microbatch-one-pipeline-called-twice", lambda s: pipeline_scheduled(pipelines=2, same_call=True), ValueError,
+      "one step may hold one microbatch pipeline", "found 2"),
+    C("task-returns-string", lambda s: task_returning("done", traced=True), TypeError, "task 'odd_stage'",
+      "output 1: str 'done'", "jnp.asarray"),
+    C("task-returns-object-eagerly", lambda s: task_returning({"note": object()}, traced=False), TypeError,
+      "task 'odd_stage'", "output 1/note: object", "outside the task"),
     C("schedule-unknown-name", lambda s: get_schedule("foo", 2, 4), ValueError, "'foo'", "gpipe"),
     C("schedule-zero-stages", lambda s: get_schedule("gpipe", 0, 4), ValueError, "num_stages", "0"),
     C("schedule-negative-microbatches", lambda s: get_schedule("1f1b", 2, -1), ValueError, "num_microbatches", "-1"),
@@ -811,7 +856,60 @@ CONFIGS = [
     C("config-override-into-a-value", lambda s: load("train.steps.x=1"), _ce, "train.steps", "not a mapping"),
 ]
 
-CASES = RULES + MESHES + PARALLELIZE + TASKS + REGISTER + CHECKPOINTS + CONFIGS
+# A config that does not fit its batch, its data, the devices or its out_dir: exit 2, before anything compiles.
+# What the config alone decides fails --print-config; what needs this machine fails --plan and training.
+FITS = [
+    C("cli-mesh-not-dividing-batch", lambda s: cli("layout.mesh={data: 3}", "--print-config"), CliFailed,
+      "exit 2", "layout.mesh={data: 3}", "('data',)", "data.batch_size=16", "multiple of 3"),
+    C("cli-mesh-more-devices-plan", lambda s: cli("layout.mesh={data: 16}", "--plan", out_dir(s)), CliFailed,
+      "exit 2", "layout.mesh={data: 16}", "16 devices", "this run has 8", "device_count=16"),
+    C("cli-mesh-more-devices-train", lambda s: cli("layout.mesh={data: 16}", "train.steps=1", out_dir(s)),
+      CliFailed, "exit 2", "layout.mesh={data: 16}", "16 devices", "this run has 8"),
+    C("cli-pipeline-more-devices-plan", lambda s: cli("pipeline", "layout.mesh={data: 8}", "--plan", out_dir(s)),
+      CliFailed, "exit 2", "layout.mesh={data: 8} x layout.pipeline.stages=2", "16 devices", "per pipeline stage"),
+    C("cli-batch-size-zero", lambda s: cli("data.batch_size=0", "--print-config"), CliFailed, "exit 2",
+      "data.batch_size=0", "at least 1"),
+    C("cli-seq-len-zero", lambda s: cli("data.seq_len=0", "--print-config"), CliFailed, "exit 2",
+      "data.seq_len=0", "at least 1"),
+    C("cli-val-fraction-zero", lambda s: cli("data.val_fraction=0", "--print-config"), CliFailed, "exit 2",
+      "data.val_fraction=0.0", "between 0 and 1"),
+    C("cli-val-fraction-one", lambda s: cli("data.val_fraction=1", "--print-config"), CliFailed, "exit 2",
+      "data.val_fraction=1.0"),
+    C("cli-max-bytes-below-one-validation-batch", lambda s: cli("data.max_bytes=4000", "--print-config"), CliFailed,
+      "exit 2", "data.max_bytes=4000", "validation split of 200 bytes", "1 window(s)", "needs 4",
+      "raise data.max_bytes"),
+    C("cli-max-bytes-below-one-training-batch", lambda s: cli("data.max_bytes=20000", "data.batch_size=256",
+                                                              "--print-config"), CliFailed,
+      "exit 2", "data.max_bytes=20000", "training split", "data.batch_size=256"),
+    C("cli-corpus-smaller-than-max-bytes", lambda s: cli(f"data.paths=[{small_corpus(s)}]", "train.steps=1",
+                                                         out_dir(s)), CliFailed,
+      "exit 2", "the corpus (3,000 bytes", "data.paths", "validation split", "add text to data.paths"),
+    C("cli-out-dir-a-file-plan", lambda s: cli("--plan", f"train.out_dir={a_file(s)}"), CliFailed, "exit 2",
+      "train.out_dir=", "a_file'", "is an existing file"),
+    C("cli-out-dir-a-file-train", lambda s: cli("train.steps=1", f"train.out_dir={a_file(s)}"), CliFailed,
+      "exit 2", "train.out_dir=", "a_file'", "is an existing file"),
+    C("cli-out-dir-under-a-file", lambda s: cli("train.steps=1", f"train.out_dir={a_file(s)}/run"), CliFailed,
+      "exit 2", "a_file/run'", "lies under", "an existing file"),
+]
+
+
+def out_dir(sh: Shared) -> str:
+    return f"train.out_dir={sh.tmp('run')}/run"
+
+
+def a_file(sh: Shared) -> str:
+    path = os.path.join(sh.tmp("out"), "a_file")
+    open(path, "w").close()
+    return path
+
+
+def small_corpus(sh: Shared) -> str:
+    path = os.path.join(sh.tmp("corpus"), "small.py")
+    with open(path, "w") as f:
+        f.write("x = 1\n" * 500)  # 3,000 bytes: validation gets 150, not one window of 129 per batch shard
+    return path
+
+CASES = RULES + MESHES + PARALLELIZE + TASKS + REGISTER + CHECKPOINTS + CONFIGS + FITS
 
 
 def test_the_table_is_large_and_ids_are_unique():
@@ -924,3 +1022,66 @@ def test_mpmd_state_on_other_devices_is_moved_to_its_stages_not_refused(shared):
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
     for name, stage in zip(("s0", "s1"), _stages()):
         assert new[name].sharding.device_set == set(stage.placement.mesh.devices.flat)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["layout.mesh={data: 16}"], "layout.mesh={data: 16}"),
+    (["data.paths=[CORPUS]"], "data.paths"),
+    (["train.out_dir=FILE"], "is an existing file"),
+])
+def test_a_config_that_does_not_fit_is_refused_before_the_step_is_built(shared, monkeypatch, overrides, key):
+    import trainers.train
+
+    def built(*args, **kwargs):
+        raise AssertionError("the step was built (traced and compiled) before the config was refused")
+
+    monkeypatch.setattr(trainers.train, "build_program", built)
+    given = [o.replace("CORPUS", small_corpus(shared)).replace("FILE", a_file(shared)) for o in overrides]
+    with pytest.raises(CliFailed, match=r"^exit 2: multimesh-train: config error: ") as info:
+        cli(out_dir(shared), "train.steps=1", *given)
+    assert key in str(info.value)
+
+
+def test_the_cli_refuses_a_mesh_larger_than_the_machine_in_one_line_within_seconds(tmp_path):
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(repo), "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "trainers", "layout.mesh={data: 16}", "train.steps=1",
+                           f"train.out_dir={tmp_path / 'run'}"], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    took = time.monotonic() - start
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert "config error: layout.mesh={data: 16} needs 16 devices, but this run has 8" in done.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert took < 60, f"{took:.0f} s: the refusal must come before anything compiles"
+
+
+def test_a_task_takes_keyword_arguments_as_it_takes_positional_ones():
+    """Keyword arguments reach the task's function, traced and differentiated like positional ones: a pipeline
+    whose stages are called with them gives the one-device losses, gradients and parameters."""
+    from helpers import check_mpmd_against_reference
+
+    first = task(lambda w, x, *, scale: jnp.tanh(x @ w) * scale, "kw_first", devices=D()[:4])
+    second = task(_stage, "kw_second", devices=D()[4:])
+
+    def loss(p, mb):
+        h = first(p["s0"], x=mb["x"], scale=jnp.float32(0.5))  # a keyword-only argument and a named positional
+        return jnp.sum((second(w=p["s1"], x=h) - mb["y"]) ** 2) / 8  # a parameter given by keyword
+
+    def step(state, b):
+        value, g = microbatch(jax.value_and_grad(loss), 0, 4, argnum=1, schedule="1f1b")(state, b)
+        return value, g, jax.tree.map(lambda p, d: p - 0.1 * d, state, g)
+
+    fn, _ = check_mpmd_against_reference(step, pipeline_params, lambda: {"x": jnp.ones((8, 16)),
+                                                                          "y": jnp.full((8, 16), 0.3)}, steps=2)
+    assert sorted(p.name for p in fn.plan.placements) == ["kw_first", "kw_second"]
+    w, x = jnp.full((16, 16), 0.1), jnp.ones((8, 16))
+    eager = second(w=w, x=x)  # outside parallelize: runs on its submesh
+    np.testing.assert_allclose(eager, _stage(w, x), rtol=1e-6)
+    assert eager.sharding.device_set == set(D()[4:])

@@ -175,3 +175,16 @@ def test_config_and_errors(train_tokens):
         TextDataset(train_tokens[:100], SEQ, BATCH)  # too small for one batch
     with pytest.raises(ValueError):
         train_val_split(train_tokens, 0.0)
+
+
+def test_the_validation_batch_is_a_multiple_of_the_batch_split():
+    """A validation split of fewer windows than one batch gives a smaller validation batch, kept a multiple
+    of the ways the step splits its batch (a batch that does not divide over them is refused)."""
+    # 20,000 bytes, 5% held out: 1,000 validation bytes, 31 windows of 33 tokens.
+    cfg = DataConfig(max_bytes=20_000, seq_len=32, batch_size=64)
+    assert make_datasets(cfg, batch_size=8)[1].batch_size == 8  # enough windows: the full batch
+    _, val, _ = make_datasets(cfg, batch_multiple=4)
+    assert val.num_windows == 31 and val.batch_size == 28
+    assert make_datasets(cfg, batch_multiple=1)[1].batch_size == 31
+    with pytest.raises(ValueError, match="31 windows of 33, fewer than one batch of 32"):
+        make_datasets(cfg, batch_multiple=32)

@@ -1,7 +1,8 @@
 """The example trainer: ``python -m trainers`` / ``multimesh-train`` (see README, "Training").
 
 Modules: ``config`` (YAML configs, inheritance, overrides, validation),
-``layout`` (SPMD mesh + rules, or an MPMD pipeline), ``optim`` (AdamW and its
+``fit`` (whether a config fits its batch, data, devices and out_dir),
+``errors`` (``ConfigError``), ``layout`` (SPMD mesh + rules, or an MPMD pipeline), ``optim`` (AdamW and its
 schedule), ``step`` (the train/eval steps, parallelized), ``feed`` (batches as
 the steps' input, per process), ``train`` (the loop, checkpoints, resume),
 ``metrics`` (JSONL, throughput, loss plot), ``sample`` (text from a

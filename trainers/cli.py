@@ -123,7 +123,11 @@ def _train(argv: Sequence[str]) -> int:
         print(cfg.to_yaml(), end="")
         return 0
     if opts.plan:
-        return _plan(cfg)
+        try:
+            return _plan(cfg, opts.num_processes)
+        except ConfigError as e:
+            print(f"multimesh-train: config error: {e}", file=sys.stderr)
+            return 2
     _start_processes(opts.coordinator, opts.num_processes, opts.process_id)
     from trainers.train import train
 
@@ -139,9 +143,20 @@ def _train(argv: Sequence[str]) -> int:
     return 0
 
 
-def _plan(cfg) -> int:
-    """``--plan``: the layout in words; for a pipeline its schedule, as text and as schedule.png."""
+def _plan(cfg, num_processes: int) -> int:
+    """``--plan``: the layout in words; for a pipeline its schedule, as text and as schedule.png.
+
+    It checks the layout against this machine's devices (times ``num_processes``) and ``train.out_dir``
+    first, as training would.
+    """
+    import jax
+
+    from trainers.fit import check_devices, check_out_dir, make_out_dir
+
     lay = cfg.layout
+    check_devices(lay.mesh, lay.pipeline.stages if lay.pipeline else None, jax.local_device_count() * num_processes,
+                  num_processes)
+    check_out_dir(cfg.out_dir)
     mesh = "x".join(f"{k}={v}" for k, v in lay.mesh.items())
     if lay.pipeline is None:
         print(f"{cfg.name}: SPMD on {lay.num_devices} devices, mesh {mesh}, rules {lay.rule_pairs()}; no pipeline")
@@ -151,8 +166,7 @@ def _plan(cfg) -> int:
     p = lay.pipeline
     print(f"{cfg.name}: {p.stages}-stage pipeline on {lay.num_devices} devices, stage mesh {mesh}, "
           f"{p.microbatches} microbatches\n{pipeline_schedule(p)}")
-    cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    path = cfg.out_dir / "schedule.png"
+    path = make_out_dir(cfg.out_dir) / "schedule.png"
     write_schedule_png(p, path, title=None)
     print(f"wrote {path}")
     return 0

@@ -31,8 +31,10 @@ from typing import Any
 import yaml
 
 from models.transformer import TransformerConfig
-from multimesh.core.rules import Rules
+from multimesh.core.rules import Rules, standard_rules
 from trainers.data import DataConfig
+from trainers.errors import ConfigError
+from trainers.fit import batch_shards, check_batch, check_data
 
 __all__ = [
     "CONFIG_DIR",
@@ -54,10 +56,6 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "tiny"
 SCHEDULES = ("1f1b", "gpipe")
 RULE_SETS = ("standard",)
-
-
-class ConfigError(ValueError):
-    """A config problem; the message names the key (e.g. ``optimizer.lr``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,8 +150,6 @@ class LayoutConfig:
     def rule_pairs(self) -> list[tuple[str, Any]]:
         """The rules as ``(logical, mesh_axes)`` pairs (named sets resolved for this mesh)."""
         if isinstance(self.rules, str):
-            from multimesh.jax import standard_rules
-
             return list(standard_rules(tuple(self.mesh)))
         return [(name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in self.rules]
 
@@ -473,9 +469,22 @@ def _suggest(key: str, known: Sequence[str]) -> str:
     return f"{hint}known keys: {', '.join(known)}"
 
 
+def _check_data_keys(d: DataConfig) -> None:
+    """The ``data`` section's own ranges (``DataConfig`` is also a plain dataclass of ``trainers.data``)."""
+    for key in ("batch_size", "seq_len", "max_bytes"):
+        if getattr(d, key) < 1:
+            raise ConfigError(f"data.{key}={getattr(d, key)}: must be at least 1; e.g. data.{key}="
+                              f"{getattr(DataConfig, key)} (the default)")
+    if not 0 < d.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction={d.val_fraction}: must be between 0 and 1 (exclusive), the share "
+                          f"of the corpus held out for the validation loss; e.g. data.val_fraction=0.05 "
+                          f"(the default)")
+
+
 def _check_consistency(cfg: Config) -> None:
     """Cross-section checks that no single section can make."""
     m, d, lay = cfg.model, cfg.data, cfg.layout
+    _check_data_keys(d)
     if d.seq_len > m.max_len:
         raise ConfigError(f"data.seq_len={d.seq_len} exceeds model.max_len={m.max_len}")
     if m.vocab_size < 256:
@@ -496,3 +505,7 @@ def _check_consistency(cfg: Config) -> None:
             raise ConfigError(
                 f"layout.pipeline.microbatches={p.microbatches} does not divide data.batch_size={d.batch_size}"
             )
+    # What fits is decided by the config alone here; the machine's devices and corpus are checked by
+    # --plan and at the start of training (trainers.fit).
+    check_batch(lay.mesh, lay.rule_pairs(), d.batch_size)
+    check_data(d, batch_shards(lay.mesh, lay.rule_pairs())[1])

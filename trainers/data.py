@@ -57,6 +57,7 @@ __all__ = [
     "DOC_SEPARATOR",
     "VOCAB_SIZE",
     "DataConfig",
+    "count_windows",
     "TextDataset",
     "decode",
     "encode",
@@ -160,6 +161,12 @@ def train_val_split(tokens: np.ndarray, val_fraction: float = 0.05) -> tuple[np.
     return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
 
 
+def count_windows(n_tokens: int, seq_len: int, *, shuffle: bool = True) -> int:
+    """Windows of ``seq_len + 1`` tokens, every ``seq_len``, that ``n_tokens`` hold (with ``shuffle``: for any
+    start offset in ``[0, seq_len)``)."""
+    return max(0, (n_tokens - 1 - (seq_len - 1 if shuffle else 0)) // seq_len)
+
+
 def unigram_entropy(train_tokens: np.ndarray, val_tokens: np.ndarray | None = None,
                     vocab_size: int = VOCAB_SIZE, smoothing: float = 1.0) -> float:
     """Unigram baseline loss in nats.
@@ -237,7 +244,7 @@ class TextDataset:
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
         # Windows that fit for any start offset in [0, seq_len).
-        self.num_windows = max(0, (len(tokens) - 1 - (self.seq_len - 1 if shuffle else 0)) // self.seq_len)
+        self.num_windows = count_windows(len(tokens), self.seq_len, shuffle=shuffle)
         self.steps_per_epoch = self.num_windows // self.batch_size
         if self.steps_per_epoch == 0:
             raise ValueError(
@@ -319,22 +326,25 @@ class TextDataset:
         self.step = step
 
 
-def make_datasets(config: DataConfig | None = None, **overrides: Any) -> tuple[TextDataset, TextDataset, float]:
+def make_datasets(config: DataConfig | None = None, *, batch_multiple: int = 1,
+                  **overrides: Any) -> tuple[TextDataset, TextDataset, float]:
     """Load the corpus and build ``(train, validation, unigram_baseline_nats)``.
 
     ``overrides`` replace fields of ``config``. Validation is unshuffled; its
-    batch size is capped to fit its split.
+    batch size is capped to fit its split, and kept a multiple of
+    ``batch_multiple`` (the ways a step splits its batch: a batch that does not
+    divide over them is refused).
     """
     config = dataclasses.replace(config or DataConfig(), **overrides)
     tokens = load_corpus(config.paths, config.max_bytes)
     train_tokens, val_tokens = train_val_split(tokens, config.val_fraction)
     train = TextDataset(train_tokens, config.seq_len, config.batch_size, seed=config.seed)
-    val_windows = (len(val_tokens) - 1) // config.seq_len
-    val_bs = min(config.batch_size, val_windows)
+    val_windows = count_windows(len(val_tokens), config.seq_len, shuffle=False)
+    val_bs = min(config.batch_size, val_windows - val_windows % batch_multiple)
     if val_bs == 0:
         raise ValueError(
-            f"validation split ({len(val_tokens)} tokens) is too small for seq_len={config.seq_len}; "
-            f"raise max_bytes or val_fraction"
+            f"validation split ({len(val_tokens)} tokens) holds {val_windows} windows of {config.seq_len + 1}, "
+            f"fewer than one batch of {batch_multiple}; raise max_bytes or val_fraction"
         )
     val = TextDataset(val_tokens, config.seq_len, val_bs, seed=config.seed, shuffle=False)
     return train, val, unigram_entropy(train_tokens, val_tokens)

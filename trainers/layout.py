@@ -29,6 +29,7 @@ from multimesh.core.schedules import Schedule, get_schedule
 from multimesh.core.timeline import plot_schedule
 from multimesh.jax import microbatch, parallelize, register_task
 from trainers.config import LayoutConfig, PipelineConfig
+from trainers.fit import batch_shards, check_devices
 
 __all__ = ["RunLayout", "build_layout", "pipeline_schedule", "sharding_rows", "sharding_table", "stage_of_layer",
            "write_schedule_png"]
@@ -56,6 +57,11 @@ class RunLayout:
     @property
     def is_pipeline(self) -> bool:
         return self.pipeline is not None
+
+    @property
+    def batch_ways(self) -> int:
+        """How many ways a step splits its batch (the mesh axes the rules give logical ``batch``)."""
+        return batch_shards(self.mesh, self.rules)[1]
 
     def describe(self) -> str:
         mesh = "x".join(f"{k}={v}" for k, v in self.mesh.items())
@@ -134,18 +140,13 @@ def write_schedule_png(cfg: PipelineConfig, path: Any, title: str | None = None)
 
 
 def build_layout(cfg: LayoutConfig, devices: Any = None) -> RunLayout:
-    """Resolve ``cfg`` on ``devices`` (default ``jax.devices()``): it uses the first ``cfg.num_devices``."""
+    """Resolve ``cfg`` on ``devices`` (default ``jax.devices()``): it uses the first ``cfg.num_devices``.
+
+    A layout that does not fit them is a ``ConfigError`` naming ``layout.mesh``.
+    """
     devices = list(jax.devices() if devices is None else devices)
+    check_devices(cfg.mesh, cfg.pipeline.stages if cfg.pipeline else None, len(devices), jax.process_count())
     need = cfg.num_devices
-    if len(devices) < need:
-        shape = f"mesh {cfg.mesh}" + (f" x {cfg.pipeline.stages} stages" if cfg.pipeline else "")
-        raise ValueError(
-            f"layout needs {need} devices ({shape}) but {len(devices)} are available; on CPU set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={need}, or override layout.mesh"
-        )
-    if jax.process_count() > 1 and need != len(devices):
-        raise ValueError(f"with {jax.process_count()} processes a layout must use all {len(devices)} devices "
-                         f"(every process's), but this one uses {need}; change layout.mesh")
     return RunLayout(tuple(devices[:need]), dict(cfg.mesh), tuple(cfg.rule_pairs()), cfg.pipeline)
 
 

@@ -36,8 +36,9 @@ import numpy as np
 from models.transformer import count_params
 from multimesh.checkpoint import CheckpointManager
 from trainers.config import Config, ConfigError, config_from_dict
-from trainers.data import TextDataset, make_datasets
+from trainers.data import TextDataset, load_corpus, make_datasets
 from trainers.feed import Feed
+from trainers.fit import check_data, make_out_dir
 from trainers.layout import build_layout, write_schedule_png
 from trainers.metrics import MetricsLog, Throughput, plot_losses, read_metrics
 from trainers.step import Program, build_program
@@ -148,10 +149,11 @@ def train(cfg: Config, *, devices: Any = None, quiet: bool = False, stop_after: 
     t_start = time.perf_counter()
     main = jax.process_index() == 0
     quiet = quiet or not main
-    out = cfg.out_dir
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_out_dir(cfg.out_dir)
     layout = build_layout(cfg.layout, devices)
-    train_ds, val_ds, baseline = make_datasets(cfg.data)
+    # The corpus found may be smaller than data.max_bytes (which the config check assumed).
+    check_data(cfg.data, layout.batch_ways, len(load_corpus(cfg.data.paths, cfg.data.max_bytes)))
+    train_ds, val_ds, baseline = make_datasets(cfg.data, batch_multiple=layout.batch_ways)
 
     with CheckpointManager(out / "checkpoints", max_to_keep=cfg.train.keep) as ckpt, \
             layout.tasks(cfg.model.num_layers, cfg.model.scan_layers):

@@ -57,13 +57,15 @@ def stage_layout(segments: Sequence[Segment]) -> tuple[list[Placement], int]:
 
 
 def _schedule_for(segments: Sequence[Segment], pipelines: Sequence[Pipeline]) -> Schedule | None:
-    specs = list(dict.fromkeys(pipelines))
+    specs = list(dict.fromkeys(pipelines))  # each microbatch call once (`Pipeline.call` tells calls apart)
+    if len(specs) > 1:  # before the paths: two pipelines' microbatches share indices, so their paths mix
+        raise ValueError(f"one step may hold one microbatch pipeline, found {len(specs)}: "
+                         f"{', '.join(f'microbatch({s.name})' for s in specs)}; microbatch one function that "
+                         f"computes everything the step needs per microbatch (e.g. both losses, summed or in a "
+                         f"tuple), or run the pipelines as separate steps")
     logical, n_mb = stage_layout(segments)
     if not specs or not logical:
         return None
-    if len(specs) > 1:
-        raise ValueError(f"one step may hold one microbatch pipeline, found {len(specs)}: "
-                         f"{', '.join(s.name for s in specs)}")
     spec = specs[0]
     groups = list(dict.fromkeys(logical))
     names = " -> ".join(p.name for p in logical)
@@ -81,10 +83,13 @@ def _schedule_for(segments: Sequence[Segment], pipelines: Sequence[Pipeline]) ->
             f"microbatch({spec.name}): the stage sequence {names} visits each of {len(groups)} submeshes "
             f"{chunks} times; use schedule='interleaved' with interleave={chunks}"
         )
-    if chunks == 1 and spec.interleave not in (None, 1):
+    if chunks == 1 and spec.num_chunks > 1:  # the schedule would order logical stages the tasks do not form
+        cycle = " -> ".join([p.name for p in groups] * spec.num_chunks)
         raise ValueError(
-            f"microbatch({spec.name}): interleave={spec.interleave}, but the stage sequence {names} visits "
-            f"each submesh once; call each stage's task {spec.interleave} times per microbatch, cycling"
+            f"microbatch({spec.name}): schedule={spec.schedule_name!r} runs {spec.num_chunks} chunks "
+            f"(interleave={spec.num_chunks}) on each submesh, but the stage sequence {names} visits each "
+            f"submesh once; call each stage's task {spec.num_chunks} times per microbatch, cycling "
+            f"({cycle}), or use schedule='1f1b'"
         )
     if spec.num_microbatches != n_mb:
         raise ValueError(f"microbatch({spec.name}): {spec.num_microbatches} microbatches were traced, "

@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..core.fmt import device_span, keypath_str
+from ..core.nonarrays import is_array, non_arrays
 
 __all__ = [
     "DonatedArrayError",
@@ -77,21 +78,9 @@ def describe_sharding(s: Any) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)) or hasattr(x, "__jax_array__")
-
-
-def _not_arrays(tree: Any, what: str) -> str:
-    bad = [(p, x) for p, x in _leaves(tree) if not _is_array(x)]
-    if not bad:
-        return ""
-    shown = "; ".join(f"{what} {p}: {type(x).__name__} {x!r:.60}" for p, x in bad[:5])
-    return f"{len(bad)} value(s) that are not arrays ({shown})"
-
-
 def check_outputs(out: Any, fun: Callable) -> None:
     """Raise `TypeError` naming ``fun`` and the output path of each leaf that is not an array or a number."""
-    bad = _not_arrays(out, "output")
+    bad = non_arrays(out, "output")
     if bad:
         raise TypeError(
             f"step {fun_name(fun)!r} returned {bad}; a step runs under jax.jit and may only return arrays and "
@@ -114,7 +103,7 @@ def check_in_place_nnx(fun: Callable, params: Any, required: int) -> None:
 
 def check_arrays(tree: Any, what: str, leaf: str) -> None:
     """Raise `TypeError` naming ``what`` and each ``leaf`` path of ``tree`` that is not an array or a number."""
-    bad = _not_arrays(tree, leaf)
+    bad = non_arrays(tree, leaf)
     if bad:
         raise TypeError(f"{what} holds {bad}; give arrays (numpy or jax) and numbers, in any pytree")
 
@@ -123,7 +112,7 @@ def checked(make: Callable[[], Any], what: str) -> Callable[[], Any]:
     """``make``, whose result is checked to hold only arrays (for `jax.eval_shape` of an initializer)."""
     def run() -> Any:
         out = make()
-        bad = _not_arrays(out, "leaf")
+        bad = non_arrays(out, "leaf")
         if bad:
             raise TypeError(f"{what} ({fun_name(make)!r}) returned {bad}; it must return arrays (in any pytree)")
         return out
@@ -250,7 +239,7 @@ def place_batch(batch: Any, shardings: Any, abstract_batch: Any = None, fun: Cal
         built = jax.tree.leaves(abstract_batch) if abstract_batch is not None else [None] * len(jax.tree.leaves(batch))
         for (path, x), s, a in zip(_leaves(batch), jax.tree.leaves(shardings), built):
             shape = _shape(x)
-            if not _is_array(x):
+            if not is_array(x):
                 why = f"it is a {type(x).__name__} {x!r:.60}, not an array"
             else:
                 why = _indivisible(shape, s) if shape is not None else None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,21 @@ class Pipeline:
     schedule: str | Schedule | type[Schedule]
     num_stages: int | None
     interleave: int | None
+    #: Which call of a `microbatch` function this is: two calls in one step are two pipelines, even alike.
+    call: int = 0
+
+    @property
+    def num_chunks(self) -> int:
+        """Chunks per submesh that the schedule asks for (1 but for the interleaved schedule, default 2)."""
+        if isinstance(self.schedule, Schedule):
+            return self.schedule.num_chunks
+        return get_schedule(self.schedule, 1, 1, **({} if self.interleave is None else
+                                                    {"num_chunks": self.interleave})).num_chunks
+
+    @property
+    def schedule_name(self) -> str:
+        """The schedule as the user gave it (a name, or a `Schedule`'s name)."""
+        return self.schedule if isinstance(self.schedule, str) else getattr(self.schedule, "name", repr(self.schedule))
 
     @property
     def split_backward(self) -> bool:
@@ -59,7 +75,7 @@ class Pipeline:
                 f"{num_stages} stages; pass num_stages={num_stages} or change the tasks"
             )
         kwargs: dict[str, Any] = {"forward_only": forward_only}
-        if self.interleave not in (None, 1):
+        if self.interleave is not None:  # 1 too: "interleaved" with interleave=1 is one chunk per submesh
             kwargs["num_chunks"] = self.interleave
         if isinstance(self.schedule, Schedule):
             if self.schedule.forward_only != forward_only:
@@ -71,6 +87,7 @@ class Pipeline:
 
 
 _COLLECTOR: contextvars.ContextVar[list | None] = contextvars.ContextVar("multimesh_pipelines", default=None)
+_CALLS = itertools.count(1)
 
 
 @contextlib.contextmanager
@@ -175,7 +192,7 @@ def microbatch(
         n = _count(leaves, dim, size, f"microbatch({name}) argument {argnum}")
         collector = _COLLECTOR.get()
         if collector is not None:
-            collector.append(Pipeline(name, n, schedule, num_stages, interleave))
+            collector.append(Pipeline(name, n, schedule, num_stages, interleave, next(_CALLS)))
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
             body = _traced_once(fun, args, argnum, n)
         else:  # called eagerly: run fun per microbatch (a jit made for this call would compile every call)

@@ -29,6 +29,7 @@ from jax.interpreters import mlir
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..core.meshes import constrain, explicit_axes
+from ..core.nonarrays import non_arrays
 from ..core.placement import Placement, current_placement, use_placement
 from ..core.rules import MeshAxes, Rules, identity_rules
 from ..core.transfer import reshard_to
@@ -325,18 +326,21 @@ def _make_task(fun: Callable | type, name: str | None, options: dict) -> Callabl
         return _task_class(fun, label, resolve, out_shardings, configured)
 
     @functools.wraps(fun)
-    def wrapped(*args: Any) -> Any:
-        return _run_task(fun, resolve, out_shardings, configured, args)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return _run_task(fun, resolve, out_shardings, configured, args, kwargs)
 
     static = resolve(None) if not getattr(resolve, "lazy", False) else None
     wrapped.placement = static  # type: ignore[attr-defined]
     return wrapped
 
 
-def _run_task(fun: Callable, resolve: Callable, out_shardings: Any, configured: Callable, args: tuple) -> Any:
+def _run_task(fun: Callable, resolve: Callable, out_shardings: Any, configured: Callable, args: tuple,
+              kwargs: dict | None = None) -> Any:
     if transforms_ignored():
         with configured():
-            return fun(*args)
+            return fun(*args, **(kwargs or {}))
+    if kwargs:  # keyword arguments travel as one more (last) positional pytree: traced like the others
+        fun, args = _keywords_last(fun), (*args, kwargs)
     iterations = microbatch_iterations() or [_current_iteration()]
     placement = resolve(iterations[0])
     # One trace serves every microbatch: check each one's slice now. A loop-dependent task's copy for
@@ -350,6 +354,15 @@ def _run_task(fun: Callable, resolve: Callable, out_shardings: Any, configured: 
     return _eager_call(placement, body, args)
 
 
+def _keywords_last(fun: Callable) -> Callable:
+    """``fun`` called as ``(*args, kwargs)``: its keyword arguments as a last positional dict."""
+
+    def call(*args: Any) -> Any:
+        return fun(*args[:-1], **args[-1])
+
+    return call
+
+
 def _task_class(cls: type, label: str, resolve: Callable, out_shardings: Any, configured: Callable) -> type:
     """A subclass of ``cls`` whose instances' ``__call__`` runs as the task (MultiMesh accepts classes)."""
     if any(c.__module__.startswith("flax.linen") for c in cls.__mro__):
@@ -359,8 +372,8 @@ def _task_class(cls: type, label: str, resolve: Callable, out_shardings: Any, co
     if call is None:
         raise TypeError(f"task({cls.__name__}): the class has no __call__ to run as the task")
 
-    def __call__(self, *args: Any) -> Any:
-        return _run_task(functools.partial(call, self), resolve, out_shardings, configured, args)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _run_task(functools.partial(call, self), resolve, out_shardings, configured, args, kwargs)
 
     __call__.__doc__ = call.__doc__
     sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
@@ -434,6 +447,13 @@ def _with_outputs(fun: Callable, placement: Placement, out_shardings: Any, confi
     def body(*args: Any) -> Any:
         with configured():
             out = fun(*args)
+        bad = non_arrays(out, "output")
+        if bad:  # JAX would name our wrapper; name the task
+            raise TypeError(
+                f"task {placement.name!r} returned {bad}; a task runs as a traced program on its submesh and may "
+                f"only return arrays and numbers (in any pytree). Return other values (strings, objects) from "
+                f"outside the task, or make them arrays (jnp.asarray)"
+            )
         if out_shardings is None:
             return out
         return _constrain_outputs(out, out_shardings, placement)

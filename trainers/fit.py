@@ -1,0 +1,130 @@
+"""Whether a valid config fits what it runs on: the batch over the mesh, the data over one batch,
+this machine's devices, the output directory.
+
+Each misfit is a :class:`~trainers.errors.ConfigError` naming the keys, their
+values and the fix, raised before anything is traced or compiled. What the
+config alone decides (the batch over the mesh's batch axes; ``data.max_bytes``
+against one batch) is checked when the config is loaded, so ``--print-config``
+reports it too; what depends on the machine (its devices, the corpus actually
+found, ``train.out_dir`` on disk) is checked by ``--plan`` and at the start of
+training.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from multimesh.core.rules import Rules
+from trainers.data import count_windows
+from trainers.errors import ConfigError
+
+__all__ = ["batch_shards", "check_batch", "check_data", "check_devices", "check_out_dir", "make_out_dir",
+           "mesh_text"]
+
+
+def mesh_text(mesh: Mapping[str, int]) -> str:
+    """``{data: 4, tensor: 2}``: a mesh as it is written in a config or an override."""
+    return "{" + ", ".join(f"{k}: {v}" for k, v in mesh.items()) + "}"
+
+
+def batch_shards(mesh: Mapping[str, int], rule_pairs: Sequence[tuple[str, Any]]) -> tuple[tuple[str, ...], int]:
+    """The mesh axes that the rules split the batch dimension (logical ``batch``) over, and how many ways."""
+    spec = Rules(rule_pairs).resolve(("batch",), mesh)  # no shape: the axes wanted, none dropped
+    entry = spec[0] if len(spec) else None
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return axes, math.prod(mesh[a] for a in axes)
+
+
+def check_batch(mesh: Mapping[str, int], rule_pairs: Sequence[tuple[str, Any]], batch_size: int) -> None:
+    """``data.batch_size`` must split evenly over the batch axes (the step refuses a batch that does not)."""
+    axes, ways = batch_shards(mesh, rule_pairs)
+    if batch_size % ways:
+        up = -(-batch_size // ways) * ways
+        raise ConfigError(
+            f"layout.mesh={mesh_text(mesh)} splits the batch over mesh axes {axes} ({ways} ways), but "
+            f"data.batch_size={batch_size} is not a multiple of {ways}; set data.batch_size to a multiple of "
+            f"{ways} (e.g. data.batch_size={up}), or give layout.mesh batch axes whose sizes multiply to a "
+            f"divisor of {batch_size}"
+        )
+
+
+def check_data(data: Any, ways: int, n_tokens: int | None = None) -> None:
+    """The corpus must hold one training batch and one validation batch of at least ``ways`` windows.
+
+    ``data``: the ``data`` section. ``n_tokens``: the corpus found (default: ``data.max_bytes``, the most
+    it can be, which the config alone decides).
+    """
+    found = n_tokens is not None and n_tokens < data.max_bytes
+    n = data.max_bytes if n_tokens is None else n_tokens
+    n_val = max(1, round(n * data.val_fraction))
+    train_windows = count_windows(n - n_val, data.seq_len)
+    val_windows = count_windows(n_val, data.seq_len, shuffle=False)
+    source = (f"the corpus ({n:,} bytes: all that data.paths holds, below data.max_bytes={data.max_bytes})"
+              if found else f"data.max_bytes={data.max_bytes}")
+    more = "add text to data.paths" if found else "raise data.max_bytes"
+    window = data.seq_len + 1
+    if val_windows < ways:
+        need = math.ceil((ways * data.seq_len + 1) / data.val_fraction)
+        split = " (one per way that layout.mesh splits the batch)" if ways > 1 else ""
+        raise ConfigError(
+            f"{source} with data.val_fraction={data.val_fraction} leaves a validation split of {n_val} bytes: "
+            f"{val_windows} window(s) of {window} (data.seq_len={data.seq_len} + 1), but one validation batch "
+            f"needs {ways}{split}; {more} to at least {need:,} bytes, "
+            f"or raise data.val_fraction, or lower data.seq_len"
+        )
+    if train_windows < data.batch_size:
+        need = math.ceil((data.batch_size + 1) * data.seq_len / (1 - data.val_fraction)) + 1
+        raise ConfigError(
+            f"{source} leaves a training split of {n - n_val} bytes: {train_windows} window(s) of {window} "
+            f"(data.seq_len={data.seq_len} + 1), fewer than one batch of data.batch_size={data.batch_size}; "
+            f"{more} to at least {need:,} bytes, or lower data.batch_size or data.seq_len"
+        )
+
+
+def check_devices(mesh: Mapping[str, int], stages: int | None, available: int, processes: int = 1) -> None:
+    """The layout (``layout.mesh``, times ``layout.pipeline.stages``) must fit the ``available`` devices, and
+    with several processes use all of them."""
+    per_stage = math.prod(mesh.values())
+    need = per_stage * (stages or 1)
+    shape = f"layout.mesh={mesh_text(mesh)}" + (f" x layout.pipeline.stages={stages}" if stages else "")
+    if need > available:
+        most = available // (stages or 1)
+        per = " per pipeline stage" if stages else ""
+        raise ConfigError(
+            f"{shape} needs {need} devices, but this run has {available}; give layout.mesh sizes whose product "
+            f"is at most {most}{per}, e.g. layout.mesh='{{data: {most}}}', or run on more devices (on CPU: "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={need})"
+        )
+    if processes > 1 and need != available:
+        raise ConfigError(
+            f"{shape} uses {need} of the {available} devices, but with {processes} processes a layout must use "
+            f"every process's devices: give layout.mesh sizes whose product is {available // (stages or 1)}"
+        )
+
+
+def check_out_dir(path: str | os.PathLike) -> None:
+    """``train.out_dir`` must be a directory, or not exist yet under directories."""
+    path = Path(path)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                what = "is an existing file" if part == path else f"lies under {part}, an existing file"
+                raise ConfigError(f"train.out_dir={str(path)!r} {what}, not a directory; give a train.out_dir "
+                                  f"that is a directory or does not exist yet")
+            return
+
+
+def make_out_dir(path: str | os.PathLike) -> Path:
+    """Create ``train.out_dir`` (and its parents); a file in the way, or no permission, is a ConfigError."""
+    check_out_dir(path)
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"train.out_dir={str(path)!r} cannot be created: {e.strerror or e}; give a train.out_dir "
+                          f"where you may write") from None
+    return path
