@@ -195,3 +195,24 @@ def test_trainer_waits_for_a_missing_process_saying_so_then_names_it(tmp_path):
     assert code == 2 and 12 <= took < 40, (code, took, err[-2000:])
     assert f"process 0: waiting for process(es) [1] at 127.0.0.1:{port}, 10 s of 12 s" in err, err[-2000:]
     assert "StartupError" in err and "process(es) [1] of 2 did not join" in err, err[-2000:]
+
+
+def test_processes_running_different_multimesh_code_are_stopped(tmp_path):
+    """Process 1 imports an edited copy of multimesh (the same version number): both stop at start-up."""
+    import shutil
+
+    shutil.copytree(REPO / "multimesh", tmp_path / "multimesh", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(tmp_path / "multimesh" / "distributed.py", "a") as f:
+        f.write("\n# edited on one host only\n")
+    port = str(free_port())
+    (tmp_path / "cwd").mkdir()  # ``python -c`` imports from its working directory first: neither copy
+    argv = [[sys.executable, "-c", _INIT, f"127.0.0.1:{port}", "2", str(i), "20"] for i in range(2)]
+    procs = [subprocess.Popen(a, cwd=tmp_path / "cwd", env={**_ENV, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for a, root in zip(argv, (REPO, tmp_path))]
+    start = time.monotonic()
+    done = _wait(procs, timeout=60)
+    assert time.monotonic() - start < 30
+    for code, err in done:
+        assert code == 1 and "DisagreementError" in err, err[-2000:]
+        assert "multimesh source (sha256 of its .py files): " in err and "on process 0" in err, err[-2000:]
+        assert "multimesh installation (1 key(s) differ)" in err  # the same version: only the source differs
