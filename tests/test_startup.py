@@ -216,3 +216,34 @@ def test_processes_running_different_multimesh_code_are_stopped(tmp_path):
         assert code == 1 and "DisagreementError" in err, err[-2000:]
         assert "multimesh source (sha256 of its .py files): " in err and "on process 0" in err, err[-2000:]
         assert "multimesh installation (1 key(s) differ)" in err  # the same version: only the source differs
+
+
+def test_a_second_run_on_a_running_runs_port_is_refused_and_the_first_goes_on():
+    """Two runs given one port: today the second's processes join the first's. Now the second's process 0
+    finds the port held (by the first's process 0, named by pid where visible), its process 1 finds no
+    roll call there, both stop; the first run finishes normally."""
+    port = str(free_port())
+    hold = _INIT + "sys.stdin.readline()\n"  # stay in the run until the test says so
+    first = [subprocess.Popen([sys.executable, "-c", hold, f"127.0.0.1:{port}", "2", str(i), "20"], cwd=REPO, env=_ENV,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        for p in first:
+            assert p.stdout.readline().strip() == "joined", p.stderr.read()[-2000:] if p.poll() is not None else ""
+        start = time.monotonic()
+        second = _wait(_start([[sys.executable, "-c", _INIT, f"127.0.0.1:{port}", "2", str(i), "10"]
+                               for i in range(2)]), timeout=60)
+        assert time.monotonic() - start < 30
+        for p in first:
+            p.stdin.write("\n")
+            p.stdin.flush()
+        assert [p.wait(timeout=60) for p in first] == [0, 0]
+    finally:
+        for p in first:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    (code0, err0), (code1, err1) = second
+    assert code0 == 1 and "StartupError" in err0 and f"port {port} is already in use by pid {first[0].pid}" in err0, \
+        err0[-2000:]
+    assert code1 == 1 and f"127.0.0.1:{port} answered, but not as process 0 of a multimesh run" in err1, err1[-2000:]
