@@ -50,8 +50,9 @@ def agree(name: str, values: Mapping[str, Any], *, timeout_seconds: float = 30) 
         try:
             published[p] = json.loads(mine if p == me else client.blocking_key_value_get(f"{prefix}/{p}", timeout_ms))
         except jax.errors.JaxRuntimeError as e:
-            raise DisagreementError(f"process {me}: process {p} did not publish {name} within {timeout_seconds:g} s "
-                                    f"(it stopped, or does not run the same program: {str(e).splitlines()[0]})") from None
+            first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise DisagreementError(f"process {me}: process {p} did not publish {name} within {timeout_seconds:g} "
+                                    f"s (it stopped, or does not run the same program: {first_line})") from None
     # every process has read every value before any may leave (process 0 holds the store)
     client.wait_at_barrier(f"{prefix}/read", timeout_ms)
     diffs = differences(published)

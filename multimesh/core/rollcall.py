@@ -278,13 +278,14 @@ def _report_in(host: str, port: int, n: int, process_id: int, timeout: float, ev
     with conn:
         conn.sendall((json.dumps({"protocol": PROTOCOL, "process_id": process_id, "num_processes": n,
                                   "host": socket.gethostname(), "pid": os.getpid()}) + "\n").encode())
-        lines = _lines(conn)
-        first = _next_answer(lines, conn, ANSWER_SECONDS)
+        answers = _Answers(conn)
+        first = answers.next(ANSWER_SECONDS)
         if first is None or first.get("status") not in ("joined", "go", "error"):
-            raise StartupError(f"{me}: {address} answered, but not as process 0 of a multimesh run gathering its "
-                               f"processes: another program, or a run that has already started (two runs on one "
-                               f"port, or this process id given twice?), holds that port; give every process of "
-                               f"this run another free port")
+            raise StartupError(f"{me}: {address} accepted the connection but did not answer as process 0 of a "
+                               f"multimesh run gathering its processes ({answers.why or 'another status'}): "
+                               f"another program, or a run that has already started (two runs on one port, or "
+                               f"this process id given twice?), holds that port, or the address is not process "
+                               f"0's; check the address, or give every process of this run another free port")
         answer = first
         while answer.get("status") != "go":
             if answer.get("status") == "error":
@@ -292,37 +293,41 @@ def _report_in(host: str, port: int, n: int, process_id: int, timeout: float, ev
             if answer.get("status") == "waiting":
                 say(f"{me}: process 0 is {answer['note']}")
             left = deadline - time.monotonic()
-            answer = _next_answer(lines, conn, max(left, 0.0) + every + 5)  # process 0's deadline may be later
+            answer = answers.next(max(left, 0.0) + every + 5)  # process 0's deadline may be later
             if answer is None:
                 if time.monotonic() < deadline + every:
-                    raise StartupError(f"{me}: process 0 (the coordinator) at {address} closed the connection "
-                                       f"before every process had joined (it stopped; see its output)")
+                    raise StartupError(f"{me}: process 0 (the coordinator) at {address} stopped answering "
+                                       f"before every process had joined ({answers.why}; see its output)")
                 raise StartupError(f"{me}: not every process joined at {address} within the start-up timeout "
                                    f"of {timeout:g} s; see process 0's output for the missing ones")
 
 
-def _lines(conn: socket.socket):
-    """The JSON answers arriving on ``conn``, one per line (None at a timeout or the end)."""
-    buffer = b""
-    while True:
-        while b"\n" not in buffer:
+class _Answers:
+    """Process 0's answers on ``conn``, one JSON object per line; ``why`` says what came instead."""
+
+    def __init__(self, conn: socket.socket):
+        self.conn, self.buffer, self.why = conn, b"", ""
+
+    def next(self, seconds: float) -> dict | None:
+        self.conn.settimeout(max(seconds, 0.1))
+        while b"\n" not in self.buffer:
             try:
-                data = conn.recv(4096)
-            except (TimeoutError, OSError):
-                data = b""
+                data = self.conn.recv(4096)
+            except TimeoutError:
+                self.why = f"no answer within {seconds:.0f} s"
+                return None
+            except OSError as e:
+                data, self.why = b"", f"the connection failed ({e.strerror or type(e).__name__})"
             if not data:
-                yield None
-                return
-            buffer += data
-        line, buffer = buffer.split(b"\n", 1)
+                self.why = self.why or "the connection was closed without an answer"
+                return None
+            self.buffer += data
+        line, self.buffer = self.buffer.split(b"\n", 1)
         try:
-            yield json.loads(line)
+            answer = json.loads(line)
         except ValueError:
-            yield None
-            return
-
-
-def _next_answer(lines, conn: socket.socket, seconds: float) -> dict | None:
-    conn.settimeout(max(seconds, 0.1))
-    answer = next(lines, None)
-    return answer if isinstance(answer, dict) else None
+            answer = None
+        if not isinstance(answer, dict) or "status" not in answer:
+            self.why = f"an answer in another protocol ({line[:40]!r})"
+            return None
+        return answer
