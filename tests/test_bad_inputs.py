@@ -798,6 +798,8 @@ CONFIGS = [
       "--coordinator", "--process-id"),
     C("cli-coordinator-without-num-processes", lambda s: cli("--coordinator", "127.0.0.1:1", "train.steps=1"),
       CliFailed, "exit 2", "--coordinator 127.0.0.1:1", "--num-processes N"),
+    C("cli-process-id-without-num-processes", lambda s: cli("--process-id", "1", "train.steps=1"), CliFailed,
+      "exit 2", "--process-id 1", "--num-processes N"),
     C("cli-startup-timeout-zero", lambda s: cli("--startup-timeout", "0", "train.steps=1"), CliFailed, "exit 2",
       "--startup-timeout", ">= 1"),
     C("distributed-coordinator-not-host-port", lambda s: _initialize("host0", 2, 1), ValueError, "'host0'",

@@ -57,7 +57,7 @@ def _train_parser() -> argparse.ArgumentParser:
         "process gets 8/N simulated devices. Process 0 shows progress and writes the metrics.")
     multi.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0 (jax.distributed)")
     multi.add_argument("--num-processes", type=int, default=None, metavar="N", help="processes in the run (default 1)")
-    multi.add_argument("--process-id", type=int, default=0, metavar="I", help="this process, 0..N-1")
+    multi.add_argument("--process-id", type=int, default=0, metavar="I", help="this process, 0..N-1 (default 0)")
     multi.add_argument("--startup-timeout", type=int, default=300, metavar="SECONDS",
                        help="how long to wait for every process to join (default 300); the missing ones are "
                             "named every 10 s, then the run stops with an error naming them")
@@ -95,6 +95,8 @@ def _check_process_flags(opts: argparse.Namespace) -> int:
     if opts.coordinator is not None and opts.num_processes is None:
         _usage_error(f"--coordinator {opts.coordinator} needs --num-processes N (how many processes the run has) "
                      f"and --process-id I on every process")
+    if opts.process_id != 0 and opts.num_processes is None:
+        _usage_error(f"--process-id {opts.process_id} needs --num-processes N and --coordinator HOST:PORT")
     if n > 1 and (opts.coordinator is None or not 0 <= opts.process_id < n):
         _usage_error(f"--num-processes {n} needs --coordinator HOST:PORT and a --process-id in 0..{n - 1} "
                      f"(got {opts.coordinator}, {opts.process_id})")
