@@ -53,6 +53,22 @@ def test_roll_call_lets_all_go_when_every_process_joined():
     assert results == {0: None, 1: None, 2: None}
 
 
+def test_process_0_ignores_a_stray_connection():
+    """A port scanner or a stray client (it connects, sends something else, stays) changes nothing."""
+    port = free_port()
+
+    def stray() -> None:
+        time.sleep(0.2)
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+            time.sleep(3)
+
+    threading.Thread(target=stray, daemon=True).start()
+    start = time.monotonic()
+    results, _ = _roll_call_all(port, [(0, 2), (1, 2)], stagger=0.5)
+    assert results == {0: None, 1: None} and time.monotonic() - start < 3
+
+
 def test_a_missing_process_is_named_while_waiting_and_at_the_timeout():
     port = free_port()
     start = time.monotonic()

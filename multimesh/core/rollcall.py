@@ -176,14 +176,17 @@ class _Gathering:
             conn.close()
             return
         self.buffers[conn] += data
+        if conn not in self.members and len(self.buffers[conn]) > 65536:
+            self.buffers[conn] = b"?\n"  # no hello is that long: a stray client's
         if b"\n" in self.buffers[conn] and conn not in self.members:
             line = self.buffers[conn].split(b"\n", 1)[0]
             try:
                 hello = json.loads(line)
-                assert hello.get("protocol") == PROTOCOL
+                if not isinstance(hello, dict) or hello.get("protocol") != PROTOCOL:
+                    raise ValueError("not a hello")
                 member = _Member(int(hello["process_id"]), str(hello["host"]), int(hello["pid"]))
                 n = int(hello["num_processes"])
-            except (ValueError, AssertionError, KeyError, TypeError, AttributeError):
+            except (ValueError, KeyError, TypeError):
                 sel.unregister(conn)  # not one of ours (a port scanner, a stray client): ignore it
                 del self.buffers[conn]
                 conn.close()
@@ -214,7 +217,7 @@ class _Gathering:
         coordination service binds it next), for at most a few seconds."""
         sel.unregister(server)
         deadline = time.monotonic() + ANSWER_SECONDS
-        while self.buffers and time.monotonic() < deadline:
+        while any(conn in self.members for conn in self.buffers) and time.monotonic() < deadline:
             for key, _ in sel.select(timeout=0.2):
                 conn = key.fileobj
                 try:
