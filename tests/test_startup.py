@@ -191,7 +191,12 @@ def _cli(port: int, n: int, i: int, *args: str) -> list[str]:
 
 
 def test_trainer_processes_given_different_configs_stop_before_compiling(tmp_path):
-    """Different learning rates and out_dirs: both exit 2 within 30 s naming each key, nothing written."""
+    """Different learning rates and out_dirs: both exit 2 within 30 s naming each key; an earlier run's
+    files in the out_dir are left as they were, and nothing is written."""
+    (tmp_path / "a" / "checkpoints" / "2").mkdir(parents=True)
+    (tmp_path / "a" / "checkpoints" / "2" / "state").write_bytes(b"an earlier run's step 2")
+    (tmp_path / "a" / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = _snapshot(tmp_path)
     port = free_port()
     start = time.monotonic()
     done = _wait(_start([_cli(port, 2, i, f"optimizer.lr={lr}", f"train.out_dir={tmp_path / d}")
@@ -201,7 +206,12 @@ def test_trainer_processes_given_different_configs_stop_before_compiling(tmp_pat
         assert code == 2, err[-3000:]
         assert "DisagreementError" in err and "optimizer.lr: 0.001 on process 0, 0.01 on process 1" in err, err
         assert f'train.out_dir: "{tmp_path / "a"}" on process 0, "{tmp_path / "b"}" on process 1' in err, err
-    assert not (tmp_path / "a" / "checkpoints").exists() and not (tmp_path / "b" / "checkpoints").exists()
+    assert _snapshot(tmp_path) == before and not (tmp_path / "b").exists()
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file under ``root``: its modification time and contents."""
+    return {str(f.relative_to(root)): (f.stat().st_mtime_ns, f.read_bytes()) for f in root.rglob("*") if f.is_file()}
 
 
 def test_trainer_names_a_missing_process_at_its_startup_timeout(tmp_path):
