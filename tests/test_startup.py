@@ -174,7 +174,7 @@ def _wait(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]
 
 
 def test_initialize_with_different_process_counts_fails_in_both_processes():
-    """Today JAX runs processes told 2 and 3 as a 2-process job; every process must stop instead."""
+    """JAX alone runs processes told 2 and 3 as a 2-process job; every process must stop instead."""
     port = str(free_port())
     start = time.monotonic()
     done = _wait(_start([[sys.executable, "-c", _INIT, f"127.0.0.1:{port}", n, i, "20"]
