@@ -9,6 +9,12 @@ multimesh's runtime needs:
 * JAX's cross-host device transfers (``jax_cross_host_transfer_socket_address``),
   so pipeline stages may sit on different processes and hosts: each process
   listens on a free port of the address other processes reach it at;
+* a roll call before JAX starts (`multimesh.core.rollcall`): process 0 waits on the coordinator port
+  for the others, naming the missing ones every 10 s, and every start-up mistake (a process that does
+  not arrive within ``initialization_timeout``, a duplicate id, different process counts, a port held
+  by another program, an unresolvable or unreachable coordinator) ends every process with a
+  `StartupError` naming the address, ids or counts; then all processes check that they run the same
+  multimesh (`agree`: version and a digest of its source);
 * failure handling: when a process dies, the others stop within about
   ``heartbeat_timeout_seconds`` with an error naming it, instead of waiting
   forever for its transfers; and an uncaught exception ends its process at
@@ -31,9 +37,13 @@ import traceback
 
 import jax
 
+from ._version import __version__
+from .core.agreement import DisagreementError, agree, source_digest
 from .core.processes import ProcessLostError, heartbeat_timeout, lost_process_error
+from .core.rollcall import StartupError, roll_call, split_address
 
-__all__ = ["ProcessLostError", "initialize", "is_initialized", "reserve_port"]
+__all__ = ["DisagreementError", "ProcessLostError", "StartupError", "agree", "initialize", "is_initialized",
+           "reserve_port"]
 
 _started = False
 
@@ -52,18 +62,24 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
       transfer_address: ``"HOST:PORT"`` this process receives cross-host transfers on (default:
         the address it reaches the coordinator from, on a free port).
       heartbeat_timeout_seconds: how long the others wait for a process that stopped answering.
-      initialization_timeout: how long to wait for every process to join.
+      initialization_timeout: how long to wait for every process to join (seconds); while waiting, each
+        process prints every 10 s which processes it waits for, then raises `StartupError` naming them.
       exit_on_error: an uncaught exception prints its traceback and ends the process at once (exit
         status 1), so the others learn within ``heartbeat_timeout_seconds`` that it is gone.
+
+    Raises:
+      StartupError: a process did not join within ``initialization_timeout``, two were given one id or
+        different ``num_processes``, the coordinator's host does not resolve or cannot be reached, or
+        its port is held by another program (on process 0).
+      DisagreementError: the processes run different multimesh versions or sources.
     """
     global _started
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process_id must be in 0..{num_processes - 1}, got {process_id}")
-    host, _, port = coordinator_address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"coordinator_address must be 'HOST:PORT', got {coordinator_address!r}")
+    host, port = split_address(coordinator_address)
+    roll_call(coordinator_address, num_processes, process_id, timeout=initialization_timeout)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.config.update("jax_cross_host_transfer_socket_address", transfer_address or _free_address(host, int(port)))
+    jax.config.update("jax_cross_host_transfer_socket_address", transfer_address or _free_address(host, port))
     jax.distributed.initialize(coordinator_address, num_processes=num_processes, process_id=process_id,
                                local_device_ids=local_device_ids, initialization_timeout=initialization_timeout,
                                heartbeat_timeout_seconds=heartbeat_timeout_seconds)
@@ -71,6 +87,8 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
     heartbeat_timeout(heartbeat_timeout_seconds)
     if exit_on_error:
         sys.excepthook = _exit_on_uncaught
+    agree("multimesh installation", {"multimesh.__version__": __version__,
+                                     "multimesh source (sha256 of its .py files)": source_digest(__package__)})
 
 
 def _exit_on_uncaught(kind: type, error: BaseException, tb: object) -> None:

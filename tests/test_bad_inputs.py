@@ -37,6 +37,7 @@ from multimesh.checkpoint import (
     abstract_target,
 )
 from multimesh.core.rules import check_physical
+from multimesh.distributed import StartupError
 from multimesh.jax import (
     DonatedArrayError,
     PathRules,
@@ -273,6 +274,13 @@ def closed_manager(sh: Shared):
     m = mgr(sh)
     m.close()
     return m.info()
+
+
+def _initialize(address: str, n: int, process_id: int) -> None:
+    """`multimesh.distributed.initialize` for mistakes found before JAX's own start-up (nothing changes)."""
+    from multimesh.distributed import initialize
+
+    initialize(address, n, process_id, initialization_timeout=5)
 
 
 class CliFailed(Exception):
@@ -833,6 +841,16 @@ CONFIGS = [
     C("cli-num-processes-zero", lambda s: cli("--num-processes", "0"), CliFailed, "--num-processes", ">= 1"),
     C("cli-processes-without-coordinator", lambda s: cli("--num-processes", "2", "train.steps=1"), CliFailed,
       "--coordinator", "--process-id"),
+    C("cli-coordinator-without-num-processes", lambda s: cli("--coordinator", "127.0.0.1:1", "train.steps=1"),
+      CliFailed, "exit 2", "--coordinator 127.0.0.1:1", "--num-processes N"),
+    C("cli-process-id-without-num-processes", lambda s: cli("--process-id", "1", "train.steps=1"), CliFailed,
+      "exit 2", "--process-id 1", "--num-processes N"),
+    C("cli-startup-timeout-zero", lambda s: cli("--startup-timeout", "0", "train.steps=1"), CliFailed, "exit 2",
+      "--startup-timeout", ">= 1"),
+    C("distributed-coordinator-not-host-port", lambda s: _initialize("host0", 2, 1), ValueError, "'host0'",
+      "HOST:PORT"),
+    C("distributed-coordinator-unresolvable", lambda s: _initialize("nohost.invalid:5000", 2, 1), StartupError,
+      "'nohost.invalid'", "does not resolve", "process 1"),
     C("cli-unknown-flag", lambda s: cli("--fast"), CliFailed, "exit 2", "--fast"),
     C("cli-sample-without-run", lambda s: cli("sample"), CliFailed, "exit 2", "--run"),
     C("cli-sample-negative-tokens", lambda s: cli("sample", "--run", "x", "--tokens", "-1"), CliFailed,

@@ -56,8 +56,11 @@ def _train_parser() -> argparse.ArgumentParser:
         "one command per process, all with the same config and train.out_dir; on CPU each\n"
         "process gets 8/N simulated devices. Process 0 shows progress and writes the metrics.")
     multi.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0 (jax.distributed)")
-    multi.add_argument("--num-processes", type=int, default=1, metavar="N", help="processes in the run (default 1)")
-    multi.add_argument("--process-id", type=int, default=0, metavar="I", help="this process, 0..N-1")
+    multi.add_argument("--num-processes", type=int, default=None, metavar="N", help="processes in the run (default 1)")
+    multi.add_argument("--process-id", type=int, default=0, metavar="I", help="this process, 0..N-1 (default 0)")
+    multi.add_argument("--startup-timeout", type=int, default=300, metavar="SECONDS",
+                       help="how long to wait for every process to join (default 300); the missing ones are "
+                            "named every 10 s, then the run stops with an error naming them")
     return p
 
 
@@ -84,17 +87,60 @@ def _setup_devices(num_processes: int = 1) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
-def _start_processes(coordinator: str | None, num_processes: int, process_id: int) -> None:
-    """Join the other processes of the run (``jax.distributed``); nothing for one process."""
+def _check_process_flags(opts: argparse.Namespace) -> int:
+    """The number of processes; exit 2 naming the flags that contradict each other."""
+    n = 1 if opts.num_processes is None else opts.num_processes
+    if n < 1:
+        _usage_error(f"--num-processes must be >= 1, got {n}")
+    if opts.coordinator is not None and opts.num_processes is None:
+        _usage_error(f"--coordinator {opts.coordinator} needs --num-processes N (how many processes the run has) "
+                     f"and --process-id I on every process")
+    if opts.process_id != 0 and opts.num_processes is None:
+        _usage_error(f"--process-id {opts.process_id} needs --num-processes N and --coordinator HOST:PORT")
+    if n > 1 and (opts.coordinator is None or not 0 <= opts.process_id < n):
+        _usage_error(f"--num-processes {n} needs --coordinator HOST:PORT and a --process-id in 0..{n - 1} "
+                     f"(got {opts.coordinator}, {opts.process_id})")
+    if opts.startup_timeout < 1:
+        _usage_error(f"--startup-timeout must be >= 1 (seconds), got {opts.startup_timeout}")
+    return n
+
+
+def _usage_error(message: str) -> None:
+    print(f"multimesh-train: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _start_processes(opts: argparse.Namespace, num_processes: int, cfg) -> None:
+    """Join the other processes of the run (``jax.distributed``) and check that all were given the same
+    config, ``out_dir`` and code, before anything is compiled; nothing for one process."""
     if num_processes == 1:
         return
-    if coordinator is None or not 0 <= process_id < num_processes:
-        raise SystemExit(f"multimesh-train: --num-processes {num_processes} needs --coordinator HOST:PORT and "
-                         f"a --process-id in 0..{num_processes - 1}")
-    import multimesh.distributed
+    import multimesh.distributed as dist
 
     # CPU collectives and cross-host transfers (pipeline stages on other processes)
-    multimesh.distributed.initialize(coordinator, num_processes, process_id)
+    dist.initialize(opts.coordinator, num_processes, opts.process_id, initialization_timeout=opts.startup_timeout)
+    dist.agree("trainer config", _run_identity(cfg, num_processes))
+
+
+def _run_identity(cfg, num_processes: int) -> dict[str, object]:
+    """What every process of a run must share: each config key (dotted), the resolved out_dir, the
+    process count and the trainer's code."""
+    from multimesh.core.agreement import source_digest
+
+    flat: dict[str, object] = {}
+
+    def walk(prefix: str, value: object) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}{k}.", v)
+        else:
+            flat[prefix[:-1]] = value
+
+    walk("", cfg.to_dict())
+    flat["train.out_dir (resolved)"] = str(cfg.out_dir)
+    flat["--num-processes"] = num_processes
+    flat["trainer source (sha256 of trainers/ and models/)"] = source_digest("trainers", "models")
+    return flat
 
 
 def _split_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -109,9 +155,8 @@ def _split_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
 def _train(argv: Sequence[str]) -> int:
     opts = _train_parser().parse_intermixed_args(argv)
     config_name, overrides = _split_args(opts.args)
-    if opts.num_processes < 1:
-        raise SystemExit("multimesh-train: --num-processes must be >= 1")
-    _setup_devices(opts.num_processes)
+    num_processes = _check_process_flags(opts)
+    _setup_devices(num_processes)
     from trainers.config import ConfigError, load_config
 
     try:
@@ -124,11 +169,17 @@ def _train(argv: Sequence[str]) -> int:
         return 0
     if opts.plan:
         try:
-            return _plan(cfg, opts.num_processes)
+            return _plan(cfg, num_processes)
         except ConfigError as e:
             print(f"multimesh-train: config error: {e}", file=sys.stderr)
             return 2
-    _start_processes(opts.coordinator, opts.num_processes, opts.process_id)
+    from multimesh.distributed import DisagreementError, StartupError
+
+    try:
+        _start_processes(opts, num_processes, cfg)
+    except (StartupError, DisagreementError) as e:
+        print(f"multimesh-train: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     from trainers.train import train
 
     try:
