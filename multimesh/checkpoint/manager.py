@@ -423,6 +423,8 @@ class CheckpointManager:
         committed = ondisk.is_committed(path)
         if committed and _saved_id(path) == save_id:
             return
+        if not committed and step not in self._mgr.all_steps():
+            return  # committed, then pruned by this manager's own max_to_keep
         self._reload_quietly()
         if committed:
             detail = f"another writer committed step {step} at {path} in place of this save"
