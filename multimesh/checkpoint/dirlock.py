@@ -108,7 +108,7 @@ class DirectoryLock:
         """
         if self._fd is not None:
             return None
-        while True:
+        for _ in range(100):
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -131,6 +131,7 @@ class DirectoryLock:
             os.pwrite(fd, me.to_json().encode(), 0)
             self._fd = fd
             return stale
+        raise OSError(errno.EAGAIN, f"could not lock {self.path}: it is replaced as fast as it is opened")
 
     def release(self) -> None:
         """Releases the lock and removes the file (a no-op when not held)."""
