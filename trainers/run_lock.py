@@ -9,7 +9,8 @@ releases the lock when the holder ends, however it ends; a lock file left by
 a killed run is taken over with a message.
 
 With several processes (one job), process 0 holds the lock for all of them:
-they share the ``out_dir`` by design.
+they share the ``out_dir`` by design. When process 0 is refused, it exits
+with 2 and the other processes stop as they do whenever process 0 is lost.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import jax
 
 from multimesh.checkpoint.dirlock import DirectoryInUseError, DirectoryLock
 
-__all__ = ["RUN_LOCK", "DirectoryInUseError", "hold_out_dir"]
+__all__ = ["RUN_LOCK", "DirectoryInUseError", "hold_out_dir", "out_dir_lock"]
 
 #: The lock file's name in ``out_dir``.
 RUN_LOCK = ".multimesh-run.lock"
