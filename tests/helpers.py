@@ -368,3 +368,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     from multimesh.distributed import reserve_port
 
     return reserve_port(host)
+
+
+def in_a_small_tmpfs(mount: str, size: str, argv: list[str]) -> list[str] | None:
+    """The command that runs ``argv`` in a user and mount namespace with a tmpfs of
+    ``size`` (e.g. ``"4m"``) mounted at ``mount``: a real disk that fills up, without
+    root. ``None`` where user namespaces are off (``unshare -Urm`` fails)."""
+    import shutil
+    import subprocess
+
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "-Urm", "true"], capture_output=True,
+                                         check=False).returncode != 0:
+        return None
+    script = 'mount -t tmpfs -o size="$1" tmpfs "$2" && shift 2 && exec "$@"'
+    return [unshare, "-Urm", "sh", "-c", script, "sh", size, mount, *argv]

@@ -34,6 +34,7 @@ from multimesh.checkpoint import (
     CheckpointExistsError,
     CheckpointManager,
     CheckpointMismatchError,
+    CheckpointSaveError,
     abstract_target,
 )
 from multimesh.core.rules import check_physical
@@ -733,6 +734,16 @@ def deleted_state() -> dict:
     return state
 
 
+def second_writer(directory: str) -> None:
+    """Two managers saving to one directory: the second one is refused."""
+    first = CheckpointManager(directory)
+    first.save(1, ckpt_state())
+    try:
+        CheckpointManager(directory).save(2, ckpt_state())
+    finally:
+        first.close()
+
+
 def self_referencing() -> dict:
     meta = {"config": {"lr": 1e-3}}
     meta["config"]["parent"] = meta
@@ -746,6 +757,9 @@ CHECKPOINTS = [
       "max_to_keep", "True (bool)"),
     C("ckpt-save-deleted-leaf", lambda s: save(s.tmp("del"), 0, deleted_state()), ValueError, "deleted", "w",
       "donate=True"),
+    C("ckpt-save-second-writer", lambda s: second_writer(s.tmp("two")), CheckpointSaveError,
+      "checkpoint step 2", "another writer holds the directory", f"pid {os.getpid()}", ".multimesh-writer.lock",
+      "close the other CheckpointManager"),
     C("ckpt-save-metadata-contains-itself", lambda s: mgr(s).save(5, ckpt_state(), metadata=self_referencing()),
       ValueError, "metadata['config']['parent']", "contains itself"),
     C("ckpt-restore-empty-dir", lambda s: CheckpointManager(s.tmp("empty")).restore(target=ckpt_target()),

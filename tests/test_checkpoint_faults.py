@@ -1,6 +1,7 @@
 """multimesh.checkpoint under faults: a process killed mid-save, partial step
-directories, truncated and corrupted files. None of them may hang or hand back
-wrong values silently."""
+directories, truncated and corrupted files, two writers on one directory, a
+full disk. None of them may hang, lose a step or hand back wrong values
+silently."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import glob
 import json
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -18,10 +21,11 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from helpers import in_a_small_tmpfs
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from multimesh.checkpoint import CheckpointCorruptError, CheckpointManager, checksum
+from multimesh.checkpoint import CheckpointCorruptError, CheckpointManager, CheckpointSaveError, checksum
 from multimesh.checkpoint import inspect as ckpt_inspect
 
 pytestmark = [
@@ -406,3 +410,134 @@ def test_corrupt_restore_prints_only_the_error(tmp_path, reader):
 
 def test_orbax_version_is_the_one_pinned():
     assert ocp.__version__.startswith("0.12."), ocp.__version__
+
+
+# ------------------------------------------------------------- two writers
+def test_a_second_writer_is_refused_and_never_overwrites_a_step(tmp_path):
+    """Two managers on one directory, in one process: while one holds it the
+    other's saves are refused naming it; after it closes, the other cannot
+    overwrite the step it committed (Orbax's own save would replace it)."""
+    directory = str(tmp_path / "ckpt")
+    first_values, second_values = _small(1), _small(2)
+    m = _mesh((4, 2))
+    first, second = CheckpointManager(directory), CheckpointManager(directory)
+    first.save(1, _place(first_values, m))  # in flight
+    for step in (1, 2):
+        with pytest.raises(CheckpointSaveError) as err:
+            second.save(step, _place(second_values, m))
+        message = str(err.value)
+        for name in (f"checkpoint step {step} in {directory}", "another writer holds the directory",
+                     f"CheckpointManager on host {socket.gethostname()}, pid {os.getpid()} (this process)",
+                     os.path.join(directory, ".multimesh-writer.lock"), "close the other CheckpointManager"):
+            assert name in message, message
+        assert err.value.step == step
+    first.wait_until_finished()
+    assert first.all_steps() == [1]
+    first.close()
+
+    # the second manager listed the steps before the first one committed step 1
+    with pytest.raises(CheckpointSaveError, match=rf"step 1 in {re.escape(directory)}: another writer committed "
+                                                  rf"step 1 at {re.escape(os.path.join(directory, '1'))}"):
+        second.save(1, _place(second_values, m))
+    second.save(2, _place(second_values, m))  # the directory is free now
+    second.wait_until_finished()
+    second.reload()
+    assert second.all_steps() == [1, 2]
+    _assert_bitwise(second.restore(1, target=_target(first_values, m)).state, first_values)
+    second.close()
+    assert sorted(os.listdir(directory)) == ["1", "2"]  # the lock file goes with its holder
+
+
+@pytest.mark.parametrize("other", ["replaced", "removed"])
+def test_a_save_is_reported_only_once_its_own_step_is_committed(tmp_path, other):
+    """A writer that does not take the lock (another host, a filesystem without
+    locks) replaces or removes the step after Orbax committed it: the save
+    that reported no error must not be called a success."""
+    directory, elsewhere = str(tmp_path / "ckpt"), str(tmp_path / "other")
+    m = _mesh((4, 2))
+    with CheckpointManager(elsewhere) as mgr:
+        mgr.save(1, _place(_small(2), m))
+    mgr = CheckpointManager(directory)
+    mgr.save(1, _place(_small(1), m))
+    step_dir = os.path.join(directory, "1")
+    deadline = time.time() + 60
+    while not os.path.exists(os.path.join(step_dir, "commit_success.txt")):  # Orbax renamed it: committed
+        assert time.time() < deadline, os.listdir(directory)
+        time.sleep(0.01)
+    shutil.rmtree(step_dir)
+    if other == "replaced":
+        shutil.copytree(os.path.join(elsewhere, "1"), step_dir)
+        expected = rf"another writer committed step 1 at {re.escape(step_dir)} in place of this save"
+    else:
+        expected = rf"step 1 is not committed at {re.escape(step_dir)}, though the save reported no error"
+    with pytest.raises(CheckpointSaveError, match=rf"could not save checkpoint step 1 in {re.escape(directory)}: "
+                                                  + expected):
+        mgr.wait_until_finished()
+    assert mgr.all_steps() == ([1] if other == "replaced" else [])
+    mgr.close()
+
+
+# --------------------------------------------------------------- full disk
+_FULL_DISK_CHILD = textwrap.dedent("""
+    import json, os, sys, time
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    sys.path.insert(0, {repo!r})
+    import jax, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from multimesh.checkpoint import CheckpointManager
+    directory = {directory!r}
+    m = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    small = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    put = lambda x: jax.device_put(x, NamedSharding(m, P("data", "model")))
+    report = {{}}
+    mgr = CheckpointManager(directory)
+    mgr.save(1, {{"w": put(small)}})
+    mgr.wait_until_finished()
+    big = np.ones((2048, 2048), np.float32)  # 16 MiB onto a 4 MiB disk
+    mgr.save(2, {{"w": put(big)}})  # asynchronous: returns before the disk fills
+    polls = []
+    deadline = time.time() + 60
+    try:
+        while time.time() < deadline:
+            polls.append(mgr.poll())  # the step in flight, None once none is
+            time.sleep(0.01)
+    except Exception as e:
+        report.update(error=type(e).__name__, message=str(e), step=getattr(e, "step", None))
+    report["polls_before"] = sorted(set(polls), key=str)
+    report["listing"] = sorted(os.listdir(directory))
+    report["steps"] = mgr.all_steps()
+    target = {{"w": jax.ShapeDtypeStruct(small.shape, small.dtype, sharding=NamedSharding(m, P("model")))}}
+    report["step_1_intact"] = np.asarray(mgr.restore(1, target=target).state["w"]).tobytes() == small.tobytes()
+    mgr.close()
+    print("REPORT", json.dumps(report), flush=True)
+""")
+
+
+def test_a_full_disk_fails_the_save_at_the_next_call_and_keeps_the_previous_step(tmp_path):
+    """A real full disk: a 4 MiB tmpfs (in a user namespace), a 16 MiB
+    asynchronous save. ENOSPC comes from the kernel to TensorStore's writes;
+    nothing is faked."""
+    mount = str(tmp_path / "disk")
+    os.makedirs(mount)
+    directory = os.path.join(mount, "ckpt")
+    child = _FULL_DISK_CHILD.format(repo=REPO, directory=directory)
+    cmd = in_a_small_tmpfs(mount, "4m", [sys.executable, "-c", child])
+    if cmd is None:
+        pytest.skip("no user namespaces here (unshare -Urm) to mount a small tmpfs")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    report = json.loads(proc.stdout.split("REPORT ", 1)[1])
+    assert report.get("error") == "CheckpointSaveError", report
+    first_line = report["message"].splitlines()[0]
+    assert first_line.startswith(f"could not save checkpoint step 2 in {directory}: No space left on device"), \
+        first_line
+    assert report["step"] == 2 and "free space" in first_line
+    # raised by the first poll after the failure: no poll said "nothing in flight" before
+    assert report["polls_before"] in ([2], []), report
+    assert report["listing"] == [".multimesh-writer.lock", "1"], report  # no partial step 2 (the manager is open)
+    assert report["steps"] == [1] and report["step_1_intact"], report
+    # one error, not Orbax's pages of tracebacks for each of its threads (TensorStore may still
+    # print "Event loop is closed" from its own thread: see multimesh/checkpoint/quiet.py)
+    assert "RESOURCE_EXHAUSTED" not in proc.stderr and "absl" not in proc.stderr, proc.stderr[-3000:]

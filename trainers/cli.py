@@ -180,12 +180,16 @@ def _train(argv: Sequence[str]) -> int:
     except (StartupError, DisagreementError) as e:
         print(f"multimesh-train: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    from trainers.run_lock import DirectoryInUseError
     from trainers.train import train
 
     try:
         result = train(cfg, quiet=opts.quiet)
     except ConfigError as e:
         print(f"multimesh-train: config error: {e}", file=sys.stderr)
+        return 2
+    except DirectoryInUseError as e:  # another run holds train.out_dir
+        print(f"multimesh-train: {e}", file=sys.stderr)
         return 2
     if opts.process_id == 0:  # the others' numbers are the same
         if opts.report:

@@ -41,6 +41,7 @@ from trainers.feed import Feed
 from trainers.fit import check_data, make_out_dir
 from trainers.layout import build_layout, write_schedule_png
 from trainers.metrics import MetricsLog, Throughput, plot_losses, read_metrics
+from trainers.run_lock import hold_out_dir
 from trainers.step import Program, build_program
 
 __all__ = ["SYNC_EVERY", "TrainResult", "train"]
@@ -145,7 +146,16 @@ def train(cfg: Config, *, devices: Any = None, quiet: bool = False, stop_after: 
     With several processes (``jax.distributed``), every process runs this on the
     same config and ``out_dir``; process 0 alone shows progress and writes the
     metrics, plot and summary (checkpoints are written by all).
+
+    One run per ``out_dir``: another run holding it raises ``DirectoryInUseError``
+    naming it (``run_lock``), and a checkpoint that fails to save raises
+    ``CheckpointSaveError`` at the next step.
     """
+    with hold_out_dir(cfg.out_dir):
+        return _train(cfg, devices=devices, quiet=quiet, stop_after=stop_after)
+
+
+def _train(cfg: Config, *, devices: Any, quiet: bool, stop_after: int | None) -> TrainResult:
     t_start = time.perf_counter()
     main = jax.process_index() == 0
     quiet = quiet or not main
@@ -215,6 +225,7 @@ class _Loop:
         """Steps ``start+1 .. train.steps`` (or up to ``stop_after``); returns ``(state, last step)``."""
         tc, last = self.tc, start
         for step in range(start + 1, tc.steps + 1):
+            self.ckpt.poll()  # a failed background save stops the run here, not at the next save
             metrics, state = self.program.step(state, next(self.train))
             self._pending.append((step, metrics))
             last = step

@@ -73,19 +73,21 @@ class CheckpointMismatchError(ValueError):
 
 class CheckpointSaveError(OSError):
     """A save that could not write its step (the checkpoint path is a regular
-    file, a read-only directory, a full disk...). Nothing of the step is kept.
+    file, a read-only directory, a full disk, another writer...). Nothing of
+    the step is kept; no earlier step is touched.
 
     Attributes:
         step: the checkpoint step.
         directory: the checkpoint directory.
+        reason: what went wrong (the first line's end), e.g. "No space left on device".
     """
 
-    def __init__(self, step: int | None, directory: str, cause: BaseException):
+    def __init__(self, step: int | None, directory: str, cause: BaseException | str, fix: str | None = None):
         self.step = step
         self.directory = directory
+        self.reason = str(cause).rstrip(". ")
         what = f"checkpoint step {step}" if step is not None else "a checkpoint"
-        super().__init__(
-            f"could not save {what} in {directory}: {cause}. Nothing of it was "
-            f"kept; check that {directory} is a writable directory (not a file) "
-            f"with free space."
-        )
+        if fix is None:
+            fix = (f"Nothing of it was kept; check that {directory} is a writable directory "
+                   f"(not a file) with free space.")
+        super().__init__(f"could not save {what} in {directory}: {self.reason}. {fix}")

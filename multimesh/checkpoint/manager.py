@@ -26,9 +26,11 @@ import dataclasses
 import datetime
 import gc
 import json
+import logging
 import operator
 import os
 import re
+import uuid
 import warnings
 from typing import Any, Self
 
@@ -37,8 +39,10 @@ import orbax.checkpoint as ocp
 
 from . import checksum as _checksum
 from . import ondisk, quiet, release
+from .dirlock import DirectoryInUseError, DirectoryLock
 from .errors import CheckpointCorruptError, CheckpointExistsError, CheckpointSaveError
 from .handlers import DocHandler, PendingDoc, StateHandler, registry
+from .save_failure import as_save_error
 from .jsonsafe import to_json_safe
 from .nnx_objects import as_states
 from .tree import (
@@ -57,9 +61,13 @@ STATE_ITEM = "state"
 META_ITEM = "multimesh"
 #: Version tag of our JSON document.
 FORMAT = "multimesh-checkpoint/2"
+#: The writer lock's file in a checkpoint directory (see ``dirlock``).
+WRITER_LOCK = ".multimesh-writer.lock"
 #: Document versions this module reads, with the checksum format each implies
 #: (format 2 names its own in the document's ``checksum`` field).
 _READABLE = {"multimesh-checkpoint/1": _checksum.ALGORITHM_V1, FORMAT: None}
+
+_log = logging.getLogger(__name__)
 
 if not ocp.__version__.startswith("0.12."):  # pragma: no cover - depends on the install
     warnings.warn(
@@ -143,6 +151,17 @@ class CheckpointManager:
 
     Use as a context manager, or call ``close()``, so that a background save
     is finished before the program exits.
+
+    One writer per directory: the first ``save`` (or ``delete``) takes the
+    directory's writer lock (a file naming host and pid, released by
+    ``close`` or when the process ends); a second manager that saves to the
+    same directory meanwhile, in this process or another, gets a
+    ``CheckpointSaveError`` naming the holder. With several processes,
+    process 0 holds it for the job. A save is reported successful (by
+    ``wait_until_finished``, ``close``, ``poll`` or a synchronous ``save``)
+    only once its step is committed on disk with this manager's own
+    document; a step that another writer committed in its place is a
+    ``CheckpointSaveError``.
     """
 
     def __init__(
@@ -173,7 +192,8 @@ class CheckpointManager:
         self._checksums = bool(checksums)
         self._compression = bool(compression)
         self._read_only = bool(read_only)
-        self._pending: int | None = None
+        self._pending: int | None = None  # the step saved whose commit is not yet confirmed
+        self._pending_id: str | None = None  # its document's save_id
         self._save_threads: set = set()  # Orbax's threads of the last save
         self._closed = False
         options = ocp.CheckpointManagerOptions(
@@ -182,6 +202,10 @@ class CheckpointManager:
             create=not read_only,
             read_only=self._read_only,
         )
+        self._writer_lock = DirectoryLock(
+            directory, what="CheckpointManager", name=WRITER_LOCK,
+            fix="Each checkpoint directory takes one writer: close the other CheckpointManager "
+                "(manager.close()) or stop its process, or save to another directory.")
         self._state_handler = StateHandler(compression=self._compression)
         self._mgr = ocp.CheckpointManager(directory, options=options, handler_registry=registry(
             self._state_handler, DocHandler(), STATE_ITEM, META_ITEM))
@@ -199,14 +223,12 @@ class CheckpointManager:
     # ---------------------------------------------------------------- steps
     def all_steps(self) -> list[int]:
         """Complete steps, ascending. A save still in flight is not listed, nor
-        is any partial (uncommitted) save left on disk by a crash."""
+        is any partial (uncommitted) save left on disk by a crash. Raises the
+        ``CheckpointSaveError`` of a background save that failed (see ``poll``)."""
         self._check_open()
+        self._settle(block=False)
         steps = set(self._mgr.all_steps())
-        if self._pending is not None:
-            if self._mgr.is_saving_in_progress():
-                steps.discard(self._pending)
-            else:
-                self._pending = None
+        steps.discard(self._pending)
         return sorted(steps)
 
     def latest_step(self) -> int | None:
@@ -216,9 +238,20 @@ class CheckpointManager:
 
     @property
     def pending_step(self) -> int | None:
-        """The step being saved in the background, if any."""
-        if self._pending is not None and not self._mgr.is_saving_in_progress():
-            self._pending = None
+        """The step being saved in the background, if any (see ``poll``)."""
+        return self.poll()
+
+    def poll(self) -> int | None:
+        """Checks on a background save without waiting: returns the step still
+        being saved (``None`` when none is), and raises its ``CheckpointSaveError``
+        once it has failed (a full disk...) or its step was not committed.
+
+        Cheap (no I/O while the save runs; one small read once it has ended):
+        call it every training step, so that a failed save stops the run at
+        the next step rather than at the next save.
+        """
+        self._check_open()
+        self._settle(block=False)
         return self._pending
 
     def reload(self) -> None:
@@ -249,24 +282,30 @@ class CheckpointManager:
         Raises:
             CheckpointExistsError: the step already exists (checkpoints are never
                 overwritten).
-            CheckpointSaveError: the step could not be written (also raised
-                by ``wait_until_finished`` or ``close`` for a background save);
-                nothing of it is left on disk.
+            CheckpointSaveError: the step could not be written (a full disk
+                names "No space left on device"), another writer holds the
+                directory or committed this step meanwhile; for a background
+                save raised by the next call (``poll``, ``all_steps``,
+                ``save``, ``wait_until_finished``, ``close``). Nothing of the
+                step is left on disk; earlier steps are untouched.
             TypeError: a leaf is not a ``jax.Array``.
         """
         self._check_open()
         step = _check_step(step)
         if self._read_only:
             raise PermissionError(f"checkpoint manager for {self._directory} is read-only")
+        self._settle(block=True)  # the previous save's error, under its own step
         if step in self._mgr.all_steps():
             raise CheckpointExistsError(step, self._directory)
         state, _ = as_states(state)  # NNX objects as their nnx.State: the key paths Orbax reads back
         named = check_saveable(state)
         leaves, meshes = build_manifest(named, None)
+        save_id = uuid.uuid4().hex  # tells this save's commit from another writer's
         doc = {
             "format": FORMAT,
             "checksum": _checksum.ALGORITHM if self._checksums else None,
             "step": step,
+            "save_id": save_id,
             "saved_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "versions": _versions(),
             "process_count": jax.process_count(),
@@ -276,12 +315,27 @@ class CheckpointManager:
                      "meshes": [m.to_json() for m in meshes]},
         }
         json.dumps(doc)  # fail here, not in a background thread
+        try:
+            self._hold_directory()
+        except DirectoryInUseError as e:
+            who = e.holder.describe() if e.holder is not None else "another process"
+            raise CheckpointSaveError(step, self._directory, f"another writer holds the directory: {who} "
+                                      f"(lock file {e.lock_path})", fix=self._writer_lock.fix) from None
+        except OSError as e:
+            raise CheckpointSaveError(step, self._directory, e) from None
+        if "://" not in self._directory and os.path.exists(self.step_path(step)):
+            # on disk but not in our list: written since this manager looked
+            raise CheckpointSaveError(
+                step, self._directory, f"another writer committed step {step} at {self.step_path(step)} "
+                "after this manager was opened", fix="Checkpoints are never overwritten; save under "
+                "another step, or call reload() to see the steps others wrote.")
         if self._checksums:
             doc = self._with_checksums(doc, [x for _, x in named])
         args = ocp.args.Composite(**{
             STATE_ITEM: ocp.args.StandardSave(state),
             META_ITEM: ocp.args.JsonSave(doc),
         })
+        quiet.install()
         before = release.signaling_threads()
         try:
             saved = self._mgr.save(step, args=args, force=True)
@@ -289,11 +343,34 @@ class CheckpointManager:
             raise CheckpointExistsError(step, self._directory) from e
         except Exception as e:
             self._save_threads = release.signaling_threads() - before
-            raise self._save_failed(step, e) from e
+            failure = self._save_failed(step, e)
+            if failure is e:
+                raise
+            raise failure from None
         self._save_threads = release.signaling_threads() - before
         if not saved:  # pragma: no cover - force=True always saves
             raise RuntimeError(f"Orbax declined to save step {step} in {self._directory}")
-        self._pending = step if self._async else None
+        self._pending, self._pending_id = step, save_id
+        if not self._async:
+            self._settle(block=True)
+
+    def _hold_directory(self) -> None:
+        """Takes the directory's writer lock (process 0; once per manager).
+
+        Raises:
+            DirectoryInUseError: another writer holds it (names the holder).
+            OSError: the lock file cannot be created (not a directory, read-only...).
+        """
+        if self._writer_lock.held or "://" in self._directory or jax.process_index() != 0:
+            return
+        try:
+            os.makedirs(self._directory, exist_ok=True)
+        except OSError:
+            pass  # the lock file's creation says what is wrong
+        stale = self._writer_lock.acquire()
+        if stale is not None and not stale.is_this_process():
+            _log.warning("%s: taking over the writer lock of %s, which ended without releasing it",
+                         self._directory, stale.describe())
 
     @staticmethod
     def _with_checksums(doc: dict, arrays: list[jax.Array]) -> dict:
@@ -316,29 +393,66 @@ class CheckpointManager:
 
     def wait_until_finished(self) -> None:
         """Blocks until a background save is committed (re-raising its error,
-        as ``CheckpointSaveError`` when the files could not be written)."""
+        as ``CheckpointSaveError`` when the files could not be written or the
+        step was not committed)."""
         self._check_open()
+        self._settle(block=True)
+
+    def _settle(self, block: bool) -> None:
+        """Ends the bookkeeping of the pending save once Orbax is done with it
+        (at once when ``block``): raises its error, or checks its commit."""
+        step = self._pending
+        if step is None or (not block and self._mgr.is_saving_in_progress()):
+            return
+        self._pending = None
         try:
             self._mgr.wait_until_finished()
         except Exception as e:
-            raise self._save_failed(self._pending, e) from e
-        finally:
-            self._pending = None
+            failure = self._save_failed(step, e)
+            if failure is e:
+                raise
+            raise failure from None
+        self._check_committed(step, self._pending_id)
+
+    def _check_committed(self, step: int, save_id: str | None) -> None:
+        """Raises ``CheckpointSaveError`` unless ``step`` is committed on disk with
+        this save's document (process 0, which commits; local paths)."""
+        if "://" in self._directory or jax.process_index() != 0:
+            return
+        path = self.step_path(step)
+        committed = ondisk.is_committed(path)
+        if committed and _saved_id(path) == save_id:
+            return
+        if not committed and step not in self._mgr.all_steps():
+            return  # committed, then pruned by this manager's own max_to_keep
+        self._reload_quietly()
+        if committed:
+            detail = f"another writer committed step {step} at {path} in place of this save"
+        else:
+            detail = f"step {step} is not committed at {path}, though the save reported no error"
+        raise CheckpointSaveError(step, self._directory, detail, fix=self._writer_lock.fix)
+
+    def _reload_quietly(self) -> None:
+        """Re-reads the steps on disk (dropping a failed step Orbax listed already)."""
+        try:
+            self._mgr.reload()
+        except Exception as e:  # noqa: BLE001 - the save's error is the one to report
+            _log.debug("reload after a failed save: %s", e)
 
     def _save_failed(self, step: int | None, e: BaseException) -> BaseException:
         """Cleans up after a failed save and returns the error to raise.
 
         Orbax's threads that wait for the step directory are released (else
-        the process waits ~300 s at exit), and a partly written step
-        directory is removed. A filesystem error becomes ``CheckpointSaveError``.
+        the process waits ~300 s at exit), a partly written step directory is
+        removed, and the step is dropped from the list of steps. A storage
+        error (``OSError``, TensorStore's status) becomes ``CheckpointSaveError``.
         """
         release.release(self._save_threads)
         self._save_threads = set()
         if step is not None and "://" not in self._directory and jax.process_index() == 0:
             ondisk.remove_partial(self._directory, step)
-        if isinstance(e, OSError) and not isinstance(e, CheckpointSaveError):
-            return CheckpointSaveError(step, self._directory, e)
-        return e
+        self._reload_quietly()
+        return as_save_error(e, step, self._directory) or e
 
     def delete(self, step: int) -> None:
         """Deletes a complete checkpoint."""
@@ -347,6 +461,7 @@ class CheckpointManager:
             raise PermissionError(f"checkpoint manager for {self._directory} is read-only")
         self.wait_until_finished()
         self._resolve(step)
+        self._hold_directory()  # DirectoryInUseError (a BlockingIOError) names the holder
         self._mgr.delete(step)
 
     # -------------------------------------------------------------- restore
@@ -512,13 +627,11 @@ class CheckpointManager:
         if self._closed:
             return
         try:
-            self._mgr.wait_until_finished()
-        except Exception as e:
-            raise self._save_failed(self._pending, e) from e
+            self._settle(block=True)
         finally:
-            self._pending = None
             self._closed = True
             self._mgr.close()
+            self._writer_lock.release()
 
     def __enter__(self) -> Self:
         return self
@@ -533,9 +646,9 @@ class CheckpointManager:
     def __repr__(self) -> str:
         if self._closed:
             return f"CheckpointManager({self._directory!r}, closed)"
-        pending = self.pending_step
+        pending = self._pending if self._mgr.is_saving_in_progress() else None
         return (
-            f"CheckpointManager({self._directory!r}, steps={self.all_steps()}, "
+            f"CheckpointManager({self._directory!r}, steps={sorted(set(self._mgr.all_steps()) - {pending})}, "
             f"max_to_keep={self._max_to_keep}, async_save={self._async}"
             + (f", saving={pending}" if pending is not None else "")
             + (", read_only=True" if self._read_only else "") + ")"
@@ -550,6 +663,16 @@ def _check_step(step: Any) -> int:
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     return step
+
+
+def _saved_id(step_path: str) -> str | None:
+    """The ``save_id`` in a committed step's document (``None`` if unreadable)."""
+    try:
+        with open(os.path.join(step_path, META_ITEM, "metadata")) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return doc.get("save_id") if isinstance(doc, dict) else None
 
 
 def _versions() -> dict:

@@ -19,6 +19,8 @@ import orbax.checkpoint as ocp
 
 #: Orbax's name for the file with per-step metadata (timestamps, item handlers).
 STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
+#: The file Orbax writes into a step just before it commits it (the rename).
+COMMIT_MARKER = "commit_success.txt"
 _TMP_RE = re.compile(r"(\d+)" + re.escape(ocp.step.TMP_DIR_SUFFIX) + r".*")
 
 
@@ -68,6 +70,11 @@ def remove_partial(directory: str, step: int) -> None:
     for e in scan(directory):
         if e.step == step and not e.complete and _TMP_RE.fullmatch(os.path.basename(e.path)):
             shutil.rmtree(e.path, ignore_errors=True)
+
+
+def is_committed(step_path: str) -> bool:
+    """Whether ``step_path`` is a committed step: the final name, with Orbax's commit marker."""
+    return os.path.isfile(os.path.join(step_path, COMMIT_MARKER))
 
 
 def partial_steps(directory: str) -> list[int]:

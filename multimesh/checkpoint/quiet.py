@@ -1,4 +1,4 @@
-"""Keeps what a failed Orbax read leaves behind off stderr.
+"""Keeps what a failed Orbax read or save leaves behind off stderr.
 
 Why: when a read fails (a damaged checkpoint), Orbax 0.12's ``asyncio.gather``
 returns at the first error and the other reads' coroutines and futures are
@@ -8,9 +8,14 @@ raised, Python prints "Exception ignored in: <coroutine ...>"
 retrieved", each with a page of TensorStore spec, on top of the
 ``CheckpointCorruptError`` that already says what is wrong.
 
-``install()`` adds two narrow filters, for the life of the process: reports of
-exceptions in dropped coroutines of Orbax's or TensorStore's code, and
-"exception was never retrieved" logs that mention Orbax or TensorStore. Every
+A failed save (a full disk) makes each of Orbax's background save threads
+log the error at ERROR level with its traceback (absl), pages of them before
+the ``CheckpointSaveError`` that says it in one line.
+
+``install()`` adds three narrow filters, for the life of the process: reports of
+exceptions in dropped coroutines of Orbax's or TensorStore's code,
+"exception was never retrieved" logs that mention Orbax or TensorStore, and
+Orbax's reports of failed save threads (whose error the manager raises). Every
 other report goes through unchanged. (TensorStore may also print "Event loop
 is closed" from its own thread when it calls back into Orbax's closed loop;
 that one we cannot intercept.)
@@ -44,6 +49,21 @@ class _DropNeverRetrieved(logging.Filter):
         return not _mentions_orbax(message)
 
 
+class _DropFailedSaveReports(logging.Filter):
+    """Drops Orbax's ERROR reports, each with a traceback, of a save's failed
+    background threads: ``CheckpointManager`` raises the same error to the
+    caller, as one ``CheckpointSaveError``."""
+
+    _REPORTS = ("_SignalingThread.run() raised an exception", "Handler Commit operations",
+                "Save Finalize thread")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or "orbax" not in (record.pathname or ""):
+            return True
+        message = record.getMessage()
+        return not any(r in message for r in self._REPORTS)
+
+
 def _is_orbax_leftover(unraisable) -> bool:
     """An exception from a dropped coroutine of Orbax / TensorStore code."""
     obj = getattr(unraisable, "object", None)
@@ -65,4 +85,5 @@ def install() -> None:
 
         sys.unraisablehook = hook
         logging.getLogger("asyncio").addFilter(_DropNeverRetrieved())
+        logging.getLogger("absl").addFilter(_DropFailedSaveReports())
         _installed = True
