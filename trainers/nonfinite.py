@@ -32,12 +32,13 @@ class NonFiniteError(RuntimeError):
 
     def __init__(self, step: int, problem: str, checkpoint: str | None, fix: str):
         self.step, self.problem, self.checkpoint = step, problem, checkpoint
-        last = (f"the last checkpoint, {checkpoint}, was saved before it" if checkpoint is not None
-                else "no checkpoint had been saved yet")
+        if checkpoint is None:
+            last, again = "no checkpoint had been saved yet", "run again"
+        else:
+            last, again = f"the last checkpoint, {checkpoint}, was saved before it", "run again to resume from it"
         super().__init__(
             f"non-finite values at step {step} ({problem}); training stopped and nothing non-finite was "
-            f"saved: {last}. {fix} and run again (a run resumes from that checkpoint), or set "
-            f"train.on_nonfinite=warn to train on regardless")
+            f"saved: {last}. {fix} and {again}, or set train.on_nonfinite=warn to train on regardless")
 
 
 class NonFiniteWarning(RuntimeWarning):
