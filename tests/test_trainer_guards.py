@@ -223,13 +223,15 @@ def test_sigterm_checkpoints_the_current_step_exits_143_and_resumes_bit_for_bit(
     assert resumed.val_loss == whole.val_loss
 
 
+@pytest.mark.parametrize("stop_at", [3, 5])  # between checkpoints; at a scheduled one (checkpoint_every=5)
 def test_sigint_checkpoints_the_step_it_came_in_exits_130_and_restores_the_handlers(tmp_path, capsys,
-                                                                                     monkeypatch):
-    """In this process: SIGINT arrives while step 3's batch is read; step 3 is finished and saved."""
+                                                                                     monkeypatch, stop_at):
+    """In this process: SIGINT arrives while the batch of step ``stop_at`` is read; that step is finished
+    and saved (once), and nothing after it is."""
     plain = Feed.__next__
 
     def interrupted(self):
-        if self.dataset.step == 2:
+        if self.dataset.step == stop_at - 1:
             os.kill(os.getpid(), signal.SIGINT)
         return plain(self)
 
@@ -238,9 +240,10 @@ def test_sigint_checkpoints_the_step_it_came_in_exits_130_and_restores_the_handl
     assert main(["tiny", *GUARDED, *PREEMPT, f"train.out_dir={tmp_path}", "-q"]) == 130
     assert {s: signal.getsignal(s) for s in before} == before
     err = capsys.readouterr().err
-    assert err.strip() == (f"multimesh-train: SIGINT received: stopped after step 3 and saved checkpoint "
-                           f"{tmp_path / 'checkpoints' / '3'}; run the same command to resume from it")
-    assert _committed_steps(tmp_path) == [3]
+    assert err.strip() == (f"multimesh-train: SIGINT received: stopped after step {stop_at} and saved checkpoint "
+                           f"{tmp_path / 'checkpoints' / str(stop_at)}; run the same command to resume from it")
+    assert _committed_steps(tmp_path) == [stop_at]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == list(range(1, stop_at + 1))
 
 
 _TWO_SIGNALS = textwrap.dedent("""

@@ -230,8 +230,9 @@ class _Loop:
 
         Every step waited for (``_sync``) is checked for non-finite values, and a
         checkpoint step is always waited for before it is saved. A stop signal
-        (``signals``) ends the loop after the step it arrived in (several processes:
-        the next sync point), with a checkpoint of that step.
+        (``signals``) ends the loop after the step it arrived in (its validation and
+        scheduled save included; several processes: the next sync point), with a
+        checkpoint of that step.
         """
         tc, last = self.tc, start
         for step in range(start + 1, tc.steps + 1):
@@ -245,10 +246,6 @@ class _Loop:
             at_sync = len(self._pending) >= SYNC_EVERY or do_log or do_ckpt or step == start + 1
             if at_sync:
                 self._sync()
-            signum = signals.agreed(at_sync)
-            if signum is not None:
-                self._sync()  # checked before it is saved
-                self._preempted(signum, step, state, signals.by)
             if stop_after is not None and step >= stop_after and not is_last:
                 break
             if do_eval or do_ckpt:
@@ -263,6 +260,9 @@ class _Loop:
                 self.ckpt.save(step, state, metadata=self.metadata, data_position=self.train.dataset.state_dict())
             if do_eval or do_ckpt:
                 self.clock.resume()
+            signum = signals.agreed(at_sync)
+            if signum is not None:
+                self._preempted(signum, step, state, signals.by, logged=do_log, saved=do_ckpt)
         self._sync()
         return state, last
 
@@ -301,11 +301,14 @@ class _Loop:
         opt = self.program.config.optimizer
         raise NonFiniteError(step, problem, checkpoint, how_to_fix(opt.lr, opt.clip_norm))
 
-    def _preempted(self, signum: int, step: int, state: Any, by: str) -> None:
-        """Log and save ``step`` (before its evaluation or scheduled save), wait for the commit, raise ``Preempted``."""
+    def _preempted(self, signum: int, step: int, state: Any, by: str, *, logged: bool, saved: bool) -> None:
+        """Check, log and save ``step`` (unless done as scheduled), wait for the commit, raise ``Preempted``."""
+        self._sync()  # checked before it is saved
         self.clock.pause()
-        self._write(step, with_val=False)
-        self.ckpt.save(step, state, metadata=self.metadata, data_position=self.train.dataset.state_dict())
+        if not logged:
+            self._write(step, with_val=False)
+        if not saved:
+            self.ckpt.save(step, state, metadata=self.metadata, data_position=self.train.dataset.state_dict())
         self.ckpt.wait_until_finished()
         raise Preempted(signum, step, self.ckpt.step_path(step), by)
 
