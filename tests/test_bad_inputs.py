@@ -829,6 +829,8 @@ CONFIGS = [
       "empty component"),
     C("cli-bad-decay", lambda s: cli("optimizer.decay=exp", "--print-config"), CliFailed, "optimizer",
       "decay='exp'"),
+    C("cli-unknown-on-nonfinite", lambda s: cli("train.on_nonfinite=ignore", "--print-config"), CliFailed,
+      "exit 2", "on_nonfinite='ignore'", "'stop', 'warn'"),
     C("cli-mesh-size-zero", lambda s: cli("layout.mesh={data: 0}", "--print-config"), CliFailed, "layout",
       "'data'", "0"),
     C("cli-unknown-rule-set", lambda s: cli("layout.rules=fancy", "--print-config"), CliFailed, "layout",

@@ -5,6 +5,8 @@ Modules: ``config`` (YAML configs, inheritance, overrides, validation),
 ``errors`` (``ConfigError``), ``layout`` (SPMD mesh + rules, or an MPMD pipeline), ``optim`` (AdamW and its
 schedule), ``step`` (the train/eval steps, parallelized), ``feed`` (batches as
 the steps' input, per process), ``train`` (the loop, checkpoints, resume),
-``metrics`` (JSONL, throughput, loss plot), ``sample`` (text from a
-checkpoint), ``data`` (the byte-level corpus), ``cli``.
+``metrics`` (JSONL, throughput, loss plot), ``nonfinite`` (NaN/inf found
+and stopped at), ``preemption`` (SIGTERM/SIGINT: checkpoint the step, then
+stop), ``sample`` (text from a checkpoint), ``data`` (the byte-level corpus),
+``cli``.
 """

@@ -25,6 +25,9 @@ _EPILOG = textwrap.dedent("""\
     overrides: any key as section.key=value, the value parsed as YAML, e.g.
       train.steps=200  optimizer.lr=1e-3  layout.mesh='{data: 8}'  layout.pipeline=null
       model.dtype=bfloat16  train.out_dir=runs/try1
+    exit status: 0 done, 2 a config error, 3 a NaN/inf loss, gradient norm or parameter
+      (train.on_nonfinite=stop), 143/130 stopped by SIGTERM/SIGINT after checkpointing the
+      current step (a second signal ends it at once); a run resumes where it stopped.
     outputs (train.out_dir, default runs/<config name>): metrics.jsonl, loss.png, checkpoints/,
       config.yaml, sharding.txt, summary.json, and schedule.png for a pipeline (the timeline
       of its schedule; --plan writes it without training). A run resumes from the latest
@@ -181,6 +184,8 @@ def _train(argv: Sequence[str]) -> int:
         print(f"multimesh-train: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     from trainers.run_lock import DirectoryInUseError
+    from trainers.nonfinite import EXIT_CODE as NONFINITE_EXIT, NonFiniteError
+    from trainers.preemption import Preempted
     from trainers.train import train
 
     try:
@@ -191,6 +196,16 @@ def _train(argv: Sequence[str]) -> int:
     except DirectoryInUseError as e:  # another run holds train.out_dir
         print(f"multimesh-train: {e}", file=sys.stderr)
         return 2
+    except NonFiniteError as e:
+        print(f"multimesh-train: error: {e}", file=sys.stderr)
+        return NONFINITE_EXIT
+    except Preempted as e:  # SIGTERM/SIGINT during training: the step is checkpointed
+        print(f"multimesh-train: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C outside the training steps (setting up, the final validation)
+        print("multimesh-train: interrupted (SIGINT) outside the training steps; the checkpoints already "
+              "committed are kept", file=sys.stderr)
+        return 130
     if opts.process_id == 0:  # the others' numbers are the same
         if opts.report:
             print((result.out_dir / "sharding.txt").read_text())

@@ -55,6 +55,8 @@ __all__ = [
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "tiny"
 SCHEDULES = ("1f1b", "gpipe")
+#: What ``train.on_nonfinite`` may say (see trainers/nonfinite.py).
+ON_NONFINITE = ("stop", "warn")
 RULE_SETS = ("standard",)
 
 
@@ -162,6 +164,9 @@ class TrainConfig:
     only at the end) keeping the newest ``keep``; ``seed`` seeds the parameters;
     ``out_dir`` holds ``metrics.jsonl``, ``loss.png``, ``checkpoints/``. With
     ``resume`` a run continues from the latest checkpoint in ``out_dir``.
+    ``on_nonfinite``: what a non-finite loss, gradient norm or parameter does:
+    ``stop`` (the run ends with ``NonFiniteError``, saving nothing non-finite) or
+    ``warn`` (a warning, and training goes on).
     """
 
     steps: int = 1000
@@ -173,8 +178,11 @@ class TrainConfig:
     seed: int = 0
     out_dir: str | None = None
     resume: bool = True
+    on_nonfinite: str = "stop"
 
     def __post_init__(self) -> None:
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"on_nonfinite={self.on_nonfinite!r}: use one of {list(ON_NONFINITE)}")
         for name in ("steps", "eval_every", "eval_batches", "log_every", "keep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

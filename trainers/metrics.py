@@ -1,4 +1,8 @@
-"""Training metrics: a JSONL log (one line per logged step) and a loss-curve PNG."""
+"""Training metrics: a JSONL log (one line per logged step) and a loss-curve PNG.
+
+Both JSON outputs of a run (``metrics.jsonl`` and ``summary.json``) are strict
+JSON (:func:`strict_json`): a NaN or infinite number is written as ``null``.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,25 @@ import time
 from pathlib import Path
 from typing import Any, Self
 
-__all__ = ["MetricsLog", "Throughput", "plot_losses", "read_metrics"]
+import numpy as np
+
+__all__ = ["MetricsLog", "Throughput", "plot_losses", "read_metrics", "strict_json"]
+
+
+def _finite_or_none(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _finite_or_none(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite_or_none(v) for v in x]
+    if isinstance(x, (float, np.floating)):
+        return float(x) if math.isfinite(x) else None
+    return x
+
+
+def strict_json(obj: Any, **kwargs: Any) -> str:
+    """``json.dumps(obj)`` with every NaN or infinite float (also NumPy's) as ``null``: strict JSON,
+    which ``json.dumps`` alone is not (it writes a bare ``NaN``)."""
+    return json.dumps(_finite_or_none(obj), allow_nan=False, **kwargs)
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -44,14 +66,13 @@ class MetricsLog:
             self.path.write_text("")
         else:
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_at]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            self.path.write_text("".join(strict_json(r) + "\n" for r in kept))
         self._file = open(self.path, "a")  # noqa: SIM115 - open for the run, closed by close()
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is None:
             return
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        self._file.write(json.dumps(clean) + "\n")
+        self._file.write(strict_json(record) + "\n")
         self._file.flush()
 
     def close(self) -> None:

@@ -5,7 +5,8 @@ or the NNX one behind :class:`models.nnx_transformer.FunctionalModel` (both
 ``init(key, tokens)`` and ``apply(params, tokens)``; the NNX parameters are an
 ``nnx.State`` created by a ``rngs -> module`` factory, so sharded at birth).
 The train state is ``{"params": the model's parameters, "opt": optax state}``; the
-step returns ``({"loss", "grad_norm"}, new_state)``. The loss is the sum of the
+step returns ``({"loss", "grad_norm", "nonfinite_params"}, new_state)`` (the last: how many
+updated parameter values are NaN or infinite, see ``trainers.nonfinite``). The loss is the sum of the
 next-token cross-entropies divided by the *global* token count, so that it
 is the mean whether or not a pipeline splits the batch into microbatches.
 """
@@ -26,6 +27,7 @@ from models.nnx_transformer import FunctionalModel
 from models.transformer import Transformer, TransformerConfig, next_token_loss
 from trainers.config import Config
 from trainers.layout import RunLayout
+from trainers.nonfinite import count_nonfinite
 from trainers.optim import learning_rate_schedule, make_optimizer
 
 __all__ = ["Model", "Program", "build_model", "build_program", "initializers", "loss_sum_over"]
@@ -103,7 +105,8 @@ def build_program(cfg: Config, layout: RunLayout, train_batch: dict[str, np.ndar
         loss, grads = grad_fn(state["params"], batch)
         updates, opt = tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        return {"loss": loss, "grad_norm": optax.tree.norm(grads)}, {"params": params, "opt": opt}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "nonfinite_params": count_nonfinite(params)}
+        return metrics, {"params": params, "opt": opt}
 
     def eval_step(params, batch):
         b, t1 = batch["tokens"].shape

@@ -11,22 +11,31 @@ layout and writes to ``config.out_dir``:
 * ``checkpoints/<step>/``: asynchronous, every ``checkpoint_every`` steps and at the
   end: the train state, the data position, the config as metadata;
 * ``config.yaml`` (the resolved config), ``sharding.txt`` (where each array
-  lives), ``summary.json`` (the final numbers);
+  lives), ``summary.json`` (the final numbers; like ``metrics.jsonl``, strict
+  JSON: a NaN is ``null``);
 * ``schedule.png`` (pipeline layouts): the schedule's timeline, stages x time,
   a box per forward/backward pass of each microbatch, the bubbles empty.
 
 If ``out_dir`` holds a checkpoint (and ``train.resume``), the run continues
 from the latest one, onto the current layout: the same config gives the same
 result, bit for bit, whether or not it was interrupted.
+
+Two ways a run ends early, both leaving only committed checkpoints of finite states:
+
+* a NaN or infinite loss, gradient norm or parameter raises ``NonFiniteError``
+  (``train.on_nonfinite=stop``, the default; ``warn`` warns and goes on),
+  naming the step and the last checkpoint (``trainers.nonfinite``);
+* SIGTERM or SIGINT: the current step finishes, is checkpointed, and
+  ``Preempted`` is raised (``trainers.preemption``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +49,9 @@ from trainers.data import TextDataset, load_corpus, make_datasets
 from trainers.feed import Feed
 from trainers.fit import check_data, make_out_dir
 from trainers.layout import build_layout, write_schedule_png
-from trainers.metrics import MetricsLog, Throughput, plot_losses, read_metrics
+from trainers.metrics import MetricsLog, Throughput, plot_losses, read_metrics, strict_json
+from trainers.nonfinite import NonFiniteError, NonFiniteWarning, first_nonfinite, how_to_fix
+from trainers.preemption import Preempted, StopSignals
 from trainers.run_lock import hold_out_dir
 from trainers.step import Program, build_program
 
@@ -143,6 +154,10 @@ def train(cfg: Config, *, devices: Any = None, quiet: bool = False, stop_after: 
     ``stop_after``: leave after this step without the final checkpoint,
     validation or plot (as if killed; for tests).
 
+    Raises ``NonFiniteError`` at the first non-finite loss, gradient norm or
+    parameter (with ``train.on_nonfinite=stop``), and ``Preempted`` after
+    checkpointing the step during which SIGTERM or SIGINT arrived.
+
     With several processes (``jax.distributed``), every process runs this on the
     same config and ``out_dir``; process 0 alone shows progress and writes the
     metrics, plot and summary (checkpoints are written by all).
@@ -194,7 +209,7 @@ def _train(cfg: Config, *, devices: Any, quiet: bool, stop_after: int | None) ->
     if main and (stop_after is None or last >= cfg.train.steps):
         plot_losses(read_metrics(out / "metrics.jsonl"), out / "loss.png", baseline=baseline,
                     title=f"{cfg.name}: {layout.describe()}")
-        (out / "summary.json").write_text(json.dumps({
+        (out / "summary.json").write_text(strict_json({
             "config": cfg.name, "layout": layout.describe(), "start_step": start, "step": last,
             "val_loss": val_loss, "unigram_baseline": baseline, "wall_time_s": round(wall, 2),
             "tokens_per_s": None if math.isnan(clock.rate) else round(clock.rate, 1),
@@ -220,9 +235,17 @@ class _Loop:
         self._window: list[float] = []
         self._grad_norm = float("nan")
         self._t0 = t_start
+        self._warned_nonfinite = False
 
-    def run(self, state: Any, start: int, stop_after: int | None) -> tuple[Any, int]:
-        """Steps ``start+1 .. train.steps`` (or up to ``stop_after``); returns ``(state, last step)``."""
+    def run(self, state: Any, start: int, stop_after: int | None, signals: StopSignals) -> tuple[Any, int]:
+        """Steps ``start+1 .. train.steps`` (or up to ``stop_after``); returns ``(state, last step)``.
+
+        Every step waited for (``_sync``) is checked for non-finite values, and a
+        checkpoint step is always waited for before it is saved. A stop signal
+        (``signals``) ends the loop after the step it arrived in (its validation and
+        scheduled save included; several processes: the next sync point), with a
+        checkpoint of that step.
+        """
         tc, last = self.tc, start
         for step in range(start + 1, tc.steps + 1):
             self.ckpt.poll()  # a failed background save stops the run here, not at the next save
@@ -233,7 +256,8 @@ class _Loop:
             do_eval = step % tc.eval_every == 0 or is_last
             do_log = step % tc.log_every == 0 or do_eval
             do_ckpt = bool(tc.checkpoint_every and step % tc.checkpoint_every == 0) or is_last
-            if len(self._pending) >= SYNC_EVERY or do_log or do_ckpt or step == start + 1:
+            at_sync = len(self._pending) >= SYNC_EVERY or do_log or do_ckpt or step == start + 1
+            if at_sync:
                 self._sync()
             if stop_after is not None and step >= stop_after and not is_last:
                 break
@@ -249,15 +273,19 @@ class _Loop:
                 self.ckpt.save(step, state, metadata=self.metadata, data_position=self.train.dataset.state_dict())
             if do_eval or do_ckpt:
                 self.clock.resume()
+            signum = signals.agreed(at_sync)
+            if signum is not None:
+                self._preempted(signum, step, state, signals.by, logged=do_log, saved=do_ckpt)
         self._sync()
         return state, last
 
     def _sync(self) -> None:
-        """Wait for the dispatched steps and record their metrics."""
+        """Wait for the dispatched steps, record their metrics, and check them for non-finite values."""
         if not self._pending:
             return
         fetched = jax.device_get([m for _, m in self._pending])
-        for (step, _), m in zip(self._pending, fetched):
+        steps = [step for step, _ in self._pending]
+        for step, m in zip(steps, fetched):
             self.losses[step] = float(m["loss"])
             self._window.append(self.losses[step])
         self._grad_norm = float(fetched[-1]["grad_norm"])
@@ -266,6 +294,36 @@ class _Loop:
         self._pending.clear()
         self.bar.update(step - self.bar.n)
         self.bar.set_postfix(loss=f"{self.losses[step]:.3f}", tok_s=self.clock.format(), refresh=False)
+        bad = first_nonfinite(zip(steps, fetched))
+        if bad is not None:
+            self._nonfinite(*bad, synced=step)
+
+    def _nonfinite(self, step: int, problem: str, synced: int) -> None:
+        """``train.on_nonfinite``: warn once and go on, or stop before anything non-finite is saved."""
+        if self.tc.on_nonfinite == "warn":
+            if not self._warned_nonfinite:
+                self._warned_nonfinite = True
+                warnings.warn(f"non-finite values at step {step} ({problem}); training goes on as "
+                              f"train.on_nonfinite=warn (checkpoints may hold them)", NonFiniteWarning, stacklevel=2)
+            return
+        self._write(synced, with_val=False)  # the losses up to here, NaN as null
+        # a save still in flight holds a state checked finite at its step: let it commit, then name it
+        self.ckpt.wait_until_finished()
+        latest = self.ckpt.latest_step()
+        checkpoint = None if latest is None else f"step {latest} ({self.ckpt.step_path(latest)})"
+        opt = self.program.config.optimizer
+        raise NonFiniteError(step, problem, checkpoint, how_to_fix(opt.lr, opt.clip_norm))
+
+    def _preempted(self, signum: int, step: int, state: Any, by: str, *, logged: bool, saved: bool) -> None:
+        """Check, log and save ``step`` (unless done as scheduled), wait for the commit, raise ``Preempted``."""
+        self._sync()  # checked before it is saved
+        self.clock.pause()
+        if not logged:
+            self._write(step, with_val=False)
+        if not saved:
+            self.ckpt.save(step, state, metadata=self.metadata, data_position=self.train.dataset.state_dict())
+        self.ckpt.wait_until_finished()
+        raise Preempted(signum, step, self.ckpt.step_path(step), by)
 
     def _write(self, step: int, with_val: bool) -> None:
         rate = self.clock.window_rate()
@@ -291,10 +349,12 @@ def _loop(program: Program, state: Any, start: int, train: Feed, val: Feed, ckpt
     bar = tqdm(total=tc.steps, initial=start, desc=program.config.name, unit="step", disable=quiet,
                dynamic_ncols=True, file=sys.stdout, smoothing=0.1)
     log = MetricsLog(out / "metrics.jsonl", resume_at=start if start else None, write=jax.process_index() == 0)
-    with log:
-        loop = _Loop(program, train, val, ckpt, log, bar, t_start)
-        state, last = loop.run(state, start, stop_after)
-    bar.close()
+    try:
+        with log, StopSignals() as signals:
+            loop = _Loop(program, train, val, ckpt, log, bar, t_start)
+            state, last = loop.run(state, start, stop_after, signals)
+    finally:
+        bar.close()
     if start >= tc.steps:  # nothing left to train: report where the run stands
         _log(quiet, f"already trained to step {start} (train.steps={tc.steps}); raise train.steps to continue, "
                     f"or give a new train.out_dir to start over")

@@ -24,6 +24,8 @@ Every leaf gets a layout-independent checksum (``checksum.py``), computed
 while the arrays are written and verified while they are read back, so a
 flipped byte in the data is an error, not a silent change (``checksums=False``
 turns it off). Chunks are stored uncompressed unless ``compression=True``.
+A restored state holding NaN or infinite values warns
+(``NonFiniteCheckpointWarning``), naming the leaves.
 
 ``python -m multimesh.checkpoint.inspect DIR [STEP]`` (or ``multimesh-ckpt``)
 lists and describes checkpoints.
@@ -35,6 +37,7 @@ from .errors import (
     CheckpointMismatchError,
     CheckpointSaveError,
 )
+from .finite import NonFiniteCheckpointWarning
 from .jsonsafe import to_json_safe
 from .manager import CheckpointInfo, CheckpointManager, Restored
 from .tree import LeafRecord, MeshRecord, abstract_target
@@ -48,6 +51,7 @@ __all__ = [
     "CheckpointSaveError",
     "LeafRecord",
     "MeshRecord",
+    "NonFiniteCheckpointWarning",
     "Restored",
     "abstract_target",
     "to_json_safe",

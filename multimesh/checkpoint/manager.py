@@ -41,6 +41,7 @@ from . import checksum as _checksum
 from . import ondisk, quiet, release
 from .dirlock import DirectoryInUseError, DirectoryLock
 from .errors import CheckpointCorruptError, CheckpointExistsError, CheckpointSaveError
+from .finite import warn_if_nonfinite
 from .handlers import DocHandler, PendingDoc, StateHandler, registry
 from .save_failure import as_save_error
 from .jsonsafe import to_json_safe
@@ -529,6 +530,9 @@ class CheckpointManager:
                 dtypes differ from the saved ones, or a target sharding does
                 not divide a saved shape (lists every difference).
             CheckpointCorruptError: a file is damaged or a value fails its checksum.
+
+        Warns (``NonFiniteCheckpointWarning``) naming the leaves that hold NaN or
+        infinite values, as a checkpoint saved after training diverged does.
         """
         target, as_objects = as_states(normalize_target(target))
         info = self.info(step)
@@ -559,6 +563,7 @@ class CheckpointManager:
             reader.hasher, reader.hashed = None, set()
         if verify:
             self._verify(info, state, hasher, hashed)
+        warn_if_nonfinite(state, step, path)
         return Restored(as_objects(state), info.metadata, info.data_position, step)
 
     def _read_item(self, step: int, item: str, args: Any, path: str) -> Any:
