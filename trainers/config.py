@@ -149,10 +149,11 @@ class LayoutConfig:
         """Devices the layout uses: the mesh size times the pipeline stages."""
         return self.devices_per_stage * (self.pipeline.stages if self.pipeline else 1)
 
-    def rule_pairs(self) -> list[tuple[str, Any]]:
-        """The rules as ``(logical, mesh_axes)`` pairs (named sets resolved for this mesh)."""
+    def rule_pairs(self) -> Sequence[tuple[str, Any]]:
+        """The rules as ``(logical, mesh_axes)`` pairs (named sets resolved for this mesh: a `Rules`, which
+        also knows the names it leaves whole on purpose)."""
         if isinstance(self.rules, str):
-            return list(standard_rules(tuple(self.mesh)))
+            return standard_rules(tuple(self.mesh))
         return [(name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in self.rules]
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 
 from multimesh.core.fmt import device_span
+from multimesh.core.rules import Rules
 from multimesh.core.schedules import Schedule, get_schedule
 from multimesh.core.timeline import plot_schedule
 from multimesh.jax import microbatch, parallelize, register_task
@@ -51,7 +52,7 @@ class RunLayout:
 
     devices: tuple
     mesh: dict[str, int]
-    rules: tuple[tuple[str, Any], ...]
+    rules: Rules
     pipeline: PipelineConfig | None = None
 
     @property
@@ -123,7 +124,7 @@ class RunLayout:
         For a pipeline, call it inside :meth:`tasks`.
         """
         # A pipeline's meshes and rules come from its registered tasks.
-        spmd = {} if self.is_pipeline else {"mesh": dict(self.mesh), "rules": list(self.rules)}
+        spmd = {} if self.is_pipeline else {"mesh": dict(self.mesh), "rules": self.rules}
         return parallelize(fun, init_params=init, initial_batch=batch, devices=list(self.devices),
                            donate=donate, **spmd)
 
@@ -147,7 +148,7 @@ def build_layout(cfg: LayoutConfig, devices: Any = None) -> RunLayout:
     devices = list(jax.devices() if devices is None else devices)
     check_devices(cfg.mesh, cfg.pipeline.stages if cfg.pipeline else None, len(devices), jax.process_count())
     need = cfg.num_devices
-    return RunLayout(tuple(devices[:need]), dict(cfg.mesh), tuple(cfg.rule_pairs()), cfg.pipeline)
+    return RunLayout(tuple(devices[:need]), dict(cfg.mesh), Rules(cfg.rule_pairs()), cfg.pipeline)
 
 
 def sharding_rows(step_fn: Any, prefix: str = "params/") -> list[tuple[str, str, str, str, str]]:

@@ -435,7 +435,9 @@ def standard_rules(axis_names: Iterable[str], *, strict: bool = False) -> Rules:
 
     Batch goes over data and fsdp; parameters' ``embed`` over fsdp; the
     Megatron dimensions (``mlp``, ``heads``, ``kv_heads``, ``vocab``) over the
-    tensor axis. Only axes the mesh has are named.
+    tensor axis. Only axes the mesh has are named. These names, and
+    ``length``, ``kv``, ``head_dim`` and ``norm`` (left whole), are the rules'
+    ``generic`` names: no warning says they have no rule on a mesh.
     """
     names = set(axis_names)
     tensor = "tensor" if "tensor" in names else ("model" if "model" in names else None)
@@ -450,4 +452,7 @@ def standard_rules(axis_names: Iterable[str], *, strict: bool = False) -> Rules:
         ("layers", "stage"),
     ]
     rules = [(n, a) for n, a in wanted if a is not None and a in names]
-    return Rules(rules, strict=strict, generic={n for n, _ in wanted})
+    # names a transformer uses that these rules leave whole on purpose: activations' sequence length,
+    # the per-head feature dimension, norms' scales
+    kept_whole = {"length", "kv", "head_dim", "norm"}
+    return Rules(rules, strict=strict, generic={n for n, _ in wanted} | kept_whole)
