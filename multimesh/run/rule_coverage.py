@@ -65,8 +65,8 @@ def rule_coverage(layouts: Iterable[tuple[Layout, Callable[[int], Placement]]], 
     """The warnings for ``layouts`` (each with the placement of its leaf ``i``) and the step's constraints.
 
     A logical name with no rule in the placement where it is used (and not among its rules' ``generic``)
-    is named with the arrays that carry it. A rule the step was given whose logical name appears on no
-    array and in no constraint is named too; ``constraints`` None (a plan of tasks, whose bodies resolve
+    is named with the arrays that carry it. A rule the step was given that maps a logical name to mesh axes,
+    while the name appears on no array and in no constraint, is named too; ``constraints`` None (a plan of tasks, whose bodies resolve
     their constraints as they are traced) skips that check.
     """
     missing: dict[str, list[str]] = {}
@@ -95,7 +95,8 @@ def rule_coverage(layouts: Iterable[tuple[Layout, Callable[[int], Placement]]], 
                    f"add ({name!r}, <mesh axes>) to the rules to shard it, or ({name!r}, None) to say it stays "
                    f"replicated")
     if constraints is not None:
-        for name in dict.fromkeys(n for n, _ in given if n not in used and n not in given.generic):
+        # a rule to None that matches nothing is harmless (it says "whole", for a name that is not there)
+        for name in dict.fromkeys(n for n, a in given if a is not None and n not in used and n not in given.generic):
             out.append(f"the rule for logical name {name!r} matches nothing: no parameter, batch leaf or constraint "
                        f"of the step names {name!r}{_hint(name, used)}; fix its spelling or drop it")
     return out

@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ..core.fmt import device_span
-from ..core.rules import MeshAxes
+from ..core.rules import MeshAxes, Rules
 from .scopes import scope_stack
 from .task import Placement, make_placement
 from .taskspec import Task, current_global_mesh, loop_slices
@@ -339,7 +339,7 @@ def make_registration(
         raise ValueError(f"register_task: regex={regex!r} is not a valid regular expression ({e}); it is "
                          f"matched against Flax module names and jax.named_scope names, e.g. r'layers_(\\d+)'") from None
     axes = tuple(device_axes) if device_axes is not None else None
-    rules = tuple(logical_axes) if logical_axes is not None else None
+    rules = logical_axes if isinstance(logical_axes, Rules) or logical_axes is None else tuple(logical_axes)
     who = f"register_task({regex!r})"
     if split is not None:
         if task is not None or callback is not None or mesh is not None or devices is not None:
