@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import time
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
@@ -57,9 +58,29 @@ def agree(name: str, values: Mapping[str, Any], *, timeout_seconds: float = 30) 
     client.wait_at_barrier(f"{prefix}/read", timeout_ms)
     diffs = differences(published)
     if diffs:
+        _leave_after_the_others(client, prefix, n, me, timeout_ms)
         shown = "\n  ".join(diffs[:20]) + (f"\n  ... and {len(diffs) - 20} more" if len(diffs) > 20 else "")
         raise DisagreementError(f"the {n} processes were given different {name} ({len(diffs)} key(s) differ):\n  "
                                 f"{shown}\ngive every process the same {name}")
+
+
+#: How long process 0 lets the others go before it stops: its exit ends the coordination service, and a
+#: process still talking to it then aborts (JAX ends it from C++) instead of raising the error.
+_GRACE_SECONDS = 2.0
+
+
+def _leave_after_the_others(client: Any, prefix: str, n: int, me: int, timeout_ms: int) -> None:
+    """Before every process raises: each other process says it is leaving, and process 0 (which holds the
+    service) waits for that, and a moment more, so that it is the last to go."""
+    if me != 0:
+        client.key_value_set(f"{prefix}/leaving/{me}", "1")
+        return
+    for p in range(1, n):
+        try:
+            client.blocking_key_value_get(f"{prefix}/leaving/{p}", min(timeout_ms, 10_000))
+        except jax.errors.JaxRuntimeError:
+            pass  # it is gone already
+    time.sleep(_GRACE_SECONDS)
 
 
 def differences(published: Mapping[int, Mapping[str, Any]]) -> list[str]:
