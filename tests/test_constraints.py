@@ -282,3 +282,52 @@ def test_shard_map_argument_errors():
         shard_map(lambda a: a, mesh, P("data"), P("data"), auto={"model"}, axis_names={"data"})
     with pytest.raises(ValueError, match="needs a mesh"):
         shard_map(lambda a: a, None, P("data"), P("data"), auto={"model"})(jnp.ones(8))
+
+
+# -- one traced body, several tasks ----------------------------------------------------------
+
+
+def _shared_block(w, x):
+    """Used by both stages below: JAX traces a ``jax.checkpoint``/``lax.scan`` body once per function."""
+    return x + jnp.tanh(with_sharding_constraint(x @ w["a"], P("batch", "mlp"))) @ w["b"]
+
+
+@pytest.mark.parametrize("nest", ["checkpoint", "scan"])
+def test_a_body_shared_by_two_stages_is_constrained_on_each_stage(nest):
+    """The body's constraint, traced for the first stage, is resolved on each stage's own submesh (the
+    backward's recomputation included), so both stages compile and train as on one device."""
+    import optax
+    from helpers import check_mpmd_against_reference
+
+    from multimesh.jax import microbatch, slice_mesh, task
+
+    def stage(w, x):
+        if nest == "checkpoint":
+            return jax.checkpoint(_shared_block)(w, x)
+        return jax.lax.scan(lambda h, wi: (_shared_block(wi, h), None), x, w)[0]  # layers stacked on axis 0
+
+    mesh0, mesh1 = slice_mesh(build_mesh({"stage": 2, "data": 2, "model": 2}), "stage")
+    stages = [task(stage, f"s{i}", mesh=m, logical_axes=RULES) for i, m in enumerate((mesh0, mesh1))]
+    tx = optax.adam(1e-2)
+    lead = (2,) if nest == "scan" else ()
+
+    def init():
+        k = jax.random.split(jax.random.key(0), 4)
+        p = [{"a": jax.random.normal(k[2 * i], (*lead, 8, 16)) * .3, "b": jax.random.normal(k[2 * i + 1], (*lead, 16, 8)) * .3}
+             for i in range(2)]
+        return {"p": p, "o": tx.init(p)}
+
+    def batch():
+        return {"x": jax.random.normal(jax.random.key(1), (16, 8)), "y": jax.random.normal(jax.random.key(2), (16, 8))}
+
+    def loss(p, b):
+        return jnp.sum((stages[1](p[1], stages[0](p[0], b["x"])) - b["y"]) ** 2) / (16 * 8)  # the global size
+
+    def step(state, b):
+        value, grads = jax.value_and_grad(microbatch(loss, 0, 4, argnum=1))(state["p"], b)
+        updates, opt = tx.update(grads, state["o"], state["p"])
+        return value, grads, {"p": optax.apply_updates(state["p"], updates), "o": opt}
+
+    fn, state = check_mpmd_against_reference(step, init, batch, steps=2)
+    for i, m in enumerate((mesh0, mesh1)):
+        assert state["p"][i]["a"].sharding.device_set == set(m.devices.flat)

@@ -14,6 +14,7 @@ from ..core.rules import MeshAxes, RuleError, Rules
 from .deferred import logical_constraint_p
 from .implicit import placement_in_scope
 from .interpret import bind_equation
+from .nested import rebind_nested
 from .knobs import current_knobs
 
 __all__ = ["constrain_hint", "logical_spec_to_mesh", "resolve_deferred", "shard_map", "with_sharding_constraint"]
@@ -125,7 +126,9 @@ def resolve_deferred(eqn: Any, ins: list) -> list:
     """An `interpret` rule: a deferred constraint is resolved with the rules in scope; the rest as is.
 
     A constraint the user's code made to a `NamedSharding` on other devices than the submesh running it
-    (the whole mesh, in a pipeline stage) keeps its spec, resolved on that submesh by its rules.
+    (the whole mesh, in a pipeline stage; another stage, for a body JAX traced once for two tasks) keeps
+    its spec, resolved on that submesh by its rules. Constraints inside nested jaxprs (a remat's body, a
+    scan's) are resolved alike (`nested.rebind_nested`).
     """
     if eqn.primitive is logical_constraint_p:
         hint = eqn.params.get("hint")
@@ -134,7 +137,14 @@ def resolve_deferred(eqn: Any, ins: list) -> list:
         return [with_sharding_constraint(ins[0], PartitionSpec(*eqn.params["spec"]))]
     if eqn.primitive.name == "sharding_constraint" and _on_other_devices(eqn.params.get("sharding")):
         return [with_sharding_constraint(ins[0], eqn.params["sharding"].spec)]
-    return bind_equation(eqn, ins)
+    nested = rebind_nested(eqn, ins, resolve_deferred, _to_resolve)
+    return nested if nested is not None else bind_equation(eqn, ins)
+
+
+def _to_resolve(eqn: Any) -> bool:
+    """A constraint `resolve_deferred` changes: deferred, or on other devices than the running submesh."""
+    return eqn.primitive is logical_constraint_p or (
+        eqn.primitive.name == "sharding_constraint" and _on_other_devices(eqn.params.get("sharding")))
 
 
 def _on_other_devices(sharding: Any) -> bool:
