@@ -1,0 +1,131 @@
+"""`estimate(step_fn)`: the `Estimate` of a step built by `parallelize` (SPMD or MPMD), without running it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .held import DEFAULT_OPTIMIZER_PATHS, held_bytes, is_optimizer_path
+from .profiles import HardwareProfile, get_profile
+from .programs import ProgramCost, mpmd_programs, spmd_program
+from .report import DeviceMemory, Estimate, StepTime
+from .timing import program_time, transfer_time
+
+__all__ = ["estimate"]
+
+_NOTES = (
+    "params, optimizer and batch are exact (the layouts' shards); outputs and temp are XLA's analysis of the "
+    "programs compiled for this backend, which can differ on another (CPU compilation's temporaries are not a GPU's)",
+    "collectives inside a loop body count once, not once per iteration",
+)
+
+
+def _compute_dtype(step_fn: Any, optimizer_paths: str) -> str:
+    """The floating dtype holding the most parameter bytes (float32 when none)."""
+    by_dtype: dict[str, int] = {}
+    for leaf in step_fn.param_layout.leaves:
+        dt = np.dtype(leaf.dtype)
+        if dt.kind == "f" or dt.name == "bfloat16":
+            if not is_optimizer_path(leaf.path, optimizer_paths):
+                by_dtype[dt.name] = by_dtype.get(dt.name, 0) + leaf.nbytes
+    return max(by_dtype, key=by_dtype.get) if by_dtype else "float32"
+
+
+def _stages(step_fn: Any) -> list[tuple[str, frozenset[int]]]:
+    plan = step_fn.plan
+    placements = plan.placements if getattr(step_fn, "runtime", None) is not None else [step_fn.placement]
+    return [(p.name or "default", frozenset(d.id for d in p.mesh.devices.flat)) for p in placements]
+
+
+def _stashed_peak(step_fn: Any, stash: tuple, stage_index: dict[int, int]) -> dict[int, int]:
+    """Per device: the schedule's peak live microbatches on its stage x the most one microbatch stashes there."""
+    schedule = step_fn.plan.schedule
+    if schedule is None or not stash:
+        return {}
+    per_label: dict[tuple[int, tuple, int], int] = {}
+    for stage, label, shards in stash:
+        for d, n in shards.items():
+            per_label[(stage, label, d)] = per_label.get((stage, label, d), 0) + n
+    most: dict[int, int] = {}
+    for (stage, _, d), n in per_label.items():
+        most[d] = max(most.get(d, 0), n)
+    peaks = schedule.peak_live_activations
+    return {d: n * peaks.get(stage_index.get(d, -1), 0) for d, n in most.items()}
+
+
+def estimate(step_fn: Any, profile: str | HardwareProfile | None = None, *, dtype: str | None = None,
+             model_flops: float | None = None, optimizer_paths: str = DEFAULT_OPTIMIZER_PATHS) -> Estimate:
+    """Memory per device, work and (with a ``profile``) predicted step time of ``step_fn``.
+
+    ``step_fn``: a step built by `parallelize` (`ShardedFunction` or
+    `MPMDFunction`). Its programs are compiled from abstract inputs; nothing
+    is allocated. ``profile``: a `HardwareProfile` or a name from
+    `PROFILES`. ``dtype``: the compute dtype for the peak flop rate (default:
+    the floating dtype holding most parameter bytes). ``model_flops``: the
+    flops one step of the model needs, for MFU (default: XLA's count for the
+    compiled programs, recomputation included). ``optimizer_paths``: a
+    regular expression of the parameter paths that are optimizer state.
+    """
+    if profile is not None:
+        profile = get_profile(profile)
+    runtime = getattr(step_fn, "runtime", None)
+    if runtime is None and not hasattr(step_fn, "lower"):
+        raise TypeError(f"estimate needs a step built by parallelize (a ShardedFunction or MPMDFunction), "
+                        f"not {type(step_fn).__name__}")
+    name = getattr(step_fn.fun, "__name__", "step")
+    held = held_bytes(step_fn.param_layout.leaves, step_fn.batch_layout.leaves, optimizer_paths)
+    stages = _stages(step_fn)
+    stashed: dict[int, int] = {}
+    transfers: tuple = ()
+    if runtime is None:
+        programs: tuple[ProgramCost, ...] = (spmd_program(step_fn),)
+    else:
+        built = mpmd_programs(runtime)
+        programs = built.programs
+        stage_index = {d: s.stage for s in step_fn.plan.segments if s.stage is not None for d in
+                       (x.id for x in s.placement.devices)}
+        stashed = _stashed_peak(step_fn, built.stash, stage_index)
+        transfers = tuple((what, src, dst, size) for what, src, dst, _, size in step_fn.plan.transfers())
+    memory = {}
+    for stage, devices in stages:
+        for d in sorted(devices):
+            mine = [p for p in programs if d in p.devices]
+            memory[d] = DeviceMemory(
+                device=d, stage=stage, params=held.params.get(d, 0), optimizer=held.optimizer.get(d, 0),
+                batch=held.batch.get(d, 0), stashed=stashed.get(d, 0),
+                temp=max((p.temp_bytes for p in mine), default=0),
+                outputs=max((p.output_bytes - p.alias_bytes for p in mine), default=0))
+    result = Estimate(name=name, memory=memory, programs=programs, transfers=transfers, notes=_NOTES)
+    if profile is None:
+        return result
+    return Estimate(name=name, memory=memory, programs=programs, transfers=transfers, profile=profile,
+                    time=_step_time(step_fn, result, profile, dtype or _compute_dtype(step_fn, optimizer_paths),
+                                    model_flops),
+                    notes=_NOTES + _TIME_NOTES)
+
+
+_TIME_NOTES = (
+    "time: roofline per program + alpha-beta collectives, not overlapped; a pipeline's stages as their busiest "
+    "stage's work / (1 - the schedule's bubble fraction), copies between stages added in full",
+)
+
+
+def _step_time(step_fn: Any, est: Estimate, profile: HardwareProfile, dtype: str,
+               model_flops: float | None) -> StepTime:
+    times = {p.name: program_time(p, profile, dtype) for p in est.programs}
+    busy: dict[frozenset, float] = {}
+    for p in est.programs:
+        busy[p.devices] = busy.get(p.devices, 0.0) + p.executions * times[p.name].total
+    schedule = getattr(step_fn.plan, "schedule", None) if step_fn.plan is not None else None
+    if schedule is not None:
+        compute = max(busy.values()) / max(1.0 - schedule.bubble_fraction, 1e-9)
+    else:  # tasks without a schedule run one after another
+        compute = sum(busy.values())
+    n_devices = len(est.memory)
+    inside = n_devices <= profile.devices_per_node
+    copies = sum(transfer_time(t[3], profile, inside_node=inside) for t in est.transfers)
+    total = compute + copies
+    flops = est.flops if model_flops is None else model_flops
+    mfu = flops / (total * profile.flops_rate(dtype) * n_devices) if total > 0 else 0.0
+    return StepTime(programs=times, transfers=copies, total=total, dtype=dtype, mfu=mfu)
