@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,8 @@ from multimesh.estimate import (
 from multimesh.jax import build_mesh, estimate, microbatch, parallelize, task, with_sharding_constraint
 
 pytestmark = pytest.mark.devices(8)
+
+_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 B, D, H = 16, 16, 32
 TX = optax.adam(1e-2)
@@ -218,3 +222,27 @@ def test_collective_time_is_the_ring_model():
     across = collective_time(Collective("all-gather", one_mib, 16, ("data",), "ag"), h100)
     assert across == pytest.approx(15 * h100.inter_node_latency + 15 / 16 * one_mib / h100.inter_node_bandwidth)
     assert collective_time(Collective("all-reduce", one_mib, 1, (), "none"), h100) == 0.0
+
+
+@pytest.mark.parametrize("config, overrides", [
+    ("fsdp", []),
+    # a scanned stack split over two stages: about 30 s here, so with the long checks
+    pytest.param("pipeline", ["model.scan_layers=true"], marks=pytest.mark.slow),
+], ids=["fsdp", "pipeline-split-stack"])
+def test_the_example_transformer_bytes_per_device_equal_the_built_shards(config, overrides):
+    from trainers.config import load_config
+    from trainers.layout import build_layout
+    from trainers.step import build_program
+
+    cfg = load_config(str(_CONFIGS / f"{config}.yaml"),
+                      ["model.num_layers=2", "model.d_model=32", "model.num_heads=2", "data.seq_len=16",
+                       "model.max_len=16", *overrides])
+    layout = build_layout(cfg.layout)
+    batch = {"tokens": np.zeros((cfg.data.batch_size, cfg.data.seq_len + 1), np.int32)}
+    with layout.tasks(cfg.model.num_layers, cfg.model.scan_layers):
+        program = build_program(cfg, layout, batch, batch)
+    est = program.step.estimate()
+    state = program.init()
+    placed = jax.device_put(batch, program.step.batch_shardings)
+    assert_held_equals_built(est, {"params": state["params"], "opt_state": state["opt"]}, placed)
+    assert est.memory[0].optimizer > est.memory[0].params > 0  # the trainer's {"params", "opt"} told apart
