@@ -91,7 +91,7 @@ def fsdp():
 
 @pytest.fixture(scope="module")
 def pipeline():
-    """Two stages of 4 devices (data 2 x model 2), 1F1B over 4 microbatches."""
+    """Two stages of 4 devices (data 2 x model 2), matrices split over ``model``, 1F1B over 4 microbatches."""
     devices = np.array(jax.devices())
     meshes = [build_mesh({"data": 2, "model": 2}, devices[:4]), build_mesh({"data": 2, "model": 2}, devices[4:])]
 
@@ -109,7 +109,8 @@ def pipeline():
         return value, {"params": optax.apply_updates(state["params"], updates), "opt_state": opt}
 
     fn, init, get_batch = parallelize(step, init_params=init_state(2), get_input_batch=make_batch,
-                                      rules=[("batch", "data")])
+                                      rules=[("batch", "data")],
+                                      param_rules=[(r"/a$", P(None, "model")), (r"/b$", P("model", None))])
     return fn, init(), get_batch()
 
 
@@ -129,6 +130,7 @@ def test_pipeline_bytes_per_device_equal_the_built_shards(pipeline):
     fn, state, batch = pipeline
     est = estimate(fn)
     assert_held_equals_built(est, state, batch)
+    assert est.memory[0].params == 2 * D * H * 4 // 2  # stage 0's two matrices, split over model=2
     assert {d: m.stage for d, m in est.memory.items()} == {**dict.fromkeys(range(4), "stage0"),
                                                            **dict.fromkeys(range(4, 8), "stage1")}
     # every program of the runtime was compiled, each on its stage's four devices
