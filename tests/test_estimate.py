@@ -116,7 +116,9 @@ def pipeline():
 
 def test_fsdp_bytes_per_device_equal_the_built_shards(fsdp):
     fn, state, batch = fsdp
+    before = len(jax.live_arrays())
     est = fn.estimate()
+    assert len(jax.live_arrays()) == before  # compiled from abstract inputs: nothing allocated
     assert_held_equals_built(est, state, batch)
     # each device holds 1/8 of every matrix: the layout is what was asked, not everything replicated
     assert est.memory[0].params == 2 * 2 * D * H * 4 // 8
@@ -128,7 +130,9 @@ def test_fsdp_bytes_per_device_equal_the_built_shards(fsdp):
 
 def test_pipeline_bytes_per_device_equal_the_built_shards(pipeline):
     fn, state, batch = pipeline
+    before = len(jax.live_arrays())
     est = estimate(fn)
+    assert len(jax.live_arrays()) == before
     assert_held_equals_built(est, state, batch)
     assert est.memory[0].params == 2 * D * H * 4 // 2  # stage 0's two matrices, split over model=2
     assert {d: m.stage for d, m in est.memory.items()} == {**dict.fromkeys(range(4), "stage0"),
