@@ -252,3 +252,20 @@ def test_the_example_transformer_bytes_per_device_equal_the_built_shards(config,
     placed = jax.device_put(batch, program.step.batch_shardings)
     assert_held_equals_built(est, {"params": state["params"], "opt_state": state["opt"]}, placed)
     assert est.memory[0].optimizer > est.memory[0].params > 0  # the trainer's {"params", "opt"} told apart
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(TypeError, match="estimate needs a step built by parallelize.*function"):
+        estimate(lambda params, batch: 0.0)
+
+    def scaled(params, b, scale):
+        return jnp.sum(b["x"] @ params["w"]) * scale
+
+    fn = parallelize(scaled, init_params=lambda: {"w": jnp.ones((D, D))}, get_input_batch=make_batch,
+                     mesh=build_mesh({"data": 8}), rules=[("batch", "data")], param_rules=[("w", P("data"))])[0]
+    with pytest.raises(TypeError, match=r"step 'scaled' takes more arguments.*args=\(\.\.\.\)"):
+        fn.estimate()
+    est = fn.estimate(args=(jax.ShapeDtypeStruct((), jnp.float32),))
+    assert est.memory[0].params == D * D * 4 // 8
+    with pytest.raises(ValueError, match="profile 'a100-80gb' has no peak for dtype 'float8'"):
+        fn.estimate("a100-80gb", args=(1.0,), dtype="float8")

@@ -54,14 +54,16 @@ def _stashed_peak(step_fn: Any, stash: tuple, stage_index: dict[int, int]) -> di
     return {d: n * peaks.get(stage_index.get(d, -1), 0) for d, n in most.items()}
 
 
-def estimate(step_fn: Any, profile: str | HardwareProfile | None = None, *, dtype: str | None = None,
-             model_flops: float | None = None, optimizer_paths: str = DEFAULT_OPTIMIZER_PATHS) -> Estimate:
+def estimate(step_fn: Any, profile: str | HardwareProfile | None = None, *, args: tuple = (),
+             dtype: str | None = None, model_flops: float | None = None,
+             optimizer_paths: str = DEFAULT_OPTIMIZER_PATHS) -> Estimate:
     """Memory per device, work and (with a ``profile``) predicted step time of ``step_fn``.
 
     ``step_fn``: a step built by `parallelize` (`ShardedFunction` or
     `MPMDFunction`). Its programs are compiled from abstract inputs; nothing
     is allocated. ``profile``: a `HardwareProfile` or a name from
-    `PROFILES`. ``dtype``: the compute dtype for the peak flop rate (default:
+    `PROFILES`. ``args``: an SPMD step's arguments after the parameters and
+    the batch (arrays or `jax.ShapeDtypeStruct`s), as it is called. ``dtype``: the compute dtype for the peak flop rate (default:
     the floating dtype holding most parameter bytes). ``model_flops``: the
     flops one step of the model needs, for MFU (default: XLA's count for the
     compiled programs, recomputation included). ``optimizer_paths``: a
@@ -74,12 +76,19 @@ def estimate(step_fn: Any, profile: str | HardwareProfile | None = None, *, dtyp
         raise TypeError(f"estimate needs a step built by parallelize (a ShardedFunction or MPMDFunction), "
                         f"not {type(step_fn).__name__}")
     name = getattr(step_fn.fun, "__name__", "step")
+    if runtime is None and step_fn.plan is None and not args:
+        raise TypeError(f"estimate: step {name!r} takes more arguments than (params, batch), and its program is "
+                        f"compiled for the arguments it is called with: pass the others as "
+                        f"estimate(step, args=(...)) (arrays or jax.ShapeDtypeStruct)")
+    if runtime is not None and args:
+        raise TypeError(f"estimate: step {name!r} is a pipeline (MPMD) step, called as step(params, batch): "
+                        f"it takes no args=")
     held = held_bytes(step_fn.param_layout.leaves, step_fn.batch_layout.leaves, optimizer_paths)
     stages = _stages(step_fn)
     stashed: dict[int, int] = {}
     transfers: tuple = ()
     if runtime is None:
-        programs: tuple[ProgramCost, ...] = (spmd_program(step_fn),)
+        programs: tuple[ProgramCost, ...] = (spmd_program(step_fn, tuple(args)),)
     else:
         built = mpmd_programs(runtime)
         programs = built.programs

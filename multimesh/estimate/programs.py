@@ -70,11 +70,12 @@ def _abstract(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
 
-def spmd_program(step_fn: Any) -> ProgramCost:
-    """The SPMD step's one program, compiled for its parameter and batch layouts."""
+def spmd_program(step_fn: Any, args: tuple = ()) -> ProgramCost:
+    """The SPMD step's one program, compiled for its parameter and batch layouts (and ``args``, the step's
+    further arguments, arrays or `jax.ShapeDtypeStruct`s)."""
     batch = _abstract(step_fn._abstract_batch, step_fn.batch_shardings)
     with mesh_context(step_fn.mesh):
-        compiled = step_fn.lower(step_fn.abstract_params, batch).compile()
+        compiled = step_fn.lower(step_fn.abstract_params, batch, *args).compile()
     return analyse_compiled(getattr(step_fn.fun, "__name__", "step"), compiled, step_fn.mesh)
 
 
