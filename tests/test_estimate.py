@@ -16,6 +16,7 @@ from multimesh.estimate import (
     Collective,
     MemoryLimitError,
     UnknownProfileError,
+    calibrate,
     collective_time,
     find_collectives,
     get_profile,
@@ -269,3 +270,14 @@ def test_bad_inputs_are_named():
     assert est.memory[0].params == D * D * 4 // 8
     with pytest.raises(ValueError, match="profile 'a100-80gb' has no peak for dtype 'float8'"):
         fn.estimate("a100-80gb", args=(1.0,), dtype="float8")
+
+
+def test_a_profile_calibrated_here_prices_a_step(fsdp):
+    fn, _, _ = fsdp
+    here = calibrate(matmul_size=64, copy_bytes=1 << 18, collective_bytes=1 << 18, repeats=2)
+    assert here.name == "calibrated-cpu" and here.devices_per_node == jax.device_count()
+    for value in (here.peak_flops["float32"], here.memory_bandwidth, here.memory_bytes,
+                  here.intra_node_bandwidth, here.intra_node_latency):
+        assert np.isfinite(value) and value > 0
+    est = fn.estimate(here)
+    assert est.profile is here and est.time.total > 0 and est.time.dtype == "float32"

@@ -9,6 +9,7 @@ This layer reads the step's layouts, plan and runtime (``core``, ``plan``,
 """
 
 from .build import estimate
+from .calibrate import calibrate
 from .collectives import Collective, find_collectives
 from .held import DEFAULT_OPTIMIZER_PATHS, HeldBytes, held_bytes, shard_bytes
 from .profiles import PROFILES, HardwareProfile, UnknownProfileError, get_profile
@@ -29,6 +30,7 @@ __all__ = [
     "ProgramTime",
     "StepTime",
     "UnknownProfileError",
+    "calibrate",
     "collective_time",
     "estimate",
     "find_collectives",
