@@ -281,3 +281,16 @@ def test_a_profile_calibrated_here_prices_a_step(fsdp):
         assert np.isfinite(value) and value > 0
     est = fn.estimate(here)
     assert est.profile is here and est.time.total > 0 and est.time.dtype == "float32"
+
+
+def test_a_pipeline_is_timed_through_its_schedule(pipeline):
+    fn, _, _ = pipeline
+    est = fn.estimate("h100-sxm")
+    t = est.time
+    busy: dict[frozenset, float] = {}
+    for p in est.programs:
+        busy[p.devices] = busy.get(p.devices, 0.0) + p.executions * t.programs[p.name].total
+    assert t.pipeline > 0 and t.total == pytest.approx(t.pipeline + t.outside)
+    assert t.total >= max(busy.values())  # no stage gets through its work faster than doing it
+    # its two stages are alike: overlapping them beats running every program and copy one after another
+    assert t.total < sum(busy.values()) + t.transfers

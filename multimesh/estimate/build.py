@@ -10,7 +10,7 @@ from .held import DEFAULT_OPTIMIZER_PATHS, held_bytes, is_optimizer_path
 from .profiles import HardwareProfile, get_profile
 from .programs import ProgramCost, mpmd_programs, spmd_program
 from .report import DeviceMemory, Estimate, StepTime
-from .timing import program_time, transfer_time
+from .steptime import step_timing
 
 __all__ = ["estimate"]
 
@@ -87,11 +87,13 @@ def estimate(step_fn: Any, profile: str | HardwareProfile | None = None, *, args
     stages = _stages(step_fn)
     stashed: dict[int, int] = {}
     transfers: tuple = ()
+    segment_program: dict[int, int] | None = None
     if runtime is None:
         programs: tuple[ProgramCost, ...] = (spmd_program(step_fn, tuple(args)),)
     else:
         built = mpmd_programs(runtime)
         programs = built.programs
+        segment_program = built.segment_program
         stage_index = {d: s.stage for s in step_fn.plan.segments if s.stage is not None for d in
                        (x.id for x in s.placement.devices)}
         stashed = _stashed_peak(step_fn, built.stash, stage_index)
@@ -109,32 +111,23 @@ def estimate(step_fn: Any, profile: str | HardwareProfile | None = None, *, args
     if profile is None:
         return result
     return Estimate(name=name, memory=memory, programs=programs, transfers=transfers, profile=profile,
-                    time=_step_time(step_fn, result, profile, dtype or _compute_dtype(step_fn, optimizer_paths),
-                                    model_flops),
+                    time=_step_time(step_fn, result, segment_program, profile,
+                                    dtype or _compute_dtype(step_fn, optimizer_paths), model_flops),
                     notes=_NOTES + _TIME_NOTES)
 
 
 _TIME_NOTES = (
-    "time: roofline per program + alpha-beta collectives, not overlapped; a pipeline's stages as their busiest "
-    "stage's work / (1 - the schedule's bubble fraction), copies between stages added in full",
+    "time: roofline per program + alpha-beta collectives, not overlapped; a pipeline through its schedule's "
+    "simulator, each stage costed as the busiest (see multimesh.estimate.steptime)",
 )
 
 
-def _step_time(step_fn: Any, est: Estimate, profile: HardwareProfile, dtype: str,
-               model_flops: float | None) -> StepTime:
-    times = {p.name: program_time(p, profile, dtype) for p in est.programs}
-    busy: dict[frozenset, float] = {}
-    for p in est.programs:
-        busy[p.devices] = busy.get(p.devices, 0.0) + p.executions * times[p.name].total
-    schedule = getattr(step_fn.plan, "schedule", None) if step_fn.plan is not None else None
-    if schedule is not None:
-        compute = max(busy.values()) / max(1.0 - schedule.bubble_fraction, 1e-9)
-    else:  # tasks without a schedule run one after another
-        compute = sum(busy.values())
+def _step_time(step_fn: Any, est: Estimate, segment_program: dict[int, int] | None, profile: HardwareProfile,
+               dtype: str, model_flops: float | None) -> StepTime:
     n_devices = len(est.memory)
-    inside = n_devices <= profile.devices_per_node
-    copies = sum(transfer_time(t[3], profile, inside_node=inside) for t in est.transfers)
-    total = compute + copies
+    timing = step_timing(step_fn.plan, est.programs, segment_program, est.transfers, profile, dtype, n_devices)
     flops = est.flops if model_flops is None else model_flops
+    total = timing.total
     mfu = flops / (total * profile.flops_rate(dtype) * n_devices) if total > 0 else 0.0
-    return StepTime(programs=times, transfers=copies, total=total, dtype=dtype, mfu=mfu)
+    return StepTime(programs=timing.programs, transfers=timing.transfers, total=total, dtype=dtype, mfu=mfu,
+                    pipeline=timing.pipeline, outside=timing.outside)

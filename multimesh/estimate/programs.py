@@ -86,6 +86,8 @@ class MPMDPrograms:
 
     programs: tuple[ProgramCost, ...]
     stash: tuple[tuple[int, tuple, dict[int, int]], ...]
+    #: segment index -> index in ``programs`` of the program it runs
+    segment_program: dict[int, int]
 
 
 def _placed(x: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
@@ -113,6 +115,7 @@ def mpmd_programs(runtime: Any) -> MPMDPrograms:
     program_of = {k: p for p in runtime.programs for k in p.segments}
     compiled: dict[tuple, Any] = {}
     calls: dict[tuple, int] = {}
+    runs: dict[int, tuple] = {}  # segment index -> key of its compiled program
     with no_mesh_context():
         for step in runtime.steps:
             seg = step.segment
@@ -134,13 +137,17 @@ def mpmd_programs(runtime: Any) -> MPMDPrograms:
             if key not in compiled:
                 compiled[key] = (step.fn.lower(*args, *step.literals).compile(), program_of[seg.index], mesh)
             calls[key] = calls.get(key, 0) + 1
+            runs[seg.index] = key
             outs = jax.tree.leaves(compiled[key][0].output_shardings)
             for (v, _), k, s in zip([(o[0], None) for o in step.outs], step.outs, outs):
                 held[k] = jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=s)
-    programs = []
+    programs, position = [], {}
     for key, (c, program, mesh) in compiled.items():
         name = f"{program.placement.name or 'default'}_program{program.index}"
+        if any(p.name == name for p in programs):  # one program compiled for two sets of input shardings
+            name += f".{sum(p.name.startswith(name) for p in programs)}"
+        position[key] = len(programs)
         programs.append(analyse_compiled(name, c, mesh, executions=calls[key]))
     stash = tuple((stage, label, _shard_bytes(held[k])) for k, (stage, label) in runtime.stashed().items()
                   if k in held)
-    return MPMDPrograms(tuple(programs), stash)
+    return MPMDPrograms(tuple(programs), stash, {k: position[key] for k, key in runs.items()})

@@ -44,14 +44,17 @@ class DeviceMemory:
 
 @dataclass(frozen=True)
 class StepTime:
-    """The predicted step: per program one execution's `ProgramTime`, the copies between stages, and the
-    total in seconds."""
+    """The predicted step in seconds: per program one execution's `ProgramTime`, the copies between stages,
+    the total; for a pipeline also its schedule's simulated makespan (``pipeline``) and the busiest stage's
+    work outside the schedule (``outside``: the optimizer update, glue)."""
 
     programs: dict[str, ProgramTime]
     transfers: float
     total: float
     dtype: str
     mfu: float
+    pipeline: float = 0.0
+    outside: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,9 @@ class Estimate:
             lines.append(f"between stages: {len(self.transfers)} copies, "
                          f"{b(sum(t[3] for t in self.transfers))} per step")
         if self.time is not None:
+            parts = (f" (pipeline {self.time.pipeline * 1e3:.4g} ms + outside it {self.time.outside * 1e3:.4g} ms)"
+                     if self.time.pipeline else "")
             lines.append(f"predicted step time on {self.profile.name} ({self.time.dtype}): "
-                         f"{self.time.total * 1e3:.4g} ms, MFU {self.time.mfu:.1%}")
+                         f"{self.time.total * 1e3:.4g} ms{parts}, MFU {self.time.mfu:.1%}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
