@@ -13,10 +13,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
+from jax.sharding import Sharding
 
 from ..core.layout import LeafLayout
 
-__all__ = ["DEFAULT_OPTIMIZER_PATHS", "HeldBytes", "held_bytes", "is_optimizer_path", "shard_bytes"]
+__all__ = ["DEFAULT_OPTIMIZER_PATHS", "HeldBytes", "held_bytes", "is_optimizer_path", "shard_bytes", "slice_bytes"]
 
 #: A leaf under a path component named ``opt_state`` or ``opt`` is optimizer state (a TrainState,
 #: ``{"params": ..., "opt_state": ...}``); the rest are parameters.
@@ -35,16 +36,20 @@ class HeldBytes:
         return self.params.get(device, 0) + self.optimizer.get(device, 0) + self.batch.get(device, 0)
 
 
-def shard_bytes(leaf: LeafLayout) -> dict[int, int]:
-    """Device id -> bytes of ``leaf``'s shard there."""
-    itemsize = np.dtype(leaf.dtype).itemsize
+def slice_bytes(shape: tuple[int, ...], itemsize: int, sharding: Sharding) -> dict[int, int]:
+    """Device id -> bytes of the slice of an array of ``shape`` that ``sharding`` gives the device."""
     out = {}
-    for device, index in leaf.sharding.devices_indices_map(tuple(leaf.shape)).items():
+    for device, index in sharding.devices_indices_map(tuple(shape)).items():
         n = 1
-        for size, sl in zip(leaf.shape, index):
+        for size, sl in zip(shape, index):
             n *= len(range(*sl.indices(size)))
         out[device.id] = n * itemsize
     return out
+
+
+def shard_bytes(leaf: LeafLayout) -> dict[int, int]:
+    """Device id -> bytes of ``leaf``'s shard there."""
+    return slice_bytes(tuple(leaf.shape), np.dtype(leaf.dtype).itemsize, leaf.sharding)
 
 
 def is_optimizer_path(path: str, pattern: str = DEFAULT_OPTIMIZER_PATHS) -> bool:

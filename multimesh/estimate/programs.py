@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from ..core.meshes import mesh_context, no_mesh_context
 from ..core.transfer import target_on
 from .collectives import Collective, find_collectives
+from .held import slice_bytes
 
 __all__ = ["MPMDPrograms", "ProgramCost", "analyse_compiled", "mpmd_programs", "spmd_program"]
 
@@ -94,17 +95,6 @@ def _placed(x: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
-def _shard_bytes(x: jax.ShapeDtypeStruct) -> dict[int, int]:
-    itemsize = x.dtype.itemsize
-    out = {}
-    for device, index in x.sharding.devices_indices_map(tuple(x.shape)).items():
-        n = 1
-        for size, sl in zip(x.shape, index):
-            n *= len(range(*sl.indices(size)))
-        out[device.id] = n * itemsize
-    return out
-
-
 def mpmd_programs(runtime: Any) -> MPMDPrograms:
     """Compile every program of an MPMD runtime from abstract inputs, walking its steps in order."""
     plan = runtime.plan
@@ -148,6 +138,6 @@ def mpmd_programs(runtime: Any) -> MPMDPrograms:
             name += f".{sum(p.name.startswith(name) for p in programs)}"
         position[key] = len(programs)
         programs.append(analyse_compiled(name, c, mesh, executions=calls[key]))
-    stash = tuple((stage, label, _shard_bytes(held[k])) for k, (stage, label) in runtime.stashed().items()
+    stash = tuple((stage, label, slice_bytes(tuple(held[k].shape), held[k].dtype.itemsize, held[k].sharding)) for k, (stage, label) in runtime.stashed().items()
                   if k in held)
     return MPMDPrograms(tuple(programs), stash, {k: position[key] for k, key in runs.items()})
