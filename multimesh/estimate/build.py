@@ -32,10 +32,15 @@ def _compute_dtype(step_fn: Any, optimizer_paths: str) -> str:
     return max(by_dtype, key=by_dtype.get) if by_dtype else "float32"
 
 
-def _stages(step_fn: Any) -> list[tuple[str, frozenset[int]]]:
+def _stage_names(step_fn: Any) -> dict[int, str]:
+    """Device id -> the names of the submeshes it belongs to (``"default"``: the step's own mesh)."""
     plan = step_fn.plan
     placements = plan.placements if getattr(step_fn, "runtime", None) is not None else [step_fn.placement]
-    return [(p.name or "default", frozenset(d.id for d in p.mesh.devices.flat)) for p in placements]
+    names: dict[int, list[str]] = {}
+    for p in placements:
+        for d in p.mesh.devices.flat:
+            names.setdefault(d.id, []).append(p.name or "default")
+    return {d: "+".join(dict.fromkeys(n)) for d, n in names.items()}
 
 
 def _stashed_peak(step_fn: Any, stash: tuple, stage_index: dict[int, int]) -> dict[int, int]:
@@ -84,7 +89,6 @@ def estimate(step_fn: Any, profile: str | HardwareProfile | None = None, *, args
         raise TypeError(f"estimate: step {name!r} is a pipeline (MPMD) step, called as step(params, batch): "
                         f"it takes no args=")
     held = held_bytes(step_fn.param_layout.leaves, step_fn.batch_layout.leaves, optimizer_paths)
-    stages = _stages(step_fn)
     stashed: dict[int, int] = {}
     transfers: tuple = ()
     segment_program: dict[int, int] | None = None
@@ -99,14 +103,13 @@ def estimate(step_fn: Any, profile: str | HardwareProfile | None = None, *, args
         stashed = _stashed_peak(step_fn, built.stash, stage_index)
         transfers = tuple((what, src, dst, size) for what, src, dst, _, size in step_fn.plan.transfers())
     memory = {}
-    for stage, devices in stages:
-        for d in sorted(devices):
-            mine = [p for p in programs if d in p.devices]
-            memory[d] = DeviceMemory(
-                device=d, stage=stage, params=held.params.get(d, 0), optimizer=held.optimizer.get(d, 0),
-                batch=held.batch.get(d, 0), stashed=stashed.get(d, 0),
-                temp=max((p.temp_bytes for p in mine), default=0),
-                outputs=max((p.output_bytes - p.alias_bytes for p in mine), default=0))
+    for d, stage in sorted(_stage_names(step_fn).items()):
+        mine = [p for p in programs if d in p.devices]
+        memory[d] = DeviceMemory(
+            device=d, stage=stage, params=held.params.get(d, 0), optimizer=held.optimizer.get(d, 0),
+            batch=held.batch.get(d, 0), stashed=stashed.get(d, 0),
+            temp=max((p.temp_bytes for p in mine), default=0),
+            outputs=max((p.output_bytes - p.alias_bytes for p in mine), default=0))
     result = Estimate(name=name, memory=memory, programs=programs, transfers=transfers, notes=_NOTES)
     if profile is None:
         return result
