@@ -16,6 +16,7 @@ from ..core.schedules import (
     ZeroBubbleH2,
     get_schedule,
 )
+from ..estimate import Estimate, HardwareProfile, estimate
 from ..run.checks import DonatedArrayError, StepInputError
 from ..run.mjit import MJitFunction, mjit
 from ..run.mpmd import MPMDFunction
@@ -46,7 +47,9 @@ from ..trace.taskspec import Task, TaskMesh, slice_global_mesh
 __all__ = [
     "Context",
     "DonatedArrayError",
+    "Estimate",
     "GPipe",
+    "HardwareProfile",
     "Interleaved1F1B",
     "BatchStep",
     "MJitFunction",
@@ -77,6 +80,7 @@ __all__ = [
     "enable_fast_path",
     "enable_recomputation",
     "enable_task_fusion",
+    "estimate",
     "get_schedule",
     "ignore_transforms",
     "microbatch",

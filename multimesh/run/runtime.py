@@ -115,6 +115,15 @@ class Runtime:
             step.stashed_in = [self._stash[k] for k in [c for _, _, c in step.copies] + step.outs if k in self._stash]
             step.stashed_out = [(k, *self._stash[k]) for k in step.frees if k in self._stash]
 
+    @property
+    def steps(self) -> list[_Step]:
+        """Each segment's execution in order, worked out once: what `multimesh.estimate` walks abstractly."""
+        return self._steps
+
+    def stashed(self) -> dict[Key, tuple[int, tuple]]:
+        """Copies of stashed forward activations: key -> (stage, (microbatch, chunk))."""
+        return dict(self._stash)
+
     def _home(self, v: Var) -> frozenset | None:
         k = self.plan.producer.get(v)
         return None if k is None else self.plan.segments[k].placement.devices

@@ -90,6 +90,13 @@ class Parallelized:
                                   abstract_batch=self._abstract_batch, param_shardings=param_shardings,
                                   donate=donate)
 
+    def estimate(self, profile: Any = None, **options: Any) -> Any:
+        """Memory per device, work and (with a hardware ``profile``) predicted step time, without running the
+        step: see `multimesh.estimate.estimate` for the options and ``docs/planning.md``."""
+        from ..estimate import estimate  # the estimate layer sits above this one: imported when asked
+
+        return estimate(self, profile, **options)
+
     def report(self, *, batch: bool = False) -> ShardingReport:
         """Where each parameter (``batch=True``: each batch array) lives, built without running anything.
 

@@ -1,0 +1,40 @@
+"""Plan before you run: memory per device, work and predicted step time of a step, from its compiled programs.
+
+    from multimesh.jax import estimate
+    est = estimate(step_fn, profile="h100-sxm")   # or step_fn.estimate(...)
+    print(est); est.fits(80 * 2**30)
+
+This layer reads the step's layouts, plan and runtime (``core``, ``plan``,
+``run``); only the public API and the steps' ``estimate`` method import it.
+"""
+
+from .build import estimate
+from .calibrate import calibrate
+from .collectives import Collective, find_collectives
+from .held import DEFAULT_OPTIMIZER_PATHS, HeldBytes, held_bytes, shard_bytes
+from .profiles import PROFILES, HardwareProfile, UnknownProfileError, get_profile
+from .programs import ProgramCost
+from .report import DeviceMemory, Estimate, MemoryLimitError, StepTime
+from .timing import ProgramTime, collective_time
+
+__all__ = [
+    "DEFAULT_OPTIMIZER_PATHS",
+    "PROFILES",
+    "Collective",
+    "DeviceMemory",
+    "Estimate",
+    "HardwareProfile",
+    "HeldBytes",
+    "MemoryLimitError",
+    "ProgramCost",
+    "ProgramTime",
+    "StepTime",
+    "UnknownProfileError",
+    "calibrate",
+    "collective_time",
+    "estimate",
+    "find_collectives",
+    "get_profile",
+    "held_bytes",
+    "shard_bytes",
+]

@@ -1,0 +1,136 @@
+"""`estimate(step_fn)`: the `Estimate` of a step built by `parallelize` (SPMD or MPMD), without running it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .held import DEFAULT_OPTIMIZER_PATHS, held_bytes, is_optimizer_path
+from .profiles import HardwareProfile, get_profile
+from .programs import ProgramCost, mpmd_programs, spmd_program
+from .report import DeviceMemory, Estimate, StepTime
+from .steptime import step_timing
+
+__all__ = ["estimate"]
+
+_NOTES = (
+    "params, optimizer and batch are exact (the layouts' shards); outputs and temp are XLA's analysis of the "
+    "programs compiled for this backend, which can differ on another (CPU compilation's temporaries are not a GPU's)",
+    "collectives inside a loop body count once, not once per iteration",
+)
+
+
+def _compute_dtype(step_fn: Any, optimizer_paths: str) -> str:
+    """The floating dtype holding the most parameter bytes (float32 when none)."""
+    by_dtype: dict[str, int] = {}
+    for leaf in step_fn.param_layout.leaves:
+        dt = np.dtype(leaf.dtype)
+        if dt.kind == "f" or dt.name == "bfloat16":
+            if not is_optimizer_path(leaf.path, optimizer_paths):
+                by_dtype[dt.name] = by_dtype.get(dt.name, 0) + leaf.nbytes
+    return max(by_dtype, key=by_dtype.get) if by_dtype else "float32"
+
+
+def _stage_names(step_fn: Any) -> dict[int, str]:
+    """Device id -> the names of the submeshes it belongs to (``"default"``: the step's own mesh)."""
+    plan = step_fn.plan
+    placements = plan.placements if getattr(step_fn, "runtime", None) is not None else [step_fn.placement]
+    names: dict[int, list[str]] = {}
+    for p in placements:
+        for d in p.mesh.devices.flat:
+            names.setdefault(d.id, []).append(p.name or "default")
+    return {d: "+".join(dict.fromkeys(n)) for d, n in names.items()}
+
+
+def _stashed_peak(step_fn: Any, stash: tuple, stage_index: dict[int, int]) -> dict[int, int]:
+    """Per device: the schedule's peak live microbatches on its stage x the most one microbatch stashes there."""
+    schedule = step_fn.plan.schedule
+    if schedule is None or not stash:
+        return {}
+    per_label: dict[tuple[int, tuple, int], int] = {}
+    for stage, label, shards in stash:
+        for d, n in shards.items():
+            per_label[(stage, label, d)] = per_label.get((stage, label, d), 0) + n
+    most: dict[int, int] = {}
+    for (stage, _, d), n in per_label.items():
+        most[d] = max(most.get(d, 0), n)
+    peaks = schedule.peak_live_activations
+    return {d: n * peaks.get(stage_index.get(d, -1), 0) for d, n in most.items()}
+
+
+def estimate(step_fn: Any, profile: str | HardwareProfile | None = None, *, args: tuple = (),
+             dtype: str | None = None, model_flops: float | None = None,
+             optimizer_paths: str = DEFAULT_OPTIMIZER_PATHS) -> Estimate:
+    """Memory per device, work and (with a ``profile``) predicted step time of ``step_fn``.
+
+    ``step_fn``: a step built by `parallelize` (`ShardedFunction` or
+    `MPMDFunction`). Its programs are compiled from abstract inputs; nothing
+    is allocated. ``profile``: a `HardwareProfile` or a name from
+    `PROFILES`. ``args``: an SPMD step's arguments after the parameters and
+    the batch (arrays or `jax.ShapeDtypeStruct`s), as it is called. ``dtype``: the compute dtype for the peak flop rate (default:
+    the floating dtype holding most parameter bytes). ``model_flops``: the
+    flops one step of the model needs, for MFU (default: XLA's count for the
+    compiled programs, recomputation included). ``optimizer_paths``: a
+    regular expression of the parameter paths that are optimizer state.
+    """
+    if profile is not None:
+        profile = get_profile(profile)
+    runtime = getattr(step_fn, "runtime", None)
+    if runtime is None and not hasattr(step_fn, "lower"):
+        raise TypeError(f"estimate needs a step built by parallelize (a ShardedFunction or MPMDFunction), "
+                        f"not {type(step_fn).__name__}")
+    name = getattr(step_fn.fun, "__name__", "step")
+    if runtime is None and step_fn.plan is None and not args:
+        raise TypeError(f"estimate: step {name!r} takes more arguments than (params, batch), and its program is "
+                        f"compiled for the arguments it is called with: pass the others as "
+                        f"estimate(step, args=(...)) (arrays or jax.ShapeDtypeStruct)")
+    if runtime is not None and args:
+        raise TypeError(f"estimate: step {name!r} is a pipeline (MPMD) step, called as step(params, batch): "
+                        f"it takes no args=")
+    held = held_bytes(step_fn.param_layout.leaves, step_fn.batch_layout.leaves, optimizer_paths)
+    stashed: dict[int, int] = {}
+    transfers: tuple = ()
+    segment_program: dict[int, int] | None = None
+    if runtime is None:
+        programs: tuple[ProgramCost, ...] = (spmd_program(step_fn, tuple(args)),)
+    else:
+        built = mpmd_programs(runtime)
+        programs = built.programs
+        segment_program = built.segment_program
+        stage_index = {d: s.stage for s in step_fn.plan.segments if s.stage is not None for d in
+                       (x.id for x in s.placement.devices)}
+        stashed = _stashed_peak(step_fn, built.stash, stage_index)
+        transfers = tuple((what, src, dst, size) for what, src, dst, _, size in step_fn.plan.transfers())
+    memory = {}
+    for d, stage in sorted(_stage_names(step_fn).items()):
+        mine = [p for p in programs if d in p.devices]
+        memory[d] = DeviceMemory(
+            device=d, stage=stage, params=held.params.get(d, 0), optimizer=held.optimizer.get(d, 0),
+            batch=held.batch.get(d, 0), stashed=stashed.get(d, 0),
+            temp=max((p.temp_bytes for p in mine), default=0),
+            outputs=max((p.output_bytes - p.alias_bytes for p in mine), default=0))
+    result = Estimate(name=name, memory=memory, programs=programs, transfers=transfers, notes=_NOTES)
+    if profile is None:
+        return result
+    return Estimate(name=name, memory=memory, programs=programs, transfers=transfers, profile=profile,
+                    time=_step_time(step_fn, result, segment_program, profile,
+                                    dtype or _compute_dtype(step_fn, optimizer_paths), model_flops),
+                    notes=_NOTES + _TIME_NOTES)
+
+
+_TIME_NOTES = (
+    "time: roofline per program + alpha-beta collectives, not overlapped; a pipeline through its schedule's "
+    "simulator, each stage costed as the busiest (see multimesh.estimate.steptime)",
+)
+
+
+def _step_time(step_fn: Any, est: Estimate, segment_program: dict[int, int] | None, profile: HardwareProfile,
+               dtype: str, model_flops: float | None) -> StepTime:
+    n_devices = len(est.memory)
+    timing = step_timing(step_fn.plan, est.programs, segment_program, est.transfers, profile, dtype, n_devices)
+    flops = est.flops if model_flops is None else model_flops
+    total = timing.total
+    mfu = flops / (total * profile.flops_rate(dtype) * n_devices) if total > 0 else 0.0
+    return StepTime(programs=timing.programs, transfers=timing.transfers, total=total, dtype=dtype, mfu=mfu,
+                    pipeline=timing.pipeline, outside=timing.outside)

@@ -1,0 +1,143 @@
+"""The step's compiled programs, compiled from abstract inputs: XLA's memory and cost analyses and collectives.
+
+SPMD: the step's one `jax.jit`, lowered with `jax.ShapeDtypeStruct`s carrying
+the parameter and batch shardings. MPMD: the runtime's programs, compiled in
+the runtime's order with the shardings their inputs would have when run (step
+inputs: their layouts' shardings, moved as the runtime moves them; values from
+another program: that program's output shardings, on the reader's submesh as
+`core.transfer.target_on` puts them). Nothing is allocated or executed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from ..core.meshes import mesh_context, no_mesh_context
+from ..core.transfer import target_on
+from .collectives import Collective, find_collectives
+from .held import slice_bytes
+
+__all__ = ["MPMDPrograms", "ProgramCost", "analyse_compiled", "mpmd_programs", "spmd_program"]
+
+
+@dataclass(frozen=True)
+class ProgramCost:
+    """One compiled program, per device of its mesh: XLA's memory analysis (bytes), cost analysis
+    (``flops``, ``bytes_accessed``), its collectives, and how often a step runs it (``executions``)."""
+
+    name: str
+    devices: frozenset[int]
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    flops: float
+    bytes_accessed: float
+    collectives: tuple[Collective, ...]
+    executions: int = 1
+
+    @property
+    def peak_bytes(self) -> int:
+        """Arguments + outputs - outputs aliased to donated arguments + temporaries: every buffer of the
+        program alive at once, an upper bound of what it needs while it runs."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+
+def _cost(compiled: Any) -> dict:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older jaxlibs: one dict per program
+        cost = cost[0] if cost else {}
+    return cost or {}
+
+
+def analyse_compiled(name: str, compiled: Any, mesh: Mesh, executions: int = 1) -> ProgramCost:
+    """A `ProgramCost` from a `jax.stages.Compiled` of a program on ``mesh``."""
+    memory = compiled.memory_analysis()
+    cost = _cost(compiled)
+    collectives = find_collectives(compiled.as_text(), list(mesh.axis_names), [int(s) for s in mesh.devices.shape])
+    return ProgramCost(
+        name=name, devices=frozenset(d.id for d in mesh.devices.flat),
+        argument_bytes=int(memory.argument_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
+        alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
+        flops=float(cost.get("flops", 0.0)), bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        collectives=tuple(collectives), executions=executions)
+
+
+def _abstract(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def spmd_program(step_fn: Any, args: tuple = ()) -> ProgramCost:
+    """The SPMD step's one program, compiled for its parameter and batch layouts (and ``args``, the step's
+    further arguments, arrays or `jax.ShapeDtypeStruct`s)."""
+    batch = _abstract(step_fn._abstract_batch, step_fn.batch_shardings)
+    with mesh_context(step_fn.mesh):
+        compiled = step_fn.lower(step_fn.abstract_params, batch, *args).compile()
+    return analyse_compiled(getattr(step_fn.fun, "__name__", "step"), compiled, step_fn.mesh)
+
+
+@dataclass(frozen=True)
+class MPMDPrograms:
+    """The MPMD step's programs (`ProgramCost`, ``executions`` counting the segments that call each) and,
+    per stashed forward activation, its stage, its (microbatch, chunk) and the bytes of its shard per device."""
+
+    programs: tuple[ProgramCost, ...]
+    stash: tuple[tuple[int, tuple, dict[int, int]], ...]
+    #: segment index -> index in ``programs`` of the program it runs
+    segment_program: dict[int, int]
+
+
+def _placed(x: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def mpmd_programs(runtime: Any) -> MPMDPrograms:
+    """Compile every program of an MPMD runtime from abstract inputs, walking its steps in order."""
+    plan = runtime.plan
+    held: dict[Any, Any] = {}
+    for v in plan.jaxpr.invars:
+        held[(v, None)] = jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=runtime.input_shardings[v])
+    held.update(((v, None), x) for v, x in plan.consts.items())
+    program_of = {k: p for p in runtime.programs for k in p.segments}
+    compiled: dict[tuple, Any] = {}
+    calls: dict[tuple, int] = {}
+    runs: dict[int, tuple] = {}  # segment index -> key of its compiled program
+    with no_mesh_context():
+        for step in runtime.steps:
+            seg = step.segment
+            mesh = seg.placement.mesh
+            for v, key in step.inputs:
+                x = held[(v, None)]
+                target = runtime.input_shardings.get(v)
+                if target is not None and not target.device_set <= seg.placement.devices:
+                    target = None
+                here = getattr(x, "sharding", None)
+                if here is not None and (here.device_set == seg.placement.devices or here == target):
+                    held[key] = x
+                else:
+                    held[key] = _placed(x, target if target is not None else target_on(x, mesh))
+            for _, src, dst in step.copies:
+                held[dst] = _placed(held[src], target_on(held[src], mesh))
+            args = [held[k] for k in step.args]
+            key = (id(step.fn), tuple(getattr(a, "sharding", None) for a in args))
+            if key not in compiled:
+                compiled[key] = (step.fn.lower(*args, *step.literals).compile(), program_of[seg.index], mesh)
+            calls[key] = calls.get(key, 0) + 1
+            runs[seg.index] = key
+            outs = jax.tree.leaves(compiled[key][0].output_shardings)
+            for (v, _), k, s in zip([(o[0], None) for o in step.outs], step.outs, outs):
+                held[k] = jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=s)
+    programs, position = [], {}
+    for key, (c, program, mesh) in compiled.items():
+        name = f"{program.placement.name or 'default'}_program{program.index}"
+        if any(p.name == name for p in programs):  # one program compiled for two sets of input shardings
+            name += f".{sum(p.name.startswith(name) for p in programs)}"
+        position[key] = len(programs)
+        programs.append(analyse_compiled(name, c, mesh, executions=calls[key]))
+    stash = tuple((stage, label, slice_bytes(tuple(held[k].shape), held[k].dtype.itemsize, held[k].sharding)) for k, (stage, label) in runtime.stashed().items()
+                  if k in held)
+    return MPMDPrograms(tuple(programs), stash, {k: position[key] for k, key in runs.items()})

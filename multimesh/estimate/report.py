@@ -1,0 +1,154 @@
+"""`Estimate`: memory per device, work and predicted time of a step, as one object with a table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..core.fmt import device_span, format_bytes
+from .profiles import HardwareProfile
+from .programs import ProgramCost
+from .timing import ProgramTime
+
+__all__ = ["DeviceMemory", "Estimate", "MemoryLimitError", "StepTime"]
+
+
+class MemoryLimitError(ValueError):
+    """No memory limit to check against: neither given nor from a profile."""
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Bytes on one device: the step inputs' shards (exact, from the layouts), the stashed activations at
+    the schedule's peak, and the largest of its programs' temporaries and outputs (XLA's analysis).
+
+    ``peak = params + optimizer + batch + stashed + max over its programs of (outputs - aliased + temporaries)``.
+    """
+
+    device: int
+    stage: str
+    params: int
+    optimizer: int
+    batch: int
+    stashed: int
+    temp: int
+    outputs: int
+
+    @property
+    def held(self) -> int:
+        return self.params + self.optimizer + self.batch
+
+    @property
+    def peak(self) -> int:
+        return self.held + self.stashed + self.outputs + self.temp
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """The predicted step in seconds: per program one execution's `ProgramTime`, the copies between stages,
+    the total; for a pipeline also its schedule's simulated makespan (``pipeline``) and the busiest stage's
+    work outside the schedule (``outside``: the optimizer update, glue)."""
+
+    programs: dict[str, ProgramTime]
+    transfers: float
+    total: float
+    dtype: str
+    mfu: float
+    pipeline: float = 0.0
+    outside: float = 0.0
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What a step needs per device and how long it should take, without running it.
+
+    ``memory``: a `DeviceMemory` per device id; ``programs``: each compiled
+    program's `ProgramCost` (per device of its mesh); ``transfers``: bytes
+    copied between stages per step, ``(what, from segment, to segment,
+    bytes)``; ``time``: a `StepTime` when a profile was given. Print it for
+    the table.
+    """
+
+    name: str
+    memory: dict[int, DeviceMemory]
+    programs: tuple[ProgramCost, ...]
+    transfers: tuple[tuple[str, int, int, int], ...] = ()
+    profile: HardwareProfile | None = None
+    time: StepTime | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most any one device needs."""
+        return max((m.peak for m in self.memory.values()), default=0)
+
+    @property
+    def flops(self) -> float:
+        """Flops of one step, all devices together (XLA's count for the compiled programs)."""
+        return sum(p.flops * p.executions * len(p.devices) for p in self.programs)
+
+    def overflow(self, memory_bytes: int | None = None) -> dict[int, int]:
+        """Per device that does not fit in ``memory_bytes`` (default: the profile's memory), the bytes over."""
+        limit = self._limit(memory_bytes)
+        return {d: m.peak - limit for d, m in self.memory.items() if m.peak > limit}
+
+    def fits(self, memory_bytes: int | None = None) -> bool:
+        """Whether every device's peak fits in ``memory_bytes`` (default: the profile's device memory)."""
+        return not self.overflow(memory_bytes)
+
+    def _limit(self, memory_bytes: int | None) -> int:
+        if memory_bytes is not None:
+            return int(memory_bytes)
+        if self.profile is None:
+            raise MemoryLimitError(f"estimate of {self.name!r}: fits() needs memory_bytes= or an estimate made "
+                                   f"with a profile (estimate(step, profile='h100-sxm')) for its device memory")
+        return self.profile.memory_bytes
+
+    def collectives(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """(kind, mesh axes) -> (count, bytes) per step, over every program and its executions."""
+        out: dict[tuple[str, str], tuple[int, int]] = {}
+        for p in self.programs:
+            for c in p.collectives:
+                n, b = out.get((c.kind, c.axes_label), (0, 0))
+                out[(c.kind, c.axes_label)] = (n + p.executions, b + c.bytes * p.executions)
+        return out
+
+    def __repr__(self) -> str:
+        text = f"Estimate({self.name}, peak {format_bytes(self.peak_bytes)}/device, {self.flops:.3g} flops"
+        if self.time is not None:
+            text += f", {self.time.total * 1e3:.3g} ms on {self.profile.name}"
+        return text + ")"
+
+    def __str__(self) -> str:
+        b = format_bytes
+        lines = [f"Estimate of {self.name}: memory per device"]
+        head = ("device", "stage", "params", "optimizer", "batch", "stashed", "outputs", "temp", "peak")
+        same: dict[tuple, list[int]] = {}  # devices with equal rows share one line
+        for d, m in sorted(self.memory.items()):
+            same.setdefault((m.stage, b(m.params), b(m.optimizer), b(m.batch), b(m.stashed), b(m.outputs),
+                             b(m.temp), b(m.peak)), []).append(d)
+        rows = [head] + [(device_span(ds), *row) for row, ds in same.items()]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+        lines.append("programs (per device, one execution):")
+        for p in self.programs:
+            t = f", {self.time.programs[p.name].total * 1e3:.3g} ms" if self.time is not None else ""
+            lines.append(f"  {p.name} x{p.executions} on {len(p.devices)} devices: {p.flops:.4g} flops, "
+                         f"{b(p.bytes_accessed)} accessed, temp {b(p.temp_bytes)}, "
+                         f"{len(p.collectives)} collectives{t}")
+        coll = self.collectives()
+        if coll:
+            lines.append("collectives per step (count, bytes per device):")
+            for (kind, axes), (n, nbytes) in sorted(coll.items()):
+                lines.append(f"  {kind} over {axes}: {n}, {b(nbytes)}")
+        else:
+            lines.append("collectives per step: none")
+        if self.transfers:
+            lines.append(f"between stages: {len(self.transfers)} copies, "
+                         f"{b(sum(t[3] for t in self.transfers))} per step")
+        if self.time is not None:
+            parts = (f" (pipeline {self.time.pipeline * 1e3:.4g} ms + outside it {self.time.outside * 1e3:.4g} ms)"
+                     if self.time.pipeline else "")
+            lines.append(f"predicted step time on {self.profile.name} ({self.time.dtype}): "
+                         f"{self.time.total * 1e3:.4g} ms{parts}, MFU {self.time.mfu:.1%}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)

@@ -1,0 +1,296 @@
+"""Estimates before running: exact bytes per device, collectives from the compiled HLO, a time model, errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from multimesh.estimate import (
+    PROFILES,
+    Collective,
+    MemoryLimitError,
+    UnknownProfileError,
+    calibrate,
+    collective_time,
+    find_collectives,
+    get_profile,
+)
+from multimesh.jax import build_mesh, estimate, microbatch, parallelize, task, with_sharding_constraint
+
+pytestmark = pytest.mark.devices(8)
+
+_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+B, D, H = 16, 16, 32
+TX = optax.adam(1e-2)
+
+
+def init_state(n_layers: int):
+    def init():
+        keys = jax.random.split(jax.random.key(0), 2 * n_layers)
+        p = {f"s{i}": {"a": jax.random.normal(keys[2 * i], (D, H)), "b": jax.random.normal(keys[2 * i + 1], (H, D))}
+             for i in range(n_layers)}
+        return {"params": p, "opt_state": TX.init(p)}
+    return init
+
+
+def make_batch():
+    return {"x": jax.random.normal(jax.random.key(5), (B, D)), "y": jax.random.normal(jax.random.key(6), (B, D))}
+
+
+def layer(w, x):
+    return x + jnp.tanh(x @ w["a"]) @ w["b"]
+
+
+def train_step(loss):
+    def step(state, b):
+        value, grads = jax.value_and_grad(loss)(state["params"], b)
+        updates, opt = TX.update(grads, state["opt_state"], state["params"])
+        return value, {"params": optax.apply_updates(state["params"], updates), "opt_state": opt}
+    return step
+
+
+def chain(stages):
+    def loss(p, b):
+        h = b["x"]
+        for i, s in enumerate(stages):
+            h = s(p[f"s{i}"], h)
+        return jnp.mean((h - b["y"]) ** 2)
+    return loss
+
+
+def bytes_held(tree) -> dict[int, int]:
+    """Device id -> bytes of the shards the arrays of ``tree`` hold there (what the step actually built)."""
+    out: dict[int, int] = {}
+    for x in jax.tree.leaves(tree):
+        for shard in x.addressable_shards:
+            out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
+    return out
+
+
+def assert_held_equals_built(est, state, batch):
+    for kind, tree in (("params", state["params"]), ("optimizer", state["opt_state"]), ("batch", batch)):
+        built = bytes_held(tree)
+        estimated = {d: getattr(m, kind) for d, m in est.memory.items() if getattr(m, kind)}
+        assert estimated == built, kind
+
+
+@pytest.fixture(scope="module")
+def fsdp():
+    """FSDP on 8 devices: every matrix's first dimension and the batch split over ``fsdp``."""
+    fn, init, get_batch = parallelize(
+        train_step(chain([layer, layer])), init_params=init_state(2), get_input_batch=make_batch,
+        mesh=build_mesh({"fsdp": 8}), rules=[("batch", "fsdp")], param_rules=[(r"/(a|b)$", P("fsdp"))])
+    return fn, init(), get_batch()
+
+
+@pytest.fixture(scope="module")
+def pipeline():
+    """Two stages of 4 devices (data 2 x model 2), matrices split over ``model``, 1F1B over 4 microbatches."""
+    devices = np.array(jax.devices())
+    meshes = [build_mesh({"data": 2, "model": 2}, devices[:4]), build_mesh({"data": 2, "model": 2}, devices[4:])]
+
+    def tp_layer(w, x):
+        h = with_sharding_constraint(jnp.tanh(x @ w["a"]), P("data", "model"))
+        return x + h @ w["b"]
+
+    stages = [task(tp_layer, f"stage{i}", mesh=m) for i, m in enumerate(meshes)]
+    loss = chain(stages)
+
+    def step(state, b):
+        value, grads = jax.value_and_grad(microbatch(loss, 0, B // 4, argnum=1, schedule="1f1b"))(
+            state["params"], b)
+        updates, opt = TX.update(grads, state["opt_state"], state["params"])
+        return value, {"params": optax.apply_updates(state["params"], updates), "opt_state": opt}
+
+    fn, init, get_batch = parallelize(step, init_params=init_state(2), get_input_batch=make_batch,
+                                      rules=[("batch", "data")],
+                                      param_rules=[(r"/a$", P(None, "model")), (r"/b$", P("model", None))])
+    return fn, init(), get_batch()
+
+
+def test_fsdp_bytes_per_device_equal_the_built_shards(fsdp):
+    fn, state, batch = fsdp
+    before = len(jax.live_arrays())
+    est = fn.estimate()
+    assert len(jax.live_arrays()) == before  # compiled from abstract inputs: nothing allocated
+    assert_held_equals_built(est, state, batch)
+    # each device holds 1/8 of every matrix: the layout is what was asked, not everything replicated
+    assert est.memory[0].params == 2 * 2 * D * H * 4 // 8
+    # XLA's own count of the program's arguments agrees with the layouts
+    (program,) = est.programs
+    assert program.argument_bytes == est.memory[0].held
+    assert est.memory[0].peak == program.peak_bytes
+
+
+def test_pipeline_bytes_per_device_equal_the_built_shards(pipeline):
+    fn, state, batch = pipeline
+    before = len(jax.live_arrays())
+    est = estimate(fn)
+    assert len(jax.live_arrays()) == before
+    assert_held_equals_built(est, state, batch)
+    assert est.memory[0].params == 2 * D * H * 4 // 2  # stage 0's two matrices, split over model=2
+    assert {d: m.stage for d, m in est.memory.items()} == {**dict.fromkeys(range(4), "stage0"),
+                                                           **dict.fromkeys(range(4, 8), "stage1")}
+    # every program of the runtime was compiled, each on its stage's four devices
+    assert len(est.programs) == len(fn.runtime.programs)
+    assert all(len(p.devices) == 4 and p.executions >= 1 for p in est.programs)
+    assert sum(p.executions for p in est.programs) == len(fn.plan.segments)
+    # 1F1B: stage 0 holds two microbatches' activations at its peak, stage 1 one
+    assert fn.plan.schedule.peak_live_activations == {0: 2, 1: 1}
+    assert 0 < est.memory[4].stashed < est.memory[0].stashed
+    assert sum(t[3] for t in est.transfers) == sum(t[4] for t in fn.plan.transfers()) > 0
+
+
+def tensor_parallel_step(rules):
+    def loss(p, b):
+        return jnp.mean((jnp.tanh(b["x"] @ p["s0"]["a"]) @ p["s0"]["b"] - b["y"]) ** 2)
+    return parallelize(train_step(loss), init_params=init_state(1), get_input_batch=make_batch,
+                       mesh=build_mesh({"data": 2, "model": 4}), param_rules=rules)[0]
+
+
+def test_tensor_parallel_matmul_reduces_over_its_axis_and_a_replicated_step_has_no_collective():
+    tp = tensor_parallel_step([(r"/a$", P(None, "model")), (r"/b$", P("model", None))]).estimate()
+    kinds = {kind for kind, _ in tp.collectives()}
+    assert kinds & {"all-reduce", "reduce-scatter"}
+    assert all(axes == "model" for _, axes in tp.collectives())
+    with pytest.warns(UserWarning, match="replicated"):
+        replicated = tensor_parallel_step(None)
+    assert replicated.estimate().collectives() == {}
+
+
+def test_estimates_are_deterministic(fsdp, pipeline):
+    for fn, _, _ in (fsdp, pipeline):
+        a, b = fn.estimate("h100-sxm"), fn.estimate("h100-sxm")
+        assert a.memory == b.memory and a.programs == b.programs and a.time == b.time
+        assert str(a) == str(b) and repr(a) == repr(b)
+
+
+def test_time_and_fit_on_a_profile(fsdp):
+    fn, _, _ = fsdp
+    est = fn.estimate("h100-sxm")
+    assert est.time is not None and est.time.total > 0 and 0 < est.time.mfu < 1
+    assert est.time.dtype == "float32"
+    assert est.fits() and est.fits(est.peak_bytes) and not est.fits(est.peak_bytes - 1)
+    assert est.overflow(est.peak_bytes - 1) == {d: 1 for d, m in est.memory.items() if m.peak == est.peak_bytes}
+    text = str(est)
+    assert "h100-sxm" in text and "peak" in text and "all-gather over fsdp" in text
+    with pytest.raises(MemoryLimitError, match="memory_bytes="):
+        fn.estimate().fits()
+
+
+def test_an_unknown_profile_is_a_clear_error(fsdp):
+    fn, _, _ = fsdp
+    with pytest.raises(UnknownProfileError, match=r"'h100-pcie'.*a100-80gb, h100-sxm, h200"):
+        fn.estimate("h100-pcie")
+    assert get_profile("H200") is PROFILES["h200"]
+    with pytest.raises(TypeError, match="profile must be a name or a HardwareProfile"):
+        get_profile(80)
+
+
+def test_collectives_are_read_in_every_group_form():
+    hlo = "\n".join([
+        "  %ar = f32[16,16]{1,0} all-reduce(%x), channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, "
+        "use_global_device_ids=true, to_apply=%add",
+        "  %ag = bf16[8,32]{1,0} all-gather(%y), channel_id=2, replica_groups=[2,4]<=[8], dimensions={1}",
+        "  %rs = f32[4]{0} reduce-scatter(%z), channel_id=3, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}",
+        "  %a2a = f32[2,2]{1,0} all-to-all(%w), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}",
+        "  %cp-start = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(%v), "
+        "source_target_pairs={{0,1},{1,2},{2,3},{3,0}}",
+        "  %cp-done = f32[8]{0} collective-permute-done(%cp-start)",
+        "  %all = f32[3]{0} all-reduce(%u), replica_groups={}, to_apply=%add",
+        "  %odd = f32[3]{0} all-reduce(%u), replica_groups={{0,3},{1,2},{4,7},{5,6}}, to_apply=%add",
+        "  %fusion = f32[16,16]{1,0} fusion(%ar), kind=kLoop",
+    ])
+    found = find_collectives(hlo, ["data", "model"], [2, 4])  # device id = data * 4 + model
+    assert [(c.kind, c.bytes, c.group_size, c.axes) for c in found] == [
+        ("all-reduce", 16 * 16 * 4, 2, ("data",)),
+        ("all-gather", 8 * 32 * 2, 4, ("model",)),
+        ("reduce-scatter", 4 * 4, 2, ("data",)),
+        ("all-to-all", 2 * 2 * 4, 4, ("model",)),
+        ("collective-permute", 8 * 4, 2, ("model",)),
+        ("all-reduce", 3 * 4, 8, ("data", "model")),
+        ("all-reduce", 3 * 4, 2, None),
+    ]
+    assert found[-1].axes_label == "unknown axes"
+
+
+def test_collective_time_is_the_ring_model():
+    h100 = PROFILES["h100-sxm"]
+    one_mib = 1 << 20
+    ar = collective_time(Collective("all-reduce", one_mib, 4, ("model",), "ar"), h100)
+    assert ar == pytest.approx(6 * h100.intra_node_latency + 1.5 * one_mib / h100.intra_node_bandwidth)
+    across = collective_time(Collective("all-gather", one_mib, 16, ("data",), "ag"), h100)
+    assert across == pytest.approx(15 * h100.inter_node_latency + 15 / 16 * one_mib / h100.inter_node_bandwidth)
+    assert collective_time(Collective("all-reduce", one_mib, 1, (), "none"), h100) == 0.0
+
+
+@pytest.mark.parametrize("config, overrides", [
+    ("fsdp", []),
+    # a scanned stack split over two stages: about 30 s here, so with the long checks
+    pytest.param("pipeline", ["model.scan_layers=true"], marks=pytest.mark.slow),
+], ids=["fsdp", "pipeline-split-stack"])
+def test_the_example_transformer_bytes_per_device_equal_the_built_shards(config, overrides):
+    from trainers.config import load_config
+    from trainers.layout import build_layout
+    from trainers.step import build_program
+
+    cfg = load_config(str(_CONFIGS / f"{config}.yaml"),
+                      ["model.num_layers=2", "model.d_model=32", "model.num_heads=2", "data.seq_len=16",
+                       "model.max_len=16", *overrides])
+    layout = build_layout(cfg.layout)
+    batch = {"tokens": np.zeros((cfg.data.batch_size, cfg.data.seq_len + 1), np.int32)}
+    with layout.tasks(cfg.model.num_layers, cfg.model.scan_layers):
+        program = build_program(cfg, layout, batch, batch)
+    est = program.step.estimate()
+    state = program.init()
+    placed = jax.device_put(batch, program.step.batch_shardings)
+    assert_held_equals_built(est, {"params": state["params"], "opt_state": state["opt"]}, placed)
+    assert est.memory[0].optimizer > est.memory[0].params > 0  # the trainer's {"params", "opt"} told apart
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(TypeError, match="estimate needs a step built by parallelize.*function"):
+        estimate(lambda params, batch: 0.0)
+
+    def scaled(params, b, scale):
+        return jnp.sum(b["x"] @ params["w"]) * scale
+
+    fn = parallelize(scaled, init_params=lambda: {"w": jnp.ones((D, D))}, get_input_batch=make_batch,
+                     mesh=build_mesh({"data": 8}), rules=[("batch", "data")], param_rules=[("w", P("data"))])[0]
+    with pytest.raises(TypeError, match=r"step 'scaled' takes more arguments.*args=\(\.\.\.\)"):
+        fn.estimate()
+    est = fn.estimate(args=(jax.ShapeDtypeStruct((), jnp.float32),))
+    assert est.memory[0].params == D * D * 4 // 8
+    with pytest.raises(ValueError, match="profile 'a100-80gb' has no peak for dtype 'float8'"):
+        fn.estimate("a100-80gb", args=(1.0,), dtype="float8")
+
+
+def test_a_profile_calibrated_here_prices_a_step(fsdp):
+    fn, _, _ = fsdp
+    here = calibrate(matmul_size=64, copy_bytes=1 << 18, collective_bytes=1 << 18, repeats=2)
+    assert here.name == "calibrated-cpu" and here.devices_per_node == jax.device_count()
+    for value in (here.peak_flops["float32"], here.memory_bandwidth, here.memory_bytes,
+                  here.intra_node_bandwidth, here.intra_node_latency):
+        assert np.isfinite(value) and value > 0
+    est = fn.estimate(here)
+    assert est.profile is here and est.time.total > 0 and est.time.dtype == "float32"
+
+
+def test_a_pipeline_is_timed_through_its_schedule(pipeline):
+    fn, _, _ = pipeline
+    est = fn.estimate("h100-sxm")
+    t = est.time
+    busy: dict[frozenset, float] = {}
+    for p in est.programs:
+        busy[p.devices] = busy.get(p.devices, 0.0) + p.executions * t.programs[p.name].total
+    assert t.pipeline > 0 and t.total == pytest.approx(t.pipeline + t.outside)
+    assert t.total >= max(busy.values())  # no stage gets through its work faster than doing it
+    # its two stages are alike: overlapping them beats running every program and copy one after another
+    assert t.total < sum(busy.values()) + t.transfers
