@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,7 +34,7 @@ from trainers.config import LayoutConfig, PipelineConfig
 from trainers.fit import batch_shards, check_devices
 
 __all__ = ["RunLayout", "build_layout", "pipeline_schedule", "sharding_rows", "sharding_table", "stage_of_layer",
-           "write_schedule_png"]
+           "stage_of_module", "write_schedule_png"]
 
 #: Module names placed on pipeline stages: the embedding, each block, the head.
 STAGE_MODULES = r"embed|head|layers_(\d+)"
@@ -44,6 +45,22 @@ SCANNED_STACK = r"layers"
 def stage_of_layer(layer: int, num_layers: int, stages: int) -> int:
     """The stage of block ``layer`` when ``num_layers`` blocks are split evenly over ``stages``."""
     return layer * stages // num_layers
+
+
+def stage_of_module(name: str, num_layers: int, stages: int) -> int:
+    """The stage that module ``name`` (``embed``, ``layers_<i>``, ``head``) is registered on.
+
+    With tied embeddings the table belongs to ``embed`` (stage 0); the head reads it again on the last
+    stage, and its gradient is summed back (``docs/implicit-tasks.md``).
+    """
+    if name == "embed":
+        return 0
+    if name == "head":
+        return stages - 1
+    match = re.fullmatch(STAGE_MODULES, name)
+    if match is None or match.group(1) is None:
+        raise ValueError(f"module {name!r} is not one of the pipeline's: embed, layers_<i>, head")
+    return stage_of_layer(int(match.group(1)), num_layers, stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,13 +117,7 @@ class RunLayout:
         placement_kw = dict(dims=tuple(self.mesh.values()), device_axes=tuple(self.mesh), logical_axes=self.rules)
 
         def placement(match: Any, backprop: bool) -> tuple[tuple, str]:
-            name = match.group(0)
-            if name == "embed":
-                s = 0
-            elif name == "head":
-                s = stages - 1
-            else:
-                s = stage_of_layer(int(match.group(1)), num_layers, stages)
+            s = stage_of_module(match.group(0), num_layers, stages)
             return self.devices[s * per_stage:(s + 1) * per_stage], f"stage{s}"
 
         with contextlib.ExitStack() as registered:
