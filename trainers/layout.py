@@ -8,7 +8,11 @@ Pipeline: the same model and step. ``register_task`` places the modules by
 name: ``embed`` and the first blocks on stage 0, ..., the last blocks and
 ``head`` on the last stage (blocks split evenly); stage ``s`` runs on the
 layout's devices ``[s*n, (s+1)*n)`` (``n`` = the size of ``layout.mesh``, its
-shape and axes), with the same rules. With ``model.scan_layers`` the blocks are
+shape and axes), with the same rules. A tied embedding (``model.tie_embeddings``,
+every config's default) is ``embed``'s: its table lives on stage 0, the head
+reads it again on the last stage (the table copied there each step, its
+gradient summed back), so a pipeline trains the model every layout trains. With
+``model.scan_layers`` the blocks are
 one scanned stack, split evenly over the stages (``register_task("layers",
 split=...)``): its stacked parameters live in per-stage parts. ``microbatch`` wraps the loss so that the global batch
 runs as ``microbatches`` microbatches in ``schedule`` order.
