@@ -41,7 +41,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{jax.device_count()} {jax.devices()[0].platform} devices, {os.cpu_count()} cores, {args.steps} steps")
     print(f"{'config':10s} {'layout':58s} {'tokens/s':>9s} {'1-device':>9s} {'ratio':>6s}")
-    reference: dict[bool, float] = {}  # by tied embeddings (the pipelines' model is untied)
+    reference: dict[bool, float] = {}  # by tied embeddings (an override may untie them)
     with tempfile.TemporaryDirectory() as tmp:
         for i, name in enumerate(args.configs):
             cfg = load_config(name)

@@ -844,8 +844,6 @@ CONFIGS = [
       CliFailed, "layout.pipeline.microbatches=3", "data.batch_size=16"),
     C("cli-pipeline-unknown-schedule", lambda s: cli("pipeline", "layout.pipeline.schedule=zb", "--print-config"),
       CliFailed, "layout.pipeline", "'zb'", "1f1b"),
-    C("cli-pipeline-tied-embeddings", lambda s: cli("pipeline", "model.tie_embeddings=true", "--print-config"),
-      CliFailed, "model.tie_embeddings", "layout.pipeline"),
     C("cli-seq-len-too-long", lambda s: cli("data.seq_len=512", "--print-config"), CliFailed, "data.seq_len=512",
       "model.max_len=128"),
     C("cli-vocab-too-small", lambda s: cli("model.vocab_size=100", "--print-config"), CliFailed,

@@ -51,8 +51,11 @@ def _train_parser() -> argparse.ArgumentParser:
                    help="a config name (configs/NAME.yaml) or YAML path, then key.sub=value overrides")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--plan", action="store_true",
-                   help="print the layout (and a pipeline's schedule), write train.out_dir/schedule.png, exit")
-    p.add_argument("--report", action="store_true", help="also print the parameters' sharding table")
+                   help="print the layout (a pipeline: the modules and parameter bytes of each stage, and its "
+                        "schedule), write train.out_dir/schedule.png, exit")
+    p.add_argument("--report", action="store_true",
+                   help="print where every parameter and batch array lives (sharding.txt; a pipeline: on which "
+                        "stage) before training starts")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or messages; only the summary")
     multi = p.add_argument_group(
         "several processes",
@@ -189,7 +192,7 @@ def _train(argv: Sequence[str]) -> int:
     from trainers.train import train
 
     try:
-        result = train(cfg, quiet=opts.quiet)
+        result = train(cfg, quiet=opts.quiet, report=opts.report)
     except ConfigError as e:
         print(f"multimesh-train: config error: {e}", file=sys.stderr)
         return 2
@@ -207,14 +210,13 @@ def _train(argv: Sequence[str]) -> int:
               "committed are kept", file=sys.stderr)
         return 130
     if opts.process_id == 0:  # the others' numbers are the same
-        if opts.report:
-            print((result.out_dir / "sharding.txt").read_text())
         print(result.summary())
     return 0
 
 
 def _plan(cfg, num_processes: int) -> int:
-    """``--plan``: the layout in words; for a pipeline its schedule, as text and as schedule.png.
+    """``--plan``: the layout in words; for a pipeline its stages (modules, devices, parameter bytes) and
+    its schedule, as text and as schedule.png.
 
     It checks the layout against this machine's devices (times ``num_processes``) and ``train.out_dir``
     first, as training would.
@@ -232,10 +234,11 @@ def _plan(cfg, num_processes: int) -> int:
         print(f"{cfg.name}: SPMD on {lay.num_devices} devices, mesh {mesh}, rules {lay.rule_pairs()}; no pipeline")
         return 0
     from trainers.layout import pipeline_schedule, write_schedule_png
+    from trainers.stage_plan import format_stage_plan
 
     p = lay.pipeline
     print(f"{cfg.name}: {p.stages}-stage pipeline on {lay.num_devices} devices, stage mesh {mesh}, "
-          f"{p.microbatches} microbatches\n{pipeline_schedule(p)}")
+          f"{p.microbatches} microbatches\n{format_stage_plan(cfg)}\n{pipeline_schedule(p)}")
     path = make_out_dir(cfg.out_dir) / "schedule.png"
     write_schedule_png(p, path, title=None)
     print(f"wrote {path}")

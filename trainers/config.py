@@ -500,11 +500,6 @@ def _check_consistency(cfg: Config) -> None:
         raise ConfigError(f"model.vocab_size={m.vocab_size}: the byte-level data needs at least 256")
     p = lay.pipeline
     if p is not None:
-        if m.tie_embeddings:
-            raise ConfigError(
-                "model.tie_embeddings must be false with layout.pipeline: a tied embedding would be "
-                "shared by the first and the last stage"
-            )
         if m.num_layers < p.stages:
             raise ConfigError(f"layout.pipeline.stages={p.stages} exceeds model.num_layers={m.num_layers}")
         if m.scan_layers and m.num_layers % p.stages:

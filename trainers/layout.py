@@ -8,7 +8,11 @@ Pipeline: the same model and step. ``register_task`` places the modules by
 name: ``embed`` and the first blocks on stage 0, ..., the last blocks and
 ``head`` on the last stage (blocks split evenly); stage ``s`` runs on the
 layout's devices ``[s*n, (s+1)*n)`` (``n`` = the size of ``layout.mesh``, its
-shape and axes), with the same rules. With ``model.scan_layers`` the blocks are
+shape and axes), with the same rules. A tied embedding (``model.tie_embeddings``,
+every config's default) is ``embed``'s: its table lives on stage 0, the head
+reads it again on the last stage (the table copied there each step, its
+gradient summed back), so a pipeline trains the model every layout trains. With
+``model.scan_layers`` the blocks are
 one scanned stack, split evenly over the stages (``register_task("layers",
 split=...)``): its stacked parameters live in per-stage parts. ``microbatch`` wraps the loss so that the global batch
 runs as ``microbatches`` microbatches in ``schedule`` order.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,7 +38,7 @@ from trainers.config import LayoutConfig, PipelineConfig
 from trainers.fit import batch_shards, check_devices
 
 __all__ = ["RunLayout", "build_layout", "pipeline_schedule", "sharding_rows", "sharding_table", "stage_of_layer",
-           "write_schedule_png"]
+           "stage_of_module", "write_schedule_png"]
 
 #: Module names placed on pipeline stages: the embedding, each block, the head.
 STAGE_MODULES = r"embed|head|layers_(\d+)"
@@ -44,6 +49,22 @@ SCANNED_STACK = r"layers"
 def stage_of_layer(layer: int, num_layers: int, stages: int) -> int:
     """The stage of block ``layer`` when ``num_layers`` blocks are split evenly over ``stages``."""
     return layer * stages // num_layers
+
+
+def stage_of_module(name: str, num_layers: int, stages: int) -> int:
+    """The stage that module ``name`` (``embed``, ``layers_<i>``, ``head``) is registered on.
+
+    With tied embeddings the table belongs to ``embed`` (stage 0); the head reads it again on the last
+    stage, and its gradient is summed back (``docs/implicit-tasks.md``).
+    """
+    if name == "embed":
+        return 0
+    if name == "head":
+        return stages - 1
+    match = re.fullmatch(STAGE_MODULES, name)
+    if match is None or match.group(1) is None:
+        raise ValueError(f"module {name!r} is not one of the pipeline's: embed, layers_<i>, head")
+    return stage_of_layer(int(match.group(1)), num_layers, stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,13 +121,7 @@ class RunLayout:
         placement_kw = dict(dims=tuple(self.mesh.values()), device_axes=tuple(self.mesh), logical_axes=self.rules)
 
         def placement(match: Any, backprop: bool) -> tuple[tuple, str]:
-            name = match.group(0)
-            if name == "embed":
-                s = 0
-            elif name == "head":
-                s = stages - 1
-            else:
-                s = stage_of_layer(int(match.group(1)), num_layers, stages)
+            s = stage_of_module(match.group(0), num_layers, stages)
             return self.devices[s * per_stage:(s + 1) * per_stage], f"stage{s}"
 
         with contextlib.ExitStack() as registered:

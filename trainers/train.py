@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shlex
 import sys
 import time
 import warnings
@@ -45,6 +46,7 @@ import numpy as np
 from models.transformer import count_params
 from multimesh.checkpoint import CheckpointManager
 from trainers.config import Config, ConfigError, config_from_dict
+from trainers.config_diff import changed_keys, describe_changes, yaml_value
 from trainers.data import TextDataset, load_corpus, make_datasets
 from trainers.feed import Feed
 from trainers.fit import check_data, make_out_dir
@@ -55,7 +57,7 @@ from trainers.preemption import Preempted, StopSignals
 from trainers.run_lock import hold_out_dir
 from trainers.step import Program, build_program
 
-__all__ = ["SYNC_EVERY", "TrainResult", "train"]
+__all__ = ["SYNC_EVERY", "TrainResult", "sharding_text", "train"]
 
 #: Block on the step's results at least this often: bounds the executions in flight
 #: (XLA:CPU aborts when ~50 collectives are queued) and keeps the progress bar honest.
@@ -121,13 +123,14 @@ def _resume_point(ckpt: CheckpointManager, cfg: Config) -> int | None:
             old = config_from_dict(saved["config"])
         except ConfigError:
             return latest  # written by another version of the trainer: the restore checks shapes
-        for section in ("model", "data"):
-            if getattr(old, section) != getattr(cfg, section):
-                raise ConfigError(
-                    f"{ckpt.step_path(latest)} was written with a different {section} config:\n"
-                    f"  saved: {getattr(old, section)}\n  now:   {getattr(cfg, section)}\n"
-                    f"use another train.out_dir, or the saved {section} settings"
-                )
+        changes = [c for section in ("model", "data") for c in changed_keys(getattr(old, section),
+                                                                           getattr(cfg, section), section)]
+        if changes:
+            overrides = " ".join(shlex.quote(f"{key}={yaml_value(a)}") for key, a, _ in changes)
+            raise ConfigError(
+                f"{ckpt.step_path(latest)} was written with other model/data settings: {describe_changes(changes)} "
+                f"(saved -> now); resume with the saved ones ({overrides}) or use another train.out_dir"
+            )
     return latest
 
 
@@ -138,19 +141,28 @@ def _log(quiet: bool, message: str) -> None:
         tqdm.write(message, file=sys.stdout)
 
 
-def _write_run_files(out: Path, program: Program) -> None:
+def sharding_text(program: Program) -> str:
+    """What ``sharding.txt`` holds: where each parameter and batch array lives (a pipeline: on which
+    stage), and for a pipeline its MPMD plan (an SPMD step's one-segment plan says nothing more)."""
     step = program.step
-    plan = f"\n\n{step.plan}" if hasattr(step, "plan") else ""
-    (out / "sharding.txt").write_text(f"{step.report()}{plan}\n")
+    plan = f"\n\n{step.plan}" if program.layout.is_pipeline else ""
+    return f"{step.report()}\n\n{step.report(batch=True)}{plan}\n"
+
+
+def _write_run_files(out: Path, program: Program, sharding: str) -> None:
+    (out / "sharding.txt").write_text(sharding)
     (out / "config.yaml").write_text(program.config.to_yaml())
     if program.layout.pipeline is not None:
         write_schedule_png(program.layout.pipeline, out / "schedule.png")
 
 
-def train(cfg: Config, *, devices: Any = None, quiet: bool = False, stop_after: int | None = None) -> TrainResult:
+def train(cfg: Config, *, devices: Any = None, quiet: bool = False, stop_after: int | None = None,
+          report: bool = False) -> TrainResult:
     """Run (or resume) training as configured; see the module doc for what is written.
 
     ``devices``: where the layout runs (default ``jax.devices()``).
+    ``report``: print ``sharding.txt`` (where every array lives) once the step is built, before training
+    (even when ``quiet``).
     ``stop_after``: leave after this step without the final checkpoint,
     validation or plot (as if killed; for tests).
 
@@ -167,10 +179,10 @@ def train(cfg: Config, *, devices: Any = None, quiet: bool = False, stop_after: 
     ``CheckpointSaveError`` at the next step.
     """
     with hold_out_dir(cfg.out_dir):
-        return _train(cfg, devices=devices, quiet=quiet, stop_after=stop_after)
+        return _train(cfg, devices=devices, quiet=quiet, stop_after=stop_after, report=report)
 
 
-def _train(cfg: Config, *, devices: Any, quiet: bool, stop_after: int | None) -> TrainResult:
+def _train(cfg: Config, *, devices: Any, quiet: bool, stop_after: int | None, report: bool) -> TrainResult:
     t_start = time.perf_counter()
     main = jax.process_index() == 0
     quiet = quiet or not main
@@ -186,7 +198,10 @@ def _train(cfg: Config, *, devices: Any, quiet: bool, stop_after: int | None) ->
         program = build_program(cfg, layout, train_ds.batch_at(0), val_ds.batch_at(0))
         train_feed, val_feed = Feed(train_ds, program.step), Feed(val_ds, program.evaluate)
         if main:
-            _write_run_files(out, program)
+            sharding = sharding_text(program)
+            _write_run_files(out, program, sharding)
+            if report:  # before the first step compiles, so that a layout is judged without waiting
+                print(sharding, file=sys.stdout, flush=True)
         n_params = count_params(program.abstract_state["params"])
         _log(quiet, f"config {cfg.name}: {cfg.model.num_layers} layers, d_model {cfg.model.d_model}, "
                     f"{n_params / 1e6:.2f}M parameters, {cfg.model.dtype}; {layout.describe()}")

@@ -109,18 +109,19 @@ class Plan:
         lines = [f"MPMD plan: {len(self.segments)} segments on {len(self.placements)} submeshes"]
         for p in self.placements:
             lines.append(f"  submesh {p.describe()}")
-        moves = {}
+        moves: dict[int, list] = {}
         for what, src, dst, aval, size in self.transfers():
-            moves.setdefault(dst, []).append((what, src, aval, size))
+            moves.setdefault(dst, []).append((src, aval, size))
+        # Indices and labels padded to the widest, so that the columns stay aligned past [9].
+        index_width = max((len(f"[{seg.index}]") for seg in self.segments), default=3)
+        label_width = max([28, *(len(seg.label) for seg in self.segments)])
         for seg in self.segments:
             n_in = sum(nbytes(v) for v in seg.invars)
             lines.append(
-                f"  [{seg.index}] {seg.label:<28} {len(seg.eqns):4d} eqns  in {len(seg.invars)} ({_mib(n_in)})"
-                f"  out {len(seg.outvars)}"
+                f"  {f'[{seg.index}]':<{index_width}} {seg.label:<{label_width}} {len(seg.eqns):4d} eqns  "
+                f"in {len(seg.invars)} ({_mib(n_in)})  out {len(seg.outvars)}"
             )
-            for what, src, aval, size in moves.get(seg.index, []):
-                origin = "input" if src < 0 else f"[{src}]"
-                lines.append(f"        <- reshard {aval.str_short()} from {origin} ({_mib(size)})")
+            lines.extend(_transfer_lines(moves.get(seg.index, []), indent=" " * (index_width + 5)))
         if self.boundary is not None:
             for split in dict.fromkeys(h.split for h in self.boundary.inputs + self.boundary.outputs if h is not None):
                 lines.append(f"  split scan stack: {split.describe()}")
@@ -130,6 +131,22 @@ class Plan:
             lines.append(f"  schedule: {self.schedule!r}")
             lines.extend("    " + row for row in self.schedule.render().splitlines())
         return "\n".join(lines)
+
+
+def _transfer_lines(moves: Sequence[tuple[int, Any, int]], indent: str) -> list[str]:
+    """One line per kind of transfer into a segment: identical ones (same type, origin and size; the
+    scalars of an optimizer update, say) as one line with their count, in order of first appearance."""
+    counts: dict[tuple[str, str, int], int] = {}
+    for src, aval, size in moves:
+        key = (aval.str_short(), "input" if src < 0 else f"[{src}]", size)
+        counts[key] = counts.get(key, 0) + 1
+    lines = []
+    for (what, origin, size), n in counts.items():
+        if n == 1:
+            lines.append(f"{indent}<- reshard {what} from {origin} ({_mib(size)})")
+        else:
+            lines.append(f"{indent}<- {n} x reshard {what} from {origin} ({_mib(size)} each, {_mib(n * size)})")
+    return lines
 
 
 def _mib(n: int) -> str:

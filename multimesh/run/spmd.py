@@ -101,15 +101,27 @@ class Parallelized:
         """Where each parameter (``batch=True``: each batch array) lives, built without running anything.
 
         Print it for a table: per array its path, shape, dtype, logical names,
-        `PartitionSpec`, mesh and bytes per device, then the total and the most
-        any one device holds. Its ``warnings`` name logical names without a
-        rule, rules that match nothing, and large arrays left replicated
-        although a mesh axis divides them. ``bytes_per_device()`` gives the
-        memory per device. See ``docs/sharding-report.md``.
+        `PartitionSpec`, mesh, (an MPMD step) the stage it lives on by name and
+        device ids, and bytes per device, then the total, the most any one
+        device holds and (MPMD) the bytes on each stage. Its ``warnings`` name
+        logical names without a rule, rules that match nothing, and large
+        arrays left replicated although a mesh axis divides them.
+        ``bytes_per_device()`` gives the memory per device,
+        ``bytes_per_stage()`` that per stage. See ``docs/sharding-report.md``.
         """
         layout = self.batch_layout if batch else self.param_layout
         return ShardingReport(layout.leaves, title=f"{'batch' if batch else 'parameters'} of {self!r}",
-                              notes=layout.advice)
+                              notes=layout.advice, stages=self.stages())
+
+    def stages(self) -> dict[frozenset[int], str]:
+        """The stages of an MPMD step, device ids -> name (``{}`` for a step on one mesh): what the
+        report's ``stage`` column names."""
+        plan = getattr(self, "plan", None)
+        placements = plan.placements if plan is not None else []
+        if len(placements) < 2:
+            return {}
+        return {frozenset(d.id for d in p.mesh.devices.flat): p.name or f"submesh{i}"
+                for i, p in enumerate(placements)}
 
 
 class ShardedFunction(Parallelized):
