@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from .jaxprs import subjaxprs
 from .metadata import Annotation, map_with_annotations
 from .placement import Placement
 from .rules import Dropped, PathRules, RuleError
@@ -175,7 +176,7 @@ def constrained_inputs(jaxpr: jax.extend.core.Jaxpr) -> dict[int, PartitionSpec 
                     if spec is not None:
                         found[owner[var]] = spec
                 continue
-            for sub in _subjaxprs(eqn):
+            for sub in subjaxprs(eqn):
                 if len(sub.invars) == len(eqn.invars):
                     inner = {iv: owner[ov] for iv, ov in zip(sub.invars, eqn.invars) if _hashable(ov) and ov in owner}
                     if inner:
@@ -187,15 +188,3 @@ def constrained_inputs(jaxpr: jax.extend.core.Jaxpr) -> dict[int, PartitionSpec 
 
 def _hashable(v) -> bool:
     return not isinstance(v, jax.extend.core.Literal)
-
-
-def _subjaxprs(eqn) -> list:
-    subs = []
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, jax.extend.core.ClosedJaxpr):
-                subs.append(item.jaxpr)
-            elif isinstance(item, jax.extend.core.Jaxpr):
-                subs.append(item)
-    return subs
-

@@ -60,6 +60,7 @@ from jax import lax
 from jax._src import source_info_util
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal, Var
 
+from ..core.jaxprs import subjaxprs
 from ..trace.implicit import names_in, registered_tasks, scope_names, split_for
 from ..trace.task import Placement
 from .stack_layout import Boundary, SplitArray, StackSplit, check_stackable
@@ -112,7 +113,7 @@ def _scoped(jaxpr: Any) -> list[list[str]]:
         if names:
             out.append(names)
         else:
-            for sub in _subjaxprs(e):
+            for sub in subjaxprs(e):
                 out.extend(_scoped(sub))
     return out
 
@@ -140,16 +141,6 @@ def _stack_split(eqn: JaxprEqn) -> StackSplit | None:
     return StackSplit(match.group(0), ranges, tuple(p for _, p in parts))
 
 
-def _subjaxprs(eqn: JaxprEqn) -> list:
-    out = []
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            inner = getattr(item, "jaxpr", item)
-            if hasattr(inner, "eqns"):
-                out.append(inner)
-    return out
-
-
 def _split_scans_within(jaxpr: Any, inside: tuple[str, ...] = ()) -> list[tuple[JaxprEqn, tuple[str, ...]]]:
     """Every split scan of ``jaxpr`` at any depth, with the primitives it sits inside (outermost first)."""
     found = []
@@ -157,7 +148,7 @@ def _split_scans_within(jaxpr: Any, inside: tuple[str, ...] = ()) -> list[tuple[
         if is_split_scan(e):
             found.append((e, inside))
             continue
-        for sub in _subjaxprs(e):
+        for sub in subjaxprs(e):
             found.extend(_split_scans_within(sub, inside + (e.primitive.name,)))
     return found
 

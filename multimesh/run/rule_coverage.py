@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from ..core.jaxprs import subjaxprs
 from ..core.layout import Layout
 from ..core.placement import Placement
 
@@ -31,16 +32,6 @@ def _names(spec: Iterable[Any] | None) -> set[str]:
     return out
 
 
-def _subjaxprs(eqn: Any) -> list:
-    out = []
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            inner = getattr(item, "jaxpr", item)
-            if hasattr(inner, "eqns"):
-                out.append(inner)
-    return out
-
-
 def constraint_names(jaxpr: Any) -> tuple[set[str], set[str]]:
     """The logical names of a traced step's deferred constraints, at any depth: (those multimesh's rules
     resolve, those of Flax hints, which Flax's own rules may resolve instead)."""
@@ -51,7 +42,7 @@ def constraint_names(jaxpr: Any) -> tuple[set[str], set[str]]:
         for eqn in todo.pop().eqns:
             if eqn.primitive.name == "logical_constraint":
                 (hinted if eqn.params.get("hint") is not None else own).update(_names(eqn.params["spec"]))
-            todo.extend(_subjaxprs(eqn))
+            todo.extend(subjaxprs(eqn))
     return own, hinted
 
 
