@@ -43,9 +43,9 @@ from .dirlock import DirectoryInUseError, DirectoryLock
 from .errors import CheckpointCorruptError, CheckpointExistsError, CheckpointSaveError
 from .finite import warn_if_nonfinite
 from .handlers import DocHandler, PendingDoc, StateHandler, registry
-from .save_failure import as_save_error
 from .jsonsafe import to_json_safe
 from .nnx_objects import as_states
+from .save_failure import as_save_error, exception_chain
 from .tree import (
     LeafRecord,
     MeshRecord,
@@ -703,12 +703,8 @@ _STATUS_RE = re.compile(r"^[A-Z_]+: ")
 
 def _as_corrupt(e: BaseException, step: int, path: str) -> BaseException:
     """``CheckpointCorruptError`` for storage errors; ``e`` itself otherwise."""
-    chain, seen = [], set()
-    x: BaseException | None = e
-    while x is not None and id(x) not in seen:
-        seen.add(id(x))
-        chain.append(x)
-        x = x.__cause__ or x.__context__
+    chain = exception_chain(e)
+
     def is_storage(x: BaseException) -> bool:
         return isinstance(x, (json.JSONDecodeError, FileNotFoundError)) or any(
             m in str(x) for m in _STORAGE_MARKERS)

@@ -21,7 +21,8 @@ _STATUS_RE = re.compile(r"^[A-Z_]{4,}: ")
 _FILE_RES = (re.compile(r'Failed writing: "([^"]+)"'), re.compile(r'local file "([^"]+)"'))
 
 
-def _chain(e: BaseException) -> list[BaseException]:
+def exception_chain(e: BaseException) -> list[BaseException]:
+    """``e`` and what it wraps (its causes and contexts), outermost first."""
     out, seen = [], set()
     x: BaseException | None = e
     while x is not None and id(x) not in seen:
@@ -45,7 +46,7 @@ def _file(chain: list[BaseException]) -> str | None:
 def is_no_space(e: BaseException) -> bool:
     """Whether ``e`` (or what it wraps) is a full disk (ENOSPC, or TensorStore's report of it)."""
     return any((isinstance(x, OSError) and x.errno == errno.ENOSPC)
-               or _NO_SPACE in str(x) or "os_error_code='28'" in str(x) for x in _chain(e))
+               or _NO_SPACE in str(x) or "os_error_code='28'" in str(x) for x in exception_chain(e))
 
 
 def as_save_error(e: BaseException, step: int | None, directory: str) -> CheckpointSaveError | None:
@@ -53,7 +54,7 @@ def as_save_error(e: BaseException, step: int | None, directory: str) -> Checkpo
     is not one (a bug, an interrupt: re-raise it as it is)."""
     if isinstance(e, CheckpointSaveError):
         return e
-    chain = _chain(e)
+    chain = exception_chain(e)
     file = _file(chain)
     where = f" (writing {file})" if file else ""
     if is_no_space(e):
