@@ -741,3 +741,11 @@ def test_property_zero_bubble_random_sizes(S, M):
     assert h2.bubble_fraction <= h1.bubble_fraction + 1e-12
     if S >= 2:
         assert h1.bubble_fraction < ref.bubble_fraction
+
+
+def test_microbatch_docstring_lists_every_schedule_it_accepts():
+    from multimesh.jax import microbatch
+
+    doc = microbatch.__doc__
+    missing = [name for name in KNOWN_SCHEDULES if f'``"{name}"``' not in doc]
+    assert not missing, f"microbatch's docstring does not list {missing}"

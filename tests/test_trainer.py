@@ -30,7 +30,9 @@ import pytest
 from helpers import free_port
 
 from trainers.config import Config, ConfigError, load_config
+from trainers.continuation import saved_decay_steps
 from trainers.layout import build_layout, sharding_rows, sharding_table
+from trainers.optim import cut_warmup_note
 from trainers.step import build_program
 from trainers.train import train
 
@@ -128,6 +130,21 @@ def test_overrides_parse_yaml_values():
     (["model.num_heads=3"], r"model: d_model=128 is not divisible by num_heads=3"),
     (["train.steps"], r"not of the form key\.sub=value"),
     (["layout.mesh.data.x=1"], r"layout\.mesh\.data is 4, not a mapping"),
+    (["layout.mesh={data:3}"],
+     r"layout\.mesh=\{data:3\}: YAML read 'data:3' as one key .*space after the colon: layout\.mesh=\{data: 3\}"),
+    (["optimizer.decay_steps=0"], r"optimizer: decay_steps must be >= 1 or null"),
+    (["layout.pipeline={stages: 2, microbatches: 4, schedule: zb-h3}"],
+     r"layout\.pipeline: schedule='zb-h3': use one of \['1f1b', 'gpipe', 'interleaved', 'zb-h1', 'zb-h2'\]"),
+    (["layout.pipeline={stages: 2, microbatches: 4, interleave: 2}"],
+     r"layout\.pipeline: interleave=2 .* only schedule 'interleaved' .*set layout\.pipeline\.schedule=interleaved"),
+    (["layout.pipeline={stages: 2, microbatches: 3, schedule: interleaved}"],
+     r"layout\.pipeline: .*stages=2 must divide microbatches=3"),
+    (["model.tie_embeddings=false", "layout.pipeline={stages: 2, microbatches: 4, schedule: interleaved}",
+      "model.num_layers=6"],
+     r"2 equal groups of blocks \(layout\.pipeline\.interleave=2\), so 4 must divide model\.num_layers=6"),
+    (["model.tie_embeddings=false", "model.scan_layers=true",
+      "layout.pipeline={stages: 2, microbatches: 4, schedule: interleaved}"],
+     r"model\.scan_layers=true cannot run schedule 'interleaved'"),
 ])
 def test_bad_keys_and_values_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -224,6 +241,24 @@ def test_pipeline_layout_runs_on_the_devices_it_is_given(tmp_path):
     rows = {path: dev for path, _, _, _, dev in sharding_rows(program.step)}
     assert rows["params/params/embed/embedding"] == "6-7" and rows["params/params/head/final_norm/scale"] == "4-5"
     assert {rows[f"params/params/layers_{i}/mlp/wo/kernel"] for i in range(4)} == {"6-7", "4-5"}
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "zb-h1", "zb-h2"])
+def test_pipeline_schedule_matches_one_device(schedule, tmp_path, reference_curve):
+    """The library's other schedules in the trainer, 2 steps on 2 stages of one device each, 2 microbatches,
+    against the one-device curve of the pipeline layouts' model (shared with test_layout_matches_one_device);
+    interleaved deals the 4 blocks round-robin, one per group (blocks 0, 2 on stage 0; 1, 3 on stage 1)."""
+    cfg = small("pipeline", tmp_path, f"train.steps={CURVE_STEPS}", "layout.mesh={data: 1}",
+                "layout.pipeline.microbatches=2", f"layout.pipeline.schedule={schedule}")
+    assert cfg.layout.pipeline.chunks == (2 if schedule == "interleaved" else 1)
+    result = train(cfg, quiet=True, stop_after=2)
+    got = [result.losses[s] for s in (1, 2)]
+    np.testing.assert_allclose(got, reference_curve(cfg)[:2], rtol=RTOL, err_msg=f"{schedule}: differs from one device")
+    kernels = {jax.tree_util.keystr(path): leaf for path, leaf in
+               jax.tree_util.tree_leaves_with_path(result.state["params"]) if "'wo'" in jax.tree_util.keystr(path)}
+    stage_of = [next(sorted(d.id for d in leaf.sharding.device_set) for key, leaf in kernels.items()
+                     if f"'layers_{i}'" in key) for i in range(4)]
+    assert stage_of == ([[0], [1], [0], [1]] if schedule == "interleaved" else [[0], [0], [1], [1]])
 
 
 # -- golden sharding tables -------------------------------------------------------------------
@@ -388,6 +423,49 @@ def test_resume_refuses_another_model_naming_the_fields(tiny_run):
     assert "TransformerConfig(" not in message and "d_model" not in message  # not two whole configs
     with pytest.raises(ConfigError, match="train.resume is false"):
         train(tiny_run.config.replace(train={"resume": False}), quiet=True)
+
+
+def _lr_column(out: Path) -> list[float]:
+    return [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_longer_run_continues_the_learning_rate_schedule(tmp_path, capsys):
+    """N steps, then resumed with train.steps=2N: the LR of every step (and the loss) is that of one
+    2N-step run with optimizer.decay_steps=N, not a schedule stretched to 2N; a resume that changes an
+    optimizer setting names it."""
+    n = 4
+    over = [*ONE_DEVICE, "model.num_layers=1", "optimizer.warmup_steps=2", "train.log_every=1",
+            "train.checkpoint_every=0"]
+    train(small("tiny", tmp_path / "cut", *over, f"train.steps={n}"), quiet=True)
+    resumed = train(small("tiny", tmp_path / "cut", *over, f"train.steps={2 * n}"), quiet=True)
+    whole = train(small("tiny", tmp_path / "whole", *over, f"train.steps={2 * n}", f"optimizer.decay_steps={n}"),
+                  quiet=True)
+    assert resumed.start_step == n and resumed.config.optimizer.decay_steps == n
+    lrs = _lr_column(tmp_path / "cut")
+    assert len(lrs) == 2 * n and lrs == _lr_column(tmp_path / "whole")
+    assert lrs[n:] == [pytest.approx(resumed.config.optimizer.min_lr)] * n  # the decay ended at step n
+    assert [resumed.losses[s] for s in range(n + 1, 2 * n + 1)] == [whole.losses[s] for s in range(n + 1, 2 * n + 1)]
+    assert "decay_steps: 4" in (tmp_path / "cut" / "config.yaml").read_text()
+
+    capsys.readouterr()
+    train(small("tiny", tmp_path / "cut", *over, f"train.steps={2 * n + 1}", "optimizer.lr=1e-3",
+                f"optimizer.decay_steps={3 * n}"))
+    lines = [line for line in capsys.readouterr().out.splitlines() if "optimizer settings" in line]
+    want = ("resumed with other optimizer settings than the checkpoint's: optimizer.lr: 0.003 -> 0.001, "
+            f"optimizer.decay_steps: {n} -> {3 * n}")
+    assert lines == [want]
+
+
+def test_schedule_length_of_older_checkpoints_and_cut_warmups():
+    """A checkpoint written before decay_steps existed ran its schedule over its train.steps."""
+    assert saved_decay_steps({"optimizer": {"lr": 1e-3}, "train": {"steps": 600}}) == 600
+    assert saved_decay_steps({"optimizer": {"decay_steps": 50}, "train": {"steps": 600}}) == 50
+    assert saved_decay_steps({}) is None
+    tiny = load_config("tiny")
+    assert cut_warmup_note(tiny.optimizer, 600) is None
+    assert cut_warmup_note(tiny.optimizer, 20) == (
+        "optimizer.warmup_steps=50 is longer than the schedule (optimizer.decay_steps=20): the warmup is cut to 20 "
+        "steps; set optimizer.warmup_steps or optimizer.decay_steps to keep it")
 
 
 def _cli(*args: str) -> list[str]:

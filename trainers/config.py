@@ -54,7 +54,10 @@ __all__ = [
 #: Where named configs (``tiny``, ``dp``, ...) live: ``<repo>/configs``.
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "tiny"
-SCHEDULES = ("1f1b", "gpipe")
+#: ``layout.pipeline.schedule``: every schedule of ``multimesh.core.schedules`` (see docs/pipelines.md).
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2")
+#: Layer groups per stage of the interleaved schedule when ``interleave`` is not given (the library's default).
+DEFAULT_INTERLEAVE = 2
 #: What ``train.on_nonfinite`` may say (see trainers/nonfinite.py).
 ON_NONFINITE = ("stop", "warn")
 RULE_SETS = ("standard",)
@@ -62,9 +65,13 @@ RULE_SETS = ("standard",)
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW with linear warmup to ``lr``, then ``decay`` to ``min_lr`` at the last step.
+    """AdamW with linear warmup to ``lr``, then ``decay`` to ``min_lr`` at step ``decay_steps``.
 
-    ``decay``: ``cosine``, ``linear`` or ``constant``. Weight decay applies to
+    ``decay``: ``cosine``, ``linear`` or ``constant``. ``decay_steps``: the
+    schedule's length (``min_lr`` from then on); ``null``: the ``train.steps`` of
+    the run that starts it, then kept: a resumed run continues the schedule of the
+    run it resumes, whatever its ``train.steps`` (``trainers.continuation``).
+    A warmup longer than ``decay_steps`` is cut to it. Weight decay applies to
     matrices only (not norm scales). ``clip_norm``: global gradient-norm clip
     (``null``: none).
     """
@@ -73,6 +80,7 @@ class OptimizerConfig:
     min_lr: float = 3e-4
     warmup_steps: int = 100
     decay: str = "cosine"
+    decay_steps: int | None = None
     weight_decay: float = 0.1
     clip_norm: float | None = 1.0
     b1: float = 0.9
@@ -86,6 +94,8 @@ class OptimizerConfig:
             raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.decay_steps is not None and self.decay_steps < 1:
+            raise ValueError(f"decay_steps must be >= 1 or null (the first run's train.steps), got {self.decay_steps}")
         if self.clip_norm is not None and self.clip_norm <= 0:
             raise ValueError(f"clip_norm must be positive or null, got {self.clip_norm}")
         if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1):
@@ -96,12 +106,17 @@ class OptimizerConfig:
 class PipelineConfig:
     """Pipeline (MPMD) layout: ``stages`` device groups, each shaped as ``layout.mesh``.
 
-    The global batch is split into ``microbatches`` run in ``schedule`` order.
+    The global batch is split into ``microbatches`` run in ``schedule`` order:
+    ``1f1b``, ``gpipe``, ``interleaved`` (each stage runs ``interleave``
+    non-adjacent groups of blocks, default 2: the blocks go round-robin to the
+    stages, a group at a time), ``zb-h1`` or ``zb-h2`` (zero bubble: each
+    backward split into its input and weight gradients).
     """
 
     stages: int
     microbatches: int
     schedule: str = "1f1b"
+    interleave: int | None = None
 
     def __post_init__(self) -> None:
         if self.stages < 2:
@@ -110,6 +125,23 @@ class PipelineConfig:
             raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r}: use one of {list(SCHEDULES)}")
+        if self.interleave is not None and self.interleave < 1:
+            raise ValueError(f"interleave={self.interleave}: the layer groups per stage must be at least 1")
+        if self.interleave not in (None, 1) and self.schedule != "interleaved":
+            raise ValueError(f"interleave={self.interleave} runs several layer groups per stage, which only "
+                             f"schedule 'interleaved' does (schedule is {self.schedule!r}); set "
+                             f"layout.pipeline.schedule=interleaved, or drop layout.pipeline.interleave")
+        if self.schedule == "interleaved" and self.microbatches % self.stages:
+            raise ValueError(f"schedule 'interleaved' runs the microbatches in rounds of one per stage: "
+                             f"stages={self.stages} must divide microbatches={self.microbatches}; e.g. "
+                             f"layout.pipeline.microbatches={self.stages * max(1, self.microbatches // self.stages)}")
+
+    @property
+    def chunks(self) -> int:
+        """Groups of blocks per stage: ``interleave`` (default 2) for the interleaved schedule, else 1."""
+        if self.schedule != "interleaved":
+            return 1
+        return DEFAULT_INTERLEAVE if self.interleave is None else self.interleave
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,8 +349,31 @@ def parse_overrides(items: Sequence[str]) -> list[tuple[tuple[str, ...], Any]]:
             value = yaml.safe_load(text) if text.strip() else None
         except yaml.YAMLError as e:
             raise ConfigError(f"override {key}: value {text!r} is not valid YAML: {e}") from None
+        glued = _colon_without_space(value)
+        if glued is not None:
+            name, _, rest = glued.partition(":")
+            raise ConfigError(
+                f"override {key}={text}: YAML read {glued!r} as one key with no value; YAML needs a space "
+                f"after the colon: {key}={text.replace(glued, f'{name}: {rest}', 1)}")
         out.append((parts, value))
     return out
+
+
+def _colon_without_space(value: Any) -> str | None:
+    """The first mapping key like ``'data:3'`` with no value: ``{data:3}`` written without YAML's space."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if v is None and isinstance(k, str) and ":" in k:
+                return k
+            found = _colon_without_space(v)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for v in value:
+            found = _colon_without_space(v)
+            if found is not None:
+                return found
+    return None
 
 
 def _apply_override(raw: dict[str, Any], parts: tuple[str, ...], value: Any) -> None:
@@ -502,6 +557,16 @@ def _check_consistency(cfg: Config) -> None:
     if p is not None:
         if m.num_layers < p.stages:
             raise ConfigError(f"layout.pipeline.stages={p.stages} exceeds model.num_layers={m.num_layers}")
+        if p.chunks > 1 and m.scan_layers:
+            raise ConfigError("model.scan_layers=true cannot run schedule 'interleaved': a scanned stack is split "
+                              "into one range of blocks per stage; use model.scan_layers=false, or another "
+                              "layout.pipeline.schedule")
+        if m.num_layers % (p.stages * p.chunks):
+            raise ConfigError(
+                f"schedule 'interleaved' gives each of layout.pipeline.stages={p.stages} stages "
+                f"{p.chunks} equal groups of blocks (layout.pipeline.interleave={p.chunks}), so "
+                f"{p.stages * p.chunks} must divide model.num_layers={m.num_layers}; change model.num_layers "
+                f"or layout.pipeline.interleave")
         if m.scan_layers and m.num_layers % p.stages:
             raise ConfigError(f"model.scan_layers splits the scanned stack evenly over the stages, but "
                               f"layout.pipeline.stages={p.stages} does not divide model.num_layers={m.num_layers}")

@@ -46,12 +46,13 @@ STAGE_MODULES = r"embed|head|layers_(\d+)"
 SCANNED_STACK = r"layers"
 
 
-def stage_of_layer(layer: int, num_layers: int, stages: int) -> int:
-    """The stage of block ``layer`` when ``num_layers`` blocks are split evenly over ``stages``."""
-    return layer * stages // num_layers
+def stage_of_layer(layer: int, num_layers: int, stages: int, chunks: int = 1) -> int:
+    """The stage of block ``layer`` when ``num_layers`` blocks are split evenly into ``stages * chunks``
+    groups, dealt round-robin to the stages (``chunks > 1``: the interleaved schedule's virtual stages)."""
+    return layer * stages * chunks // num_layers % stages
 
 
-def stage_of_module(name: str, num_layers: int, stages: int) -> int:
+def stage_of_module(name: str, num_layers: int, stages: int, chunks: int = 1) -> int:
     """The stage that module ``name`` (``embed``, ``layers_<i>``, ``head``) is registered on.
 
     With tied embeddings the table belongs to ``embed`` (stage 0); the head reads it again on the last
@@ -64,7 +65,7 @@ def stage_of_module(name: str, num_layers: int, stages: int) -> int:
     match = re.fullmatch(STAGE_MODULES, name)
     if match is None or match.group(1) is None:
         raise ValueError(f"module {name!r} is not one of the pipeline's: embed, layers_<i>, head")
-    return stage_of_layer(int(match.group(1)), num_layers, stages)
+    return stage_of_layer(int(match.group(1)), num_layers, stages, chunks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +91,8 @@ class RunLayout:
         if self.pipeline is None:
             return f"SPMD on {len(self.devices)} devices, mesh {mesh}"
         p = self.pipeline
-        return (f"{p.stages}-stage {p.schedule} pipeline (MPMD) on {len(self.devices)} devices, "
+        groups = f" ({p.chunks} block groups per stage)" if p.chunks > 1 else ""
+        return (f"{p.stages}-stage {p.schedule}{groups} pipeline (MPMD) on {len(self.devices)} devices, "
                 f"stage mesh {mesh}, {p.microbatches} microbatches")
 
     # -- the step --------------------------------------------------------------------
@@ -105,7 +107,7 @@ class RunLayout:
             return loss_fn
         p = self.pipeline
         return microbatch(loss_fn, 0, batch_size // p.microbatches, argnum=1, schedule=p.schedule,
-                          num_stages=p.stages)
+                          num_stages=p.stages, interleave=p.chunks if p.schedule == "interleaved" else None)
 
     @contextlib.contextmanager
     def tasks(self, num_layers: int, scanned: bool = False) -> Iterator[None]:
@@ -121,7 +123,7 @@ class RunLayout:
         placement_kw = dict(dims=tuple(self.mesh.values()), device_axes=tuple(self.mesh), logical_axes=self.rules)
 
         def placement(match: Any, backprop: bool) -> tuple[tuple, str]:
-            s = stage_of_module(match.group(0), num_layers, stages)
+            s = stage_of_module(match.group(0), num_layers, stages, self.pipeline.chunks)
             return self.devices[s * per_stage:(s + 1) * per_stage], f"stage{s}"
 
         with contextlib.ExitStack() as registered:
@@ -146,7 +148,8 @@ class RunLayout:
 
 def pipeline_schedule(cfg: PipelineConfig) -> Schedule:
     """The schedule object a pipeline layout runs (stages, microbatches, order of F/B actions)."""
-    return get_schedule(cfg.schedule, num_stages=cfg.stages, num_microbatches=cfg.microbatches)
+    chunks = {"num_chunks": cfg.chunks} if cfg.schedule == "interleaved" else {}
+    return get_schedule(cfg.schedule, num_stages=cfg.stages, num_microbatches=cfg.microbatches, **chunks)
 
 
 def write_schedule_png(cfg: PipelineConfig, path: Any, title: str | None = None) -> int:

@@ -48,16 +48,16 @@ def stage_plans(cfg: Config) -> list[StagePlan]:
     plans = [StagePlan(f"stage{s}", tuple(range(s * per_stage, (s + 1) * per_stage))) for s in range(p.stages)]
     modules = ["embed", *(f"layers_{i}" for i in range(m.num_layers)), "head"]
     for name in modules:
-        plans[stage_of_module(name, m.num_layers, p.stages)].modules.append(name)
+        plans[stage_of_module(name, m.num_layers, p.stages, p.chunks)].modules.append(name)
     model = build_model(m)
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, cfg.data.seq_len), jnp.int32)))
     for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         module, nbytes = _module_of(path), int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
         if module == SCANNED_STACK:  # stacked along a leading layer axis, split evenly over the stages
             for layer in range(m.num_layers):
-                plans[stage_of_layer(layer, m.num_layers, p.stages)].param_bytes += nbytes // m.num_layers
+                plans[stage_of_layer(layer, m.num_layers, p.stages, p.chunks)].param_bytes += nbytes // m.num_layers
         else:
-            plans[stage_of_module(module, m.num_layers, p.stages)].param_bytes += nbytes
+            plans[stage_of_module(module, m.num_layers, p.stages, p.chunks)].param_bytes += nbytes
     return plans
 
 

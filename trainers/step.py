@@ -28,7 +28,7 @@ from models.transformer import Transformer, TransformerConfig, next_token_loss
 from trainers.config import Config
 from trainers.layout import RunLayout
 from trainers.nonfinite import count_nonfinite
-from trainers.optim import learning_rate_schedule, make_optimizer
+from trainers.optim import learning_rate_schedule, make_optimizer, schedule_length
 
 __all__ = ["Model", "Program", "build_model", "build_program", "initializers", "loss_sum_over"]
 
@@ -93,8 +93,9 @@ def build_program(cfg: Config, layout: RunLayout, train_batch: dict[str, np.ndar
                   val_batch: dict[str, np.ndarray]) -> Program:
     """Build and parallelize the steps (for a pipeline: inside ``layout.tasks(...)``)."""
     model = build_model(cfg.model)
-    schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
-    tx = make_optimizer(cfg.optimizer, cfg.train.steps)
+    decay_steps = schedule_length(cfg.optimizer, cfg.train.steps)
+    schedule = learning_rate_schedule(cfg.optimizer, decay_steps)
+    tx = make_optimizer(cfg.optimizer, decay_steps)
 
     init_params, init_state = initializers(cfg, model, tx)
     global_tokens = int(np.prod(train_batch["tokens"].shape)) - train_batch["tokens"].shape[0]

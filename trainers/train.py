@@ -47,12 +47,14 @@ from models.transformer import count_params
 from multimesh.checkpoint import CheckpointManager
 from trainers.config import Config, ConfigError, config_from_dict
 from trainers.config_diff import changed_keys, describe_changes, yaml_value
+from trainers.continuation import continue_schedule, optimizer_changes
 from trainers.data import TextDataset, load_corpus, make_datasets
 from trainers.feed import Feed
 from trainers.fit import check_data, make_out_dir
 from trainers.layout import build_layout, write_schedule_png
 from trainers.metrics import MetricsLog, Throughput, plot_losses, read_metrics, strict_json
 from trainers.nonfinite import NonFiniteError, NonFiniteWarning, first_nonfinite, how_to_fix
+from trainers.optim import cut_warmup_note
 from trainers.preemption import Preempted, StopSignals
 from trainers.run_lock import hold_out_dir
 from trainers.step import Program, build_program
@@ -109,20 +111,22 @@ def validate(program: Program, params: Any, val: Feed, num_batches: int) -> floa
     return float(np.mean(losses))
 
 
-def _resume_point(ckpt: CheckpointManager, cfg: Config) -> int | None:
-    """The checkpoint step to resume from (None: start afresh); refuses an incompatible one."""
+def _resume_point(ckpt: CheckpointManager, cfg: Config) -> tuple[int | None, dict | None]:
+    """The checkpoint step to resume from (None: start afresh) and the config saved with it (plain data,
+    None if absent); refuses an incompatible one."""
     latest = ckpt.latest_step()
     if latest is None:
-        return None
+        return None, None
     if not cfg.train.resume:
         raise ConfigError(f"{ckpt.directory} already holds checkpoints {ckpt.all_steps()} and "
                           f"train.resume is false; use another train.out_dir or delete it")
-    saved = ckpt.info(latest).metadata
-    if isinstance(saved, dict) and "config" in saved:
+    metadata = ckpt.info(latest).metadata
+    saved = metadata.get("config") if isinstance(metadata, dict) else None
+    if isinstance(saved, dict):
         try:
-            old = config_from_dict(saved["config"])
+            old = config_from_dict(saved)
         except ConfigError:
-            return latest  # written by another version of the trainer: the restore checks shapes
+            return latest, saved  # written by another version of the trainer: the restore checks shapes
         changes = [c for section in ("model", "data") for c in changed_keys(getattr(old, section),
                                                                            getattr(cfg, section), section)]
         if changes:
@@ -131,7 +135,7 @@ def _resume_point(ckpt: CheckpointManager, cfg: Config) -> int | None:
                 f"{ckpt.step_path(latest)} was written with other model/data settings: {describe_changes(changes)} "
                 f"(saved -> now); resume with the saved ones ({overrides}) or use another train.out_dir"
             )
-    return latest
+    return latest, saved if isinstance(saved, dict) else None
 
 
 def _log(quiet: bool, message: str) -> None:
@@ -194,7 +198,8 @@ def _train(cfg: Config, *, devices: Any, quiet: bool, stop_after: int | None, re
 
     with CheckpointManager(out / "checkpoints", max_to_keep=cfg.train.keep) as ckpt, \
             layout.tasks(cfg.model.num_layers, cfg.model.scan_layers):
-        latest = _resume_point(ckpt, cfg)
+        latest, saved = _resume_point(ckpt, cfg)
+        cfg = continue_schedule(cfg, saved)  # a resumed run continues the schedule it started
         program = build_program(cfg, layout, train_ds.batch_at(0), val_ds.batch_at(0))
         train_feed, val_feed = Feed(train_ds, program.step), Feed(val_ds, program.evaluate)
         if main:
@@ -210,6 +215,9 @@ def _train(cfg: Config, *, devices: Any, quiet: bool, stop_after: int | None, re
         if latest is None:
             state, start = program.init(), 0
             _log(quiet, f"writing to {out}")
+            cut = cut_warmup_note(cfg.optimizer, cfg.optimizer.decay_steps)
+            if cut is not None:
+                _log(quiet, cut)
         else:
             restored = ckpt.restore(latest, target=program.abstract_state)
             state, start = restored.state, restored.step
@@ -217,6 +225,9 @@ def _train(cfg: Config, *, devices: Any, quiet: bool, stop_after: int | None, re
             if train_ds.step != start:
                 raise RuntimeError(f"checkpoint {latest}: data position {train_ds.step} does not match its step")
             _log(quiet, f"resumed from {ckpt.step_path(start)}")
+            changed = optimizer_changes(saved, cfg) if saved is not None else []
+            if changed:
+                _log(quiet, f"resumed with other optimizer settings than the checkpoint's: {', '.join(changed)}")
         state, losses, val_loss, clock, last = _loop(program, state, start, train_feed, val_feed, ckpt, out,
                                                      quiet, stop_after, t_start)
     wall = time.perf_counter() - t_start

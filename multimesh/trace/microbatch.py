@@ -142,9 +142,18 @@ def microbatch(
       size: the microbatch size along ``dim``; it must divide the dimension.
       argnum: which positional argument to split.
       schedule: with tasks inside, the pipeline schedule: ``"gpipe"``,
-        ``"1f1b"`` (default), ``"interleaved"``, or a `Schedule`.
+        ``"1f1b"`` (default), ``"interleaved"`` (needs the tasks to visit
+        each submesh ``interleave`` times per microbatch, in a repeating
+        cycle), ``"zb-h1"`` or ``"zb-h2"`` (zero bubble: each backward split
+        into input and weight gradients); the aliases ``"one_f_one_b"``,
+        ``"onefoneb"``, ``"pipedream_flush"`` (1f1b), ``"interleaved_1f1b"``,
+        ``"interleaved1f1b"``, ``"zero-bubble"``, ``"zero-bubble-h1"``,
+        ``"zbh1"``, ``"zero-bubble-h2"``, ``"zbh2"`` (names are
+        case-insensitive, ``-`` and ``_`` alike); a `Schedule` subclass or
+        instance.
       num_stages: the number of stages the tasks are expected to form (checked).
-      interleave: virtual stages per device group for the interleaved schedule.
+      interleave: virtual stages per device group for the interleaved schedule
+        (default 2); ``None`` or 1 for the others.
       unrolling: accepted for MultiMesh compatibility; the calls are always
         unrolled here (the function itself is traced once).
       arg_shardings: a `PartitionSpec` (logical names) or a prefix tree of them
