@@ -197,12 +197,15 @@ class CheckpointManager:
         self._pending_id: str | None = None  # its document's save_id
         self._save_threads: set = set()  # Orbax's threads of the last save
         self._closed = False
+        # read-only: the options Orbax would otherwise reset, with a warning each
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
+            max_to_keep=None if read_only else max_to_keep,
+            save_interval_steps=0 if read_only else 1,
             enable_async_checkpointing=self._async,
             create=not read_only,
             read_only=self._read_only,
         )
+        quiet.install()  # before Orbax's manager: it warns that a read-only directory is read-only
         self._writer_lock = DirectoryLock(
             directory, what="CheckpointManager", name=WRITER_LOCK,
             fix="Each checkpoint directory takes one writer: close the other CheckpointManager "
