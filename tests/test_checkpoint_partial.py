@@ -196,3 +196,18 @@ def test_partial_restore_verifies_checksums_of_what_it_reads(tmp_path):
         assert err.value.leaves == ("w",)
         b = mgr.restore(target=jax.ShapeDtypeStruct((32,), jnp.float32, sharding=one), path="b").state
     assert np.array_equal(np.asarray(b), values["b"])
+
+
+def test_nnx_model_of_a_saved_model_and_optimizer(tmp_path):
+    """NNX objects as targets: the model alone out of a saved ``(model, optimizer)``, by path or partially."""
+    from flax import nnx
+
+    model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    with CheckpointManager(tmp_path / "c") as mgr:
+        mgr.save(1, (model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)))
+        by_path = mgr.restore(target=nnx.Linear(4, 3, rngs=nnx.Rngs(7)), path="0").state
+        (partial,) = mgr.restore(target=(nnx.Linear(4, 3, rngs=nnx.Rngs(7)),), partial=True).state
+    for restored in (by_path, partial):
+        assert isinstance(restored, nnx.Linear)
+        assert np.array_equal(np.asarray(restored.kernel[...]), np.asarray(model.kernel[...]))
+        assert np.array_equal(np.asarray(restored.bias[...]), np.asarray(model.bias[...]))
