@@ -556,13 +556,13 @@ class CheckpointManager:
             raise ValueError(f"the restore target{f' for path {prefix!r}' if prefix else ''} has no leaves: "
                              "give one jax.ShapeDtypeStruct (with a sharding) per leaf to restore")
         info = self.info(step)
-        step, path = info.step, info.path
+        step, step_dir = info.step, info.path
         wanted = compare(list(info.leaves), target, step=step, directory=self._directory,
                          prefix=prefix, partial=partial)
         verify = self._checksums and info.checksum_algorithm is not None
         if verify and info.checksum_algorithm not in (_checksum.ALGORITHM, _checksum.ALGORITHM_V1):
             raise CheckpointCorruptError(
-                step, path, f"its checksums are of an unknown kind ({info.checksum_algorithm!r}); "
+                step, step_dir, f"its checksums are of an unknown kind ({info.checksum_algorithm!r}); "
                 "restore it with the multimesh version that wrote it, or with checksums=False")
         reader = self._state_handler.arrays
         # hash on the read path (while other blocks are still being read)
@@ -576,10 +576,10 @@ class CheckpointManager:
         gc.disable()
         try:
             if partial or prefix:  # only the wanted leaves are read
-                got = self._read_item(step, STATE_ITEM, SubsetRestore(wanted), os.path.join(path, STATE_ITEM))
+                got = self._read_item(step, STATE_ITEM, SubsetRestore(wanted), os.path.join(step_dir, STATE_ITEM))
             else:
                 state = self._read_item(step, STATE_ITEM, ocp.args.StandardRestore(target),
-                                        os.path.join(path, STATE_ITEM))
+                                        os.path.join(step_dir, STATE_ITEM))
         finally:
             if gc_was_enabled:
                 gc.enable()
@@ -588,7 +588,7 @@ class CheckpointManager:
         if partial or prefix:
             if lost := [p for p in wanted if p not in got]:
                 raise CheckpointCorruptError(
-                    step, path, f"its '{STATE_ITEM}' item has no array at {', '.join(lost)}, which "
+                    step, step_dir, f"its '{STATE_ITEM}' item has no array at {', '.join(lost)}, which "
                     "its manifest lists", leaves=lost)
             named = list(got.items())
             state = jax.tree.unflatten(jax.tree.structure(target), [got[p] for p in wanted])
@@ -596,7 +596,7 @@ class CheckpointManager:
             named = leaves_with_paths(state)
         if verify:
             self._verify(info, named, hasher, hashed)
-        warn_if_nonfinite(dict(named) if partial or prefix else state, step, path)  # saved paths
+        warn_if_nonfinite(dict(named) if partial or prefix else state, step, step_dir)  # saved paths
         return Restored(as_objects(state), info.metadata, info.data_position, step)
 
     def _read_item(self, step: int, item: str, args: Any, path: str) -> Any:
