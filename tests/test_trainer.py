@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import logging
 import os
 import re
 import shutil
@@ -503,12 +504,14 @@ def test_sigkill_midway_then_restart(tmp_path):
 # -- sampling and the command line ---------------------------------------------------------
 
 
-def test_sample_from_checkpoint(tiny_run, capsys):
+def test_sample_from_checkpoint(tiny_run, capsys, caplog):
     from trainers.cli import main
     from trainers.sample import sample_text
 
     run = tiny_run.out_dir
+    caplog.clear()
     text, ck = sample_text(run, "def ", 24, temperature=0.0)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []  # Orbax's read-only notes
     assert ck.step == 12 and isinstance(text, str) and text
     assert sample_text(run, "def ", 24, temperature=0.0)[0] == text  # greedy decoding is deterministic
     assert sample_text(run, "def ", 8, step=8)[1].step == 8

@@ -49,8 +49,8 @@ def load_checkpoint(run_dir: str | os.PathLike, step: int | None = None, device:
         replicated = NamedSharding(mesh, PartitionSpec())
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated),
                               jax.eval_shape(init_state))
-        restored = mgr.restore(info.step, target=target)
-    return Checkpointed(cfg, model, nn.meta.unbox(restored.state["params"]), info.step)
+        restored = mgr.restore(info.step, target=target["params"], path="params")  # not the optimizer state
+    return Checkpointed(cfg, model, nn.meta.unbox(restored.state), info.step)
 
 
 def generate(model: Model, params: Any, prompt: np.ndarray, num_tokens: int, *, window: int,

@@ -45,7 +45,8 @@ class CheckpointMismatchError(ValueError):
 
     Attributes:
         missing: paths saved in the checkpoint but absent from the target.
-        unexpected: paths in the target that the checkpoint does not have.
+        unexpected: paths in the target that the checkpoint does not have
+            (each with the nearest saved paths).
         mismatched: ``(path, what, saved, target)`` for shape/dtype differences.
     """
 
@@ -68,6 +69,10 @@ class CheckpointMismatchError(ValueError):
             lines.append(f"  unexpected in target (not in checkpoint): {p}")
         for p, what, saved, target in self.mismatched:
             lines.append(f"  {what} mismatch at {p}: saved {saved}, target {target}")
+        if self.missing:
+            lines.append("To restore only part of the saved state (the parameters without the optimizer "
+                         "state...), pass partial=True with a target holding just those leaves, or "
+                         "path='params' with a target for that subtree.")
         super().__init__("\n".join(lines))
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -51,7 +52,7 @@ from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
 from . import checksum as _checksum
 from .stage_local import StageLocalSerialize
-from .tree import is_prng_key, path_str
+from .tree import is_prng_key, leaves_with_paths, path_str
 
 #: A fully addressable leaf up to this size is read in one piece and placed
 #: with one ``device_put`` (per-shard reads cost more than the extra copy).
@@ -324,9 +325,20 @@ def _type_registry(array_handler: ArrayHandler) -> Any:
     return ocp.type_handlers.create_type_handler_registry(*handlers)
 
 
+@dataclasses.dataclass
+class SubsetRestore(ocp.args.CheckpointArgs):
+    """Restore only some leaves of a saved state: ``leaves`` maps each wanted
+    leaf's saved path (``params/Dense_0/kernel``) to its target
+    (``ShapeDtypeStruct`` with a sharding). The restored value is the same
+    mapping, with the arrays (a path absent from the files is left out)."""
+
+    leaves: dict[str, jax.ShapeDtypeStruct]
+
+
 class StateHandler(ocp.StandardCheckpointHandler):
     """``StandardCheckpointHandler`` with our array handler and a choice of
-    zstd compression (Orbax's default is on)."""
+    zstd compression (Orbax's default is on); it also restores a subset of
+    the saved leaves (``SubsetRestore``), reading only those."""
 
     def __init__(self, *, compression: bool):
         super().__init__()
@@ -337,6 +349,21 @@ class StateHandler(ocp.StandardCheckpointHandler):
     @classmethod
     def typestr(cls) -> str:
         return ocp.StandardCheckpointHandler.typestr()
+
+    def restore(self, directory: Any, item: Any = None, args: Any = None) -> Any:
+        if isinstance(args, SubsetRestore):
+            return self._restore_subset(directory, args.leaves)
+        return super().restore(directory, item, args)
+
+    def _restore_subset(self, directory: Any, leaves: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
+        """The saved tree's structure (Orbax's metadata) with every leaf but
+        the wanted ones a placeholder, which Orbax skips without reading it."""
+        saved = self._impl.metadata(directory).tree
+        item = jax.tree_util.tree_map_with_path(
+            lambda keypath, _: leaves.get(path_str(keypath), ocp.PLACEHOLDER), saved)
+        restored = self._impl.restore(directory, args=pytree_checkpoint_handler.PyTreeRestoreArgs(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item)))
+        return {p: x for p, x in leaves_with_paths(restored) if p in leaves}
 
 
 class PendingDoc(dict):
@@ -371,6 +398,7 @@ def registry(state: StateHandler, doc: DocHandler, state_item: str, doc_item: st
     reg = ocp.handlers.DefaultCheckpointHandlerRegistry()
     reg.add(state_item, ocp.args.StandardSave, state)
     reg.add(state_item, ocp.args.StandardRestore, state)
+    reg.add(state_item, SubsetRestore, state)
     reg.add(doc_item, ocp.args.JsonSave, doc)
     reg.add(doc_item, ocp.args.JsonRestore, doc)
     return reg

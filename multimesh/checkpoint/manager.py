@@ -42,7 +42,7 @@ from . import ondisk, quiet, release
 from .dirlock import DirectoryInUseError, DirectoryLock
 from .errors import CheckpointCorruptError, CheckpointExistsError, CheckpointSaveError
 from .finite import warn_if_nonfinite
-from .handlers import DocHandler, PendingDoc, StateHandler, registry
+from .handlers import DocHandler, PendingDoc, StateHandler, SubsetRestore, registry
 from .jsonsafe import to_json_safe
 from .nnx_objects import as_states
 from .save_failure import as_save_error, exception_chain
@@ -197,12 +197,15 @@ class CheckpointManager:
         self._pending_id: str | None = None  # its document's save_id
         self._save_threads: set = set()  # Orbax's threads of the last save
         self._closed = False
+        # read-only: the options Orbax would otherwise reset, with a warning each
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
+            max_to_keep=None if read_only else max_to_keep,
+            save_interval_steps=0 if read_only else 1,
             enable_async_checkpointing=self._async,
             create=not read_only,
             read_only=self._read_only,
         )
+        quiet.install()  # before Orbax's manager: it warns that a read-only directory is read-only
         self._writer_lock = DirectoryLock(
             directory, what="CheckpointManager", name=WRITER_LOCK,
             fix="Each checkpoint directory takes one writer: close the other CheckpointManager "
@@ -505,7 +508,8 @@ class CheckpointManager:
             format=doc["format"],
         )
 
-    def restore(self, step: int | None = None, *, target: PyTree) -> Restored:
+    def restore(self, step: int | None = None, *, target: PyTree, partial: bool = False,
+                path: str | None = None) -> Restored:
         """Restores ``step`` (default: the latest complete one) onto ``target``'s layout.
 
         Args:
@@ -518,30 +522,47 @@ class CheckpointManager:
                 laid out by its rules on its mesh or task submeshes), as the
                 whole target or as a subtree of it. Required: restoring onto
                 the saved layout would break on another device count.
+            partial: the target may leave saved leaves out (e.g.
+                ``{"params": ...}`` of a saved ``{"params", "opt"}`` state):
+                only its leaves are read from disk, each still checked
+                against the saved one. The restored state has the target's
+                structure.
+            path: restore the saved subtree at this path (as ``info()`` and
+                the inspector spell leaf paths: ``"params"``,
+                ``"opt_state/0/mu"``); ``target`` describes that subtree (all
+                of it, unless ``partial``) and the restored state is it.
 
         Returns:
             ``Restored(state, metadata, data_position, step)``.
 
         Raises:
-            TypeError: no target, or a target leaf without a sharding.
+            TypeError: no target, a target leaf without a sharding, or a
+                ``path`` that is not a string.
             FileNotFoundError: no such complete step (names the directory and
                 the steps that exist).
             CheckpointMismatchError (a ValueError): the target's paths, shapes or
                 dtypes differ from the saved ones, or a target sharding does
-                not divide a saved shape (lists every difference).
+                not divide a saved shape (lists every difference; a target
+                path or ``path`` the checkpoint lacks comes with the nearest
+                saved paths).
             CheckpointCorruptError: a file is damaged or a value fails its checksum.
 
         Warns (``NonFiniteCheckpointWarning``) naming the leaves that hold NaN or
         infinite values, as a checkpoint saved after training diverged does.
         """
+        prefix = _subtree_prefix(path)
         target, as_objects = as_states(normalize_target(target))
+        if (partial or prefix) and not jax.tree.leaves(target):
+            raise ValueError(f"the restore target{f' for path {prefix!r}' if prefix else ''} has no leaves: "
+                             "give one jax.ShapeDtypeStruct (with a sharding) per leaf to restore")
         info = self.info(step)
-        step, path = info.step, info.path
-        compare(list(info.leaves), target, step=step, directory=self._directory)
+        step, step_dir = info.step, info.path
+        wanted = compare(list(info.leaves), target, step=step, directory=self._directory,
+                         prefix=prefix, partial=partial)
         verify = self._checksums and info.checksum_algorithm is not None
         if verify and info.checksum_algorithm not in (_checksum.ALGORITHM, _checksum.ALGORITHM_V1):
             raise CheckpointCorruptError(
-                step, path, f"its checksums are of an unknown kind ({info.checksum_algorithm!r}); "
+                step, step_dir, f"its checksums are of an unknown kind ({info.checksum_algorithm!r}); "
                 "restore it with the multimesh version that wrote it, or with checksums=False")
         reader = self._state_handler.arrays
         # hash on the read path (while other blocks are still being read)
@@ -554,16 +575,28 @@ class CheckpointManager:
         gc_was_enabled = gc.isenabled()
         gc.disable()
         try:
-            state = self._read_item(step, STATE_ITEM, ocp.args.StandardRestore(target),
-                                    os.path.join(path, STATE_ITEM))
+            if partial or prefix:  # only the wanted leaves are read
+                got = self._read_item(step, STATE_ITEM, SubsetRestore(wanted), os.path.join(step_dir, STATE_ITEM))
+            else:
+                state = self._read_item(step, STATE_ITEM, ocp.args.StandardRestore(target),
+                                        os.path.join(step_dir, STATE_ITEM))
         finally:
             if gc_was_enabled:
                 gc.enable()
             hasher, hashed = reader.hasher, reader.hashed
             reader.hasher, reader.hashed = None, set()
+        if partial or prefix:
+            if lost := [p for p in wanted if p not in got]:
+                raise CheckpointCorruptError(
+                    step, step_dir, f"its '{STATE_ITEM}' item has no array at {', '.join(lost)}, which "
+                    "its manifest lists", leaves=lost)
+            named = list(got.items())
+            state = jax.tree.unflatten(jax.tree.structure(target), [got[p] for p in wanted])
+        else:
+            named = leaves_with_paths(state)
         if verify:
-            self._verify(info, state, hasher, hashed)
-        warn_if_nonfinite(state, step, path)
+            self._verify(info, named, hasher, hashed)
+        warn_if_nonfinite(dict(named) if partial or prefix else state, step, step_dir)  # saved paths
         return Restored(as_objects(state), info.metadata, info.data_position, step)
 
     def _read_item(self, step: int, item: str, args: Any, path: str) -> Any:
@@ -588,13 +621,13 @@ class CheckpointManager:
         gc.collect()
         raise failure
 
-    def _verify(self, info: CheckpointInfo, state: PyTree,
+    def _verify(self, info: CheckpointInfo, restored: list[tuple[str, jax.Array]],
                 hasher: _checksum.Hasher | None, hashed: set[str]) -> None:
-        """Compares the restored leaves' checksums with the recorded ones: the
-        read path hashed what it read (``hasher``, the paths in ``hashed``);
-        the rest (leaves Orbax read) is hashed now."""
+        """Compares the restored leaves' checksums (``restored``: by saved path)
+        with the recorded ones: the read path hashed what it read (``hasher``,
+        the paths in ``hashed``); the rest (leaves Orbax read) is hashed now."""
         recorded = {r.path: r.checksum for r in info.leaves if r.checksum}
-        named = [(p, x) for p, x in leaves_with_paths(state) if p in recorded]
+        named = [(p, x) for p, x in restored if p in recorded]
         if not named:
             return
         if info.checksum_algorithm == _checksum.ALGORITHM_V1:
@@ -668,6 +701,16 @@ def _check_step(step: Any) -> int:
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     return step
+
+
+def _subtree_prefix(path: Any) -> str:
+    """``restore``'s ``path`` as a leaf-path prefix (``""``: the whole tree)."""
+    if path is None:
+        return ""
+    if not isinstance(path, str):
+        raise TypeError(f"path must be a str naming a saved subtree as info() spells leaf paths "
+                        f"(e.g. 'params' or 'opt_state/0/mu'), got {type(path).__name__}: {path!r}")
+    return "" if path.strip("/") == "<root>" else path.strip("/")
 
 
 def _saved_id(step_path: str) -> str | None:

@@ -12,11 +12,14 @@ A failed save (a full disk) makes each of Orbax's background save threads
 log the error at ERROR level with its traceback (absl), pages of them before
 the ``CheckpointSaveError`` that says it in one line.
 
-``install()`` adds three narrow filters, for the life of the process: reports of
+A read-only manager makes Orbax warn, every time, that its directory is read
+only (what the caller asked for).
+
+``install()`` adds four narrow filters, for the life of the process: reports of
 exceptions in dropped coroutines of Orbax's or TensorStore's code,
-"exception was never retrieved" logs that mention Orbax or TensorStore, and
-Orbax's reports of failed save threads (whose error the manager raises). Every
-other report goes through unchanged. (TensorStore may also print "Event loop
+"exception was never retrieved" logs that mention Orbax or TensorStore,
+Orbax's reports of failed save threads (whose error the manager raises), and
+Orbax's read-only notice. Every other report goes through unchanged. (TensorStore may also print "Event loop
 is closed" from its own thread when it calls back into Orbax's closed loop;
 that one we cannot intercept.)
 """
@@ -64,6 +67,16 @@ class _DropFailedSaveReports(logging.Filter):
         return not any(r in message for r in self._REPORTS)
 
 
+class _DropReadOnlyNotice(logging.Filter):
+    """Drops Orbax's WARNING that a read-only manager's directory is read only,
+    logged by every ``CheckpointManager(..., read_only=True)``: the caller
+    asked for exactly that."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not ("orbax" in (record.pathname or "")
+                    and record.getMessage().startswith("Given directory is read only="))
+
+
 def _is_orbax_leftover(unraisable) -> bool:
     """An exception from a dropped coroutine of Orbax / TensorStore code."""
     obj = getattr(unraisable, "object", None)
@@ -86,4 +99,5 @@ def install() -> None:
         sys.unraisablehook = hook
         logging.getLogger("asyncio").addFilter(_DropNeverRetrieved())
         logging.getLogger("absl").addFilter(_DropFailedSaveReports())
+        logging.getLogger("absl").addFilter(_DropReadOnlyNotice())
         _installed = True

@@ -4,7 +4,9 @@ restore targets, and the comparison of a target with what was saved."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -26,6 +28,47 @@ def leaves_with_paths(tree: PyTree) -> list[tuple[str, Any]]:
     """``[(path, leaf)]`` in flattening order."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     return [(path_str(kp), leaf) for kp, leaf in flat]
+
+
+def join_path(prefix: str, path: str) -> str:
+    """``path`` (relative to a subtree, ``<root>`` for the subtree itself)
+    under ``prefix`` (the subtree's own path, ``""`` for the whole tree)."""
+    if path == "<root>":
+        return prefix or path
+    return f"{prefix}/{path}" if prefix else path
+
+
+def is_within(path: str, prefix: str) -> bool:
+    """Whether the leaf ``path`` is ``prefix`` or lies under it (``""``: the whole tree)."""
+    return not prefix or path == prefix or path.startswith(prefix + "/")
+
+
+def subtree_paths(paths: Iterable[str]) -> list[str]:
+    """Every leaf path and every path of an inner node above one (``a/b/c``
+    gives ``a``, ``a/b``, ``a/b/c``), in first-seen order."""
+    out: dict[str, None] = {}
+    for p in paths:
+        parts = p.split("/")
+        for k in range(1, len(parts) + 1):
+            out.setdefault("/".join(parts[:k]))
+    return list(out)
+
+
+def nearest_paths(path: str, candidates: Iterable[str], n: int = 3) -> list[str]:
+    """The ``candidates`` most like ``path``, for a "did you mean": close
+    spellings first; else those under the deepest parent of ``path`` that
+    has any; else the first few."""
+    candidates = list(dict.fromkeys(candidates))
+    close = difflib.get_close_matches(path, candidates, n=n, cutoff=0.6)
+    if close:
+        return close
+    parts = path.split("/")
+    for k in range(len(parts) - 1, 0, -1):
+        parent = "/".join(parts[:k]) + "/"
+        under = [c for c in candidates if c.startswith(parent)]
+        if under:
+            return under[:n]
+    return candidates[:n]
 
 
 def is_prng_key(dtype: Any) -> bool:
@@ -247,19 +290,32 @@ def _indivisible(x: jax.ShapeDtypeStruct) -> str | None:
     return None
 
 
-def compare(saved: list[LeafRecord], target: PyTree, *, step: int, directory: str) -> None:
-    """Raises ``CheckpointMismatchError`` listing every path where ``target``
-    (a normalised target) differs from the saved tree in presence, shape or
-    dtype, or whose sharding does not divide the saved shape."""
-    want = {p: x for p, x in leaves_with_paths(target)}
-    have = {r.path: r for r in saved}
-    missing = [f"{p} {list(r.shape)} {r.dtype}" for p, r in have.items() if p not in want]
-    unexpected = [f"{p} {list(x.shape)} {x.dtype}" for p, x in want.items() if p not in have]
+def compare(saved: list[LeafRecord], target: PyTree, *, step: int, directory: str,
+            prefix: str = "", partial: bool = False) -> dict[str, jax.ShapeDtypeStruct]:
+    """Checks ``target`` (a normalised target) leaf by leaf against the saved
+    tree and returns its leaves by their saved path.
+
+    ``target`` stands for the saved subtree at ``prefix`` (``""``: the whole
+    tree). Raises ``CheckpointMismatchError`` listing every difference: a
+    target leaf the checkpoint lacks (with the nearest saved paths), a saved
+    leaf of the subtree the target lacks (unless ``partial``), another shape
+    or dtype, a sharding that does not divide the saved shape.
+    """
+    want = {join_path(prefix, p): x for p, x in leaves_with_paths(target)}
+    every = {r.path: r for r in saved}
+    have = {p: r for p, r in every.items() if is_within(p, prefix)}
+    if prefix and not have:
+        near = nearest_paths(prefix, subtree_paths(every))
+        raise CheckpointMismatchError(step, directory, [], [
+            f"{prefix} (no saved leaf at or under this path; nearest saved: {', '.join(near) or 'none'})"], [])
+    missing = [] if partial else [f"{p} {list(r.shape)} {r.dtype}" for p, r in have.items() if p not in want]
+    unexpected = [f"{p} {list(x.shape)} {x.dtype} (nearest saved: {', '.join(nearest_paths(p, have)) or 'none'})"
+                  for p, x in want.items() if p not in have]
     mismatched = []
-    for p, r in have.items():
-        if p not in want:
+    for p, x in want.items():
+        if p not in have:
             continue
-        x = want[p]
+        r = have[p]
         if tuple(x.shape) != r.shape:
             mismatched.append((p, "shape", str(r.shape), str(tuple(x.shape))))
         if str(x.dtype) != r.dtype:
@@ -270,4 +326,4 @@ def compare(saved: list[LeafRecord], target: PyTree, *, step: int, directory: st
                                 "whose sizes divide the dimensions they shard")))
     if missing or unexpected or mismatched:
         raise CheckpointMismatchError(step, directory, missing, unexpected, mismatched)
-
+    return want

@@ -229,12 +229,25 @@ def _indivisible(shape: Sequence[int], s: NamedSharding) -> str | None:
     return None
 
 
+class _Indivisible(ValueError):
+    """A batch leaf whose shape its sharding does not divide (named by `place_batch`)."""
+
+
+def _put(x: Any, s: NamedSharding) -> Any:
+    """``x`` on ``s``. A shape that does not divide is refused before ``jax.device_put``,
+    which prints a stray source line to stdout before its own error (JAX 0.12)."""
+    if isinstance(x, jax.Array) and x.sharding == s:
+        return x
+    shape = _shape(x)
+    if shape is not None and _indivisible(shape, s) is not None:
+        raise _Indivisible
+    return jax.device_put(x, s)
+
+
 def place_batch(batch: Any, shardings: Any, abstract_batch: Any = None, fun: Callable | None = None) -> Any:
     """Move a batch onto its shardings (a no-op for arrays already there); a leaf that cannot go is named."""
     try:
-        return jax.tree.map(
-            lambda x, s: x if isinstance(x, jax.Array) and x.sharding == s else jax.device_put(x, s),
-            batch, shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+        return jax.tree.map(_put, batch, shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
     except Exception as e:
         built = jax.tree.leaves(abstract_batch) if abstract_batch is not None else [None] * len(jax.tree.leaves(batch))
         for (path, x), s, a in zip(_leaves(batch), jax.tree.leaves(shardings), built):
@@ -246,5 +259,6 @@ def place_batch(batch: Any, shardings: Any, abstract_batch: Any = None, fun: Cal
             if why is not None:
                 step = f" of step {fun_name(fun)!r}" if fun is not None else ""
                 was = f" (built for {_aval(a)})" if a is not None else ""
-                raise StepInputError(f"batch leaf {path!r}{step} has shape {shape}{was}: {why}") from e
+                raise StepInputError(f"batch leaf {path!r}{step} has shape {shape}{was}: {why}") from (
+                    None if isinstance(e, _Indivisible) else e)
         raise
