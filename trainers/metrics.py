@@ -9,13 +9,16 @@ from __future__ import annotations
 import json
 import math
 import os
+import textwrap
 import time
 from pathlib import Path
 from typing import Any, Self
 
 import numpy as np
+from tqdm import tqdm
+from tqdm.std import EMA
 
-__all__ = ["MetricsLog", "Throughput", "plot_losses", "read_metrics", "strict_json"]
+__all__ = ["MetricsLog", "StepBar", "Throughput", "plot_losses", "read_metrics", "strict_json"]
 
 
 def _finite_or_none(x: Any) -> Any:
@@ -52,13 +55,16 @@ class MetricsLog:
     """Appends one JSON object per line to ``path``, flushed at once.
 
     ``resume_at`` (the step a run resumes from) drops the records of later
-    steps, written by a run that died after its last checkpoint. With
-    ``write=False`` (a process other than the first) nothing is written.
+    steps, written by a run that died after its last checkpoint;
+    ``resumed_wall_time`` is then the ``wall_time`` of the last record kept, from
+    which the resumed run's clock goes on. With ``write=False`` (a process other
+    than the first) nothing is written.
     """
 
     def __init__(self, path: str | os.PathLike, resume_at: int | None = None, *, write: bool = True):
         self.path = Path(path)
         self._file = None
+        self.resumed_wall_time = 0.0
         if not write:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -67,6 +73,7 @@ class MetricsLog:
         else:
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_at]
             self.path.write_text("".join(strict_json(r) + "\n" for r in kept))
+            self.resumed_wall_time = float(kept[-1].get("wall_time") or 0.0) if kept else 0.0
         self._file = open(self.path, "a")  # noqa: SIM115 - open for the run, closed by close()
 
     def write(self, record: dict[str, Any]) -> None:
@@ -133,6 +140,19 @@ class Throughput:
         return "-" if math.isnan(self.rate) else f"{self.rate:,.0f}"
 
 
+class StepBar(tqdm):
+    """tqdm's bar whose clock can restart at a step (`time_from`), so that its rate and ETA leave out the
+    first step, which compiles the programs (tqdm's own ``reset`` would show step 0 meanwhile)."""
+
+    def time_from(self, step: int) -> None:
+        if self.disable:
+            return
+        self.n = self.last_print_n = self.initial = step
+        self.last_print_t = self.start_t = self._time()
+        self._ema_dn, self._ema_dt, self._ema_miniters = (EMA(self.smoothing) for _ in range(3))
+        self.refresh()
+
+
 def plot_losses(records: list[dict[str, Any]], path: str | os.PathLike, *, baseline: float | None = None,
                 title: str = "") -> Path:
     """Train and validation loss against step (and the unigram baseline) as a PNG."""
@@ -141,18 +161,21 @@ def plot_losses(records: list[dict[str, Any]], path: str | os.PathLike, *, basel
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import MaxNLocator
+
     train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
     val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     if train:
-        ax.plot(*zip(*train), label="train loss", lw=1.2)
+        ax.plot(*zip(*train), label="train loss (mean since the previous point)", lw=1.2)
     if val:
         ax.plot(*zip(*val), "o-", label="validation loss", lw=1.5, ms=4)
     if baseline is not None:
         ax.axhline(baseline, color="gray", ls="--", lw=1, label=f"unigram baseline ({baseline:.2f})")
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # a short run: whole steps, not 2.5
     ax.set_ylabel("loss (nats per byte)")
-    ax.set_title(title)
+    ax.set_title(textwrap.fill(title, 90), fontsize=9)  # a long title (the layouts of a resumed run) wraps
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

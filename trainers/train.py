@@ -5,11 +5,14 @@ layout and writes to ``config.out_dir``:
 
 * ``metrics.jsonl``: one line per logged step: ``step``, ``loss`` (mean train
   loss since the previous line), ``lr``, ``grad_norm``, ``tokens_per_s``,
-  ``wall_time`` (seconds since this call started, set-up and compilation
-  included), and ``val_loss`` when computed;
-* ``loss.png``: the loss curves against the unigram baseline (at the end);
+  ``wall_time`` (seconds of training so far, set-up and compilation
+  included; a resumed run goes on from its checkpoint's line), and
+  ``val_loss`` when computed; the progress bar shows the same mean loss
+  (``mean_loss``), and its rate and ETA leave out the first step's compilation;
+* ``loss.png``: the loss curves against the unigram baseline (at the end),
+  titled with every layout the run used;
 * ``checkpoints/<step>/``: asynchronous, every ``checkpoint_every`` steps and at the
-  end: the train state, the data position, the config as metadata;
+  end: the train state, the data position, the config and the layouts as metadata;
 * ``config.yaml`` (the resolved config), ``sharding.txt`` (where each array
   lives), ``summary.json`` (the final numbers; like ``metrics.jsonl``, strict
   JSON: a NaN is ``null``);
@@ -52,7 +55,7 @@ from trainers.data import TextDataset, load_corpus, make_datasets
 from trainers.feed import Feed
 from trainers.fit import check_data, make_out_dir
 from trainers.layout import build_layout, write_schedule_png
-from trainers.metrics import MetricsLog, Throughput, plot_losses, read_metrics, strict_json
+from trainers.metrics import MetricsLog, StepBar, Throughput, plot_losses, read_metrics, strict_json
 from trainers.nonfinite import NonFiniteError, NonFiniteWarning, first_nonfinite, how_to_fix
 from trainers.optim import cut_warmup_note
 from trainers.preemption import Preempted, StopSignals
@@ -138,6 +141,17 @@ def _resume_point(ckpt: CheckpointManager, cfg: Config) -> tuple[int | None, dic
     return latest, saved if isinstance(saved, dict) else None
 
 
+def _layouts_so_far(ckpt: CheckpointManager, latest: int | None, current: str) -> list[str]:
+    """Every layout the run has used, oldest first, ``current`` last: a resumed run reads the others from its
+    checkpoint (one written before this was recorded gives its own ``layout``)."""
+    before: list[str] = []
+    if latest is not None:
+        metadata = ckpt.info(latest).metadata
+        if isinstance(metadata, dict):
+            before = list(metadata.get("layouts") or ([metadata["layout"]] if "layout" in metadata else []))
+    return before if before[-1:] == [current] else [*before, current]
+
+
 def _log(quiet: bool, message: str) -> None:
     if not quiet:
         from tqdm import tqdm
@@ -212,6 +226,7 @@ def _train(cfg: Config, *, devices: Any, quiet: bool, stop_after: int | None, re
                     f"{n_params / 1e6:.2f}M parameters, {cfg.model.dtype}; {layout.describe()}")
         _log(quiet, f"data: {len(train_ds.tokens):,} train / {len(val_ds.tokens):,} validation bytes, "
                     f"batch {cfg.data.batch_size} x {cfg.data.seq_len}; unigram baseline {baseline:.3f} nats/byte")
+        layouts = _layouts_so_far(ckpt, latest, layout.describe())
         if latest is None:
             state, start = program.init(), 0
             _log(quiet, f"writing to {out}")
@@ -229,12 +244,12 @@ def _train(cfg: Config, *, devices: Any, quiet: bool, stop_after: int | None, re
             if changed:
                 _log(quiet, f"resumed with other optimizer settings than the checkpoint's: {', '.join(changed)}")
         state, losses, val_loss, clock, last = _loop(program, state, start, train_feed, val_feed, ckpt, out,
-                                                     quiet, stop_after, t_start)
+                                                     quiet, stop_after, t_start, layouts)
     wall = time.perf_counter() - t_start
     result = TrainResult(cfg, out, start, last, losses, val_loss, baseline, wall, clock.rate, state)
     if main and (stop_after is None or last >= cfg.train.steps):
         plot_losses(read_metrics(out / "metrics.jsonl"), out / "loss.png", baseline=baseline,
-                    title=f"{cfg.name}: {layout.describe()}")
+                    title=f"{cfg.name}: {', then '.join(layouts)}")
         (out / "summary.json").write_text(strict_json({
             "config": cfg.name, "layout": layout.describe(), "start_step": start, "step": last,
             "val_loss": val_loss, "unigram_baseline": baseline, "wall_time_s": round(wall, 2),
@@ -248,19 +263,20 @@ class _Loop:
     """The steps of one run: dispatch, bounded syncs, validation, metrics lines, checkpoints."""
 
     def __init__(self, program: Program, train: Feed, val: Feed, ckpt: CheckpointManager,
-                 log: MetricsLog, bar: Any, t_start: float):
+                 log: MetricsLog, bar: Any, t_start: float, layouts: list[str]):
         self.program, self.train, self.val, self.ckpt, self.log, self.bar = program, train, val, ckpt, log, bar
         cfg = program.config
         self.tc = cfg.train
         self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-        self.metadata = {"config": cfg.to_dict(), "layout": program.layout.describe()}
+        # ``layouts``: every layout the run used, in order (a resumed run adds its own)
+        self.metadata = {"config": cfg.to_dict(), "layout": program.layout.describe(), "layouts": layouts}
         self.losses: dict[int, float] = {}
         self.val_loss: float | None = None
         self.clock = Throughput()
         self._pending: list[tuple[int, Any]] = []
         self._window: list[float] = []
         self._grad_norm = float("nan")
-        self._t0 = t_start
+        self._t0 = t_start - log.resumed_wall_time  # wall_time goes on from where the resumed run stopped
         self._warned_nonfinite = False
 
     def run(self, state: Any, start: int, stop_after: int | None, signals: StopSignals) -> tuple[Any, int]:
@@ -285,13 +301,15 @@ class _Loop:
             at_sync = len(self._pending) >= SYNC_EVERY or do_log or do_ckpt or step == start + 1
             if at_sync:
                 self._sync()
+            if step == start + 1:  # the first step compiled the programs: the rate and the ETA start after it
+                self.bar.time_from(step)
             if stop_after is not None and step >= stop_after and not is_last:
                 break
             if do_eval or do_ckpt:
                 self.clock.pause()
             if do_eval:
                 self.val_loss = validate(self.program, state["params"], self.val, tc.eval_batches)
-                self.bar.set_postfix(loss=f"{self.losses[step]:.3f}", val=f"{self.val_loss:.3f}",
+                self.bar.set_postfix(mean_loss=self._window_mean(), val=f"{self.val_loss:.3f}",
                                      tok_s=self.clock.format())
             if do_log:
                 self._write(step, with_val=do_eval)
@@ -319,10 +337,14 @@ class _Loop:
         step = self._pending[-1][0]
         self._pending.clear()
         self.bar.update(step - self.bar.n)
-        self.bar.set_postfix(loss=f"{self.losses[step]:.3f}", tok_s=self.clock.format(), refresh=False)
+        self.bar.set_postfix(mean_loss=self._window_mean(), tok_s=self.clock.format(), refresh=False)
         bad = first_nonfinite(zip(steps, fetched))
         if bad is not None:
             self._nonfinite(*bad, synced=step)
+
+    def _window_mean(self) -> str:
+        """The mean train loss since the last metrics line: what the next line (and the plot) will show."""
+        return f"{np.mean(self._window):.3f}" if self._window else "-"
 
     def _nonfinite(self, step: int, problem: str, synced: int) -> None:
         """``train.on_nonfinite``: warn once and go on, or stop before anything non-finite is saved."""
@@ -368,16 +390,14 @@ class _Loop:
 
 
 def _loop(program: Program, state: Any, start: int, train: Feed, val: Feed, ckpt: CheckpointManager, out: Path,
-          quiet: bool, stop_after: int | None, t_start: float):
-    from tqdm import tqdm
-
+          quiet: bool, stop_after: int | None, t_start: float, layouts: list[str]):
     tc = program.config.train
-    bar = tqdm(total=tc.steps, initial=start, desc=program.config.name, unit="step", disable=quiet,
+    bar = StepBar(total=tc.steps, initial=start, desc=program.config.name, unit="step", disable=quiet,
                dynamic_ncols=True, file=sys.stdout, smoothing=0.1)
     log = MetricsLog(out / "metrics.jsonl", resume_at=start if start else None, write=jax.process_index() == 0)
     try:
         with log, StopSignals() as signals:
-            loop = _Loop(program, train, val, ckpt, log, bar, t_start)
+            loop = _Loop(program, train, val, ckpt, log, bar, t_start, layouts)
             state, last = loop.run(state, start, stop_after, signals)
     finally:
         bar.close()
