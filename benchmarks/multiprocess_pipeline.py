@@ -6,14 +6,21 @@ different cores at once. Measured in one run:
 - single: one process pinned to core 0, one CPU device, the whole model's
   train step as one `jax.jit` (no pipeline): the obvious alternative;
 - pipeline: 2 processes (`multimesh.distributed`), process i pinned to core i
-  with one CPU device, one stage each, 8 microbatches, 1F1B.
+  with one CPU device, one stage each, ``--microbatches`` (8), ``--schedule``
+  (1f1b; also gpipe, interleaved with ``--interleave`` chunks per stage, zb-h1,
+  zb-h2).
 
 Printed: tokens/s of both, their ratio, and the efficiency against the
-schedule's ideal speed-up ``stages * (1 - bubble)``. The model is a stack of
-per-token MLP blocks (``--layers`` blocks of ``--width`` x 4``--width``),
-half of them on each stage; adam.
+schedule's ideal speed-up ``stages * (1 - bubble)``, the median over
+``--rounds`` rounds of ``--steps`` steps; the peak live activations measured
+per stage against the schedule's bound; the final losses. The model is a stack
+of per-token MLP blocks (``--layers`` blocks of ``--width`` x 4``--width``),
+half of them on each stage (interleaved: ``2 x interleave`` groups, dealt to the
+stages in turn); adam. ``--sweep`` runs every schedule at 4, 8 and 16
+microbatches, one row each.
 
-    python benchmarks/multiprocess_pipeline.py [--steps 20] [--layers 8] [--width 512] [--batch 64] [--seq 32]
+    python benchmarks/multiprocess_pipeline.py [--schedule zb-h2] [--microbatches 8] [--sweep]
+        [--steps 10] [--rounds 5] [--layers 8] [--width 512] [--batch 64] [--seq 32]
 
 Needs 2 free cores (``taskset``); the numbers mean little on a loaded machine.
 """
@@ -25,9 +32,12 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
 
 
 def block(ps: list, h):
@@ -55,13 +65,15 @@ def model(args: argparse.Namespace, stages: list | None):
                        "b": jax.random.normal(keys[2 * i + 1], (4 * w, w)) * (4 * w) ** -.5}
                       for i in range(args.layers)]}
 
-    per = args.layers // 2
-    parts = [block, block] if stages is None else stages
+    chunks = args.interleave if args.schedule == "interleaved" else 1
+    groups = 2 * chunks  # group g runs on stage g % 2: stages visited in turn, `chunks` times per microbatch
+    per = args.layers // groups
+    parts = [block] * groups if stages is None else [stages[g % 2] for g in range(groups)]
 
     def loss(ps, batch):
         h = batch["x"]
-        for s, part in enumerate(parts):
-            h = part(ps[s * per:(s + 1) * per], h)
+        for g, part in enumerate(parts):
+            h = part(ps[g * per:(g + 1) * per], h)
         return jnp.mean((h - batch["y"]) ** 2) / args.microbatches
 
     def state_init():
@@ -73,7 +85,9 @@ def model(args: argparse.Namespace, stages: list | None):
             value, grads = jax.value_and_grad(lambda p, b: loss(p, b) * args.microbatches)(state["p"], batch)
         else:
             mb = args.batch // args.microbatches
-            value, grads = jax.value_and_grad(microbatch(loss, 0, mb, argnum=1, schedule="1f1b"))(state["p"], batch)
+            kw = {"interleave": chunks} if args.schedule == "interleaved" else {}
+            pipelined = microbatch(loss, 0, mb, argnum=1, schedule=args.schedule, **kw)
+            value, grads = jax.value_and_grad(pipelined)(state["p"], batch)
         updates, opt = tx.update(grads, state["o"], state["p"])
         return value, {"p": optax.apply_updates(state["p"], updates), "o": opt}
 
@@ -88,26 +102,32 @@ def batch(args: argparse.Namespace):
     return {"x": jax.random.normal(kx, shape), "y": jax.random.normal(ky, shape)}
 
 
-def timed(step, state, b, steps: int) -> tuple[float, float]:
-    """Seconds per step after 3 warm-up steps; and the last loss."""
+def timed(step, state, b, steps: int, rounds: int) -> tuple[float, float]:
+    """Seconds per step (the median over ``rounds`` rounds of ``steps`` steps) after 3 warm-up steps; and
+    the loss of the first step (equal for every schedule: the same initial state)."""
     import jax
 
-    for _ in range(3):
+    value, state = step(state, b)
+    first = float(value)
+    for _ in range(2):
         value, state = step(state, b)
     float(value)
-    start = time.perf_counter()
-    for _ in range(steps):
-        value, state = step(state, b)
-    loss = float(value)
-    jax.block_until_ready(state)
-    return (time.perf_counter() - start) / steps, loss
+    per_round = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(steps):
+            value, state = step(state, b)
+        float(value)
+        jax.block_until_ready(state)
+        per_round.append((time.perf_counter() - start) / steps)
+    return statistics.median(per_round), first
 
 
 def single(args: argparse.Namespace) -> dict:
     import jax
 
     init, step = model(args, None)
-    seconds, loss = timed(jax.jit(step), jax.jit(init)(), jax.jit(lambda: batch(args))(), args.steps)
+    seconds, loss = timed(jax.jit(step), jax.jit(init)(), jax.jit(lambda: batch(args))(), args.steps, args.rounds)
     return {"seconds": seconds, "loss": loss}
 
 
@@ -124,8 +144,11 @@ def worker(args: argparse.Namespace) -> dict:
     stages = [task(block, f"stage{i}", mesh=m) for i, m in enumerate(meshes)]
     init, step = model(args, stages)
     fn, init_p, get_b = parallelize(step, init_params=init, get_input_batch=lambda: batch(args))
-    seconds, loss = timed(fn, init_p(), get_b(), args.steps)
-    out = {"seconds": seconds, "loss": loss, "bubble": fn.plan.schedule.bubble_fraction}
+    seconds, loss = timed(fn, init_p(), get_b(), args.steps, args.rounds)
+    schedule = fn.plan.schedule
+    out = {"seconds": seconds, "loss": loss, "bubble": schedule.bubble_fraction,
+           "peak": {str(k): v for k, v in fn.stats.peak_live_activations.items()},
+           "bound": {str(k): v for k, v in schedule.peak_live_activations.items()}}
     jax.distributed.shutdown()
     return out
 
@@ -142,7 +165,8 @@ def launch(args: argparse.Namespace, role: list[str], core: int) -> subprocess.P
     pin = ["taskset", "-c", str(core)] if shutil.which("taskset") else []
     cmd = [*pin, sys.executable, __file__, *role, "--steps", str(args.steps), "--layers", str(args.layers),
            "--width", str(args.width), "--batch", str(args.batch), "--seq", str(args.seq),
-           "--microbatches", str(args.microbatches)]
+           "--microbatches", str(args.microbatches), "--schedule", args.schedule, "--interleave",
+           str(args.interleave), "--rounds", str(args.rounds)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
 
 
@@ -153,14 +177,27 @@ def result(p: subprocess.Popen, timeout: float = 900) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def pipelined(args: argparse.Namespace) -> dict:
+    """One configuration on 2 processes, each on its own core."""
+    port = free_port()
+    procs = [launch(args, ["--process", str(i), "--port", str(port)], i) for i in range(2)]
+    two = [result(p) for p in procs]
+    return {"seconds": max(t["seconds"] for t in two), "loss": two[0]["loss"], "bubble": two[0]["bubble"],
+            "peak": {**two[0]["peak"], **two[1]["peak"]}, "bound": two[0]["bound"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    parser.add_argument("--interleave", type=int, default=2, help="chunks per stage (interleaved)")
+    parser.add_argument("--sweep", action="store_true", help="every schedule at 4, 8 and 16 microbatches")
     parser.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--process", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
@@ -173,20 +210,24 @@ def main() -> None:
         return
 
     one = result(launch(args, ["--single"], 0))
-    port = free_port()
-    procs = [launch(args, ["--process", str(i), "--port", str(port)], i) for i in range(2)]
-    two = [result(p) for p in procs]
     tokens = args.batch * args.seq
-    rate_one, rate_two = tokens / one["seconds"], tokens / two[0]["seconds"]
-    ideal = 2 * (1 - two[0]["bubble"])
+    rate_one = tokens / one["seconds"]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"model: {args.layers} blocks of {args.width}x{4 * args.width}, batch {args.batch} x {args.seq} tokens, "
-          f"{args.microbatches} microbatches (1F1B), {args.steps} timed steps, {os.cpu_count()} cores")
-    print(f"{'':>34} {'s/step':>8} {'tokens/s':>10}")
-    print(f"{'1 process, 1 core, 1 device (jit)':>34} {one['seconds']:8.3f} {rate_one:10.0f}")
-    print(f"{'2 processes, 1 core each, pipeline':>34} {two[0]['seconds']:8.3f} {rate_two:10.0f}")
-    print(f"speed-up {rate_two / rate_one:.2f}x; ideal for this schedule 2 x (1 - bubble {two[0]['bubble']:.3f}) = "
-          f"{ideal:.2f}x; efficiency {rate_two / rate_one / ideal:.0%}")
-    print(f"final loss: single {one['loss']:.6f}, pipeline {two[0]['loss']:.6f}")
+          f"median of {args.rounds} rounds of {args.steps} steps, {os.cpu_count()} cores, load average {load:.2f}")
+    print(f"1 process, 1 core, 1 device (jit): {one['seconds']:.3f} s/step, {rate_one:.0f} tokens/s, "
+          f"first loss {one['loss']:.6f}")
+    print(f"{'schedule':>14} {'mb':>3} {'s/step':>7} {'speed-up':>8} {'ideal':>6} {'effic.':>6} "
+          f"{'peak act. (bound)':>18} {'first loss':>10}")
+    configs = [(s, m) for s in SCHEDULES for m in (4, 8, 16)] if args.sweep else [(args.schedule, args.microbatches)]
+    for schedule, mb in configs:
+        run = argparse.Namespace(**{**vars(args), "schedule": schedule, "microbatches": mb})
+        two = pipelined(run)
+        speedup, ideal = one["seconds"] / two["seconds"], 2 * (1 - two["bubble"])
+        peak = " ".join(f"{two['peak'].get(k, '?')}({v})" for k, v in sorted(two["bound"].items()))
+        name = f"{schedule} x{args.interleave}" if schedule == "interleaved" else schedule
+        print(f"{name:>14} {mb:3d} {two['seconds']:7.3f} {speedup:7.2f}x {ideal:5.2f}x {speedup / ideal:6.0%} "
+              f"{peak:>18} {two['loss']:10.6f}", flush=True)
 
 
 if __name__ == "__main__":
