@@ -158,7 +158,7 @@ def test_nnx_layout_matches_one_device(name, tmp_path, nnx_reference):
     kernel = params["layers_0"]["mlp"]["wi_0"]["kernel"][...]
     if name == "pipeline":
         assert {d.id for d in kernel.sharding.device_set} == {0, 1, 2, 3}
-        assert {d.id for d in params["head"]["output"]["kernel"][...].sharding.device_set} == {4, 5, 6, 7}
+        assert {d.id for d in params["head"]["final_norm"]["scale"][...].sharding.device_set} == {4, 5, 6, 7}
         assert kernel.addressable_shards[0].data.shape == (32, kernel.shape[1] // 2)  # tensor=2 on mlp
     else:
         assert len(kernel.sharding.device_set) == 8
@@ -175,7 +175,7 @@ def test_nnx_pipeline_with_remat_finds_stages_by_attribute_path(tmp_path, nnx_re
     np.testing.assert_allclose(got, nnx_reference(cfg, NNX_STEPS), rtol=RTOL)
     params = state["params"]
     assert {d.id for d in params["layers_0"]["mlp"]["wi_0"]["kernel"][...].sharding.device_set} == {0, 1, 2, 3}
-    assert {d.id for d in params["head"]["output"]["kernel"][...].sharding.device_set} == {4, 5, 6, 7}
+    assert {d.id for d in params["head"]["final_norm"]["scale"][...].sharding.device_set} == {4, 5, 6, 7}
 
 
 @pytest.mark.slow  # ~2 min: a whole pipeline run of the NNX model through train(), then sampling

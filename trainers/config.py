@@ -561,7 +561,7 @@ def _check_consistency(cfg: Config) -> None:
             raise ConfigError("model.scan_layers=true cannot run schedule 'interleaved': a scanned stack is split "
                               "into one range of blocks per stage; use model.scan_layers=false, or another "
                               "layout.pipeline.schedule")
-        if m.num_layers % (p.stages * p.chunks):
+        if p.chunks > 1 and m.num_layers % (p.stages * p.chunks):
             raise ConfigError(
                 f"schedule 'interleaved' gives each of layout.pipeline.stages={p.stages} stages "
                 f"{p.chunks} equal groups of blocks (layout.pipeline.interleave={p.chunks}), so "
