@@ -96,7 +96,12 @@ def run_blocks(blocks: list[tuple[int, str]], name: str, tmp_path: Path) -> subp
     return proc
 
 
-@pytest.mark.parametrize("page", pages(), ids=lambda p: p.name)
+#: Pages whose code takes half a minute or more: they run with the long checks (``-m slow``, in CI too).
+LONG_PAGES = {"implicit-tasks.md", "your-model.md"}
+
+
+@pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.slow) if p.name in LONG_PAGES else p
+                                  for p in pages()], ids=lambda p: p.name)
 def test_page_runs(page, tmp_path):
     blocks = runnable(page)
     if not blocks:

@@ -24,7 +24,12 @@ def test_every_example_is_listed():
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(FINAL_LINES)
 
 
-@pytest.mark.parametrize("script", sorted(FINAL_LINES))
+#: Examples that take a quarter of a minute or more: they run with the long checks (``-m slow``, in CI too).
+LONG = {"checkpoint_relayout.py", "flax_register_task.py"}
+
+
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in LONG else s
+                                    for s in sorted(FINAL_LINES)])
 def test_example_runs(script, tmp_path):
     done = subprocess.run([sys.executable, str(EXAMPLES / script)], cwd=tmp_path, capture_output=True,
                           text=True, timeout=600, check=False)
