@@ -196,7 +196,8 @@ def reference_curve(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "pipeline4" else n
+                                  for n in LAYOUTS])  # pipeline4 (a quarter of a minute): with -m slow
 def test_layout_matches_one_device(name, tmp_path, reference_curve):
     cfg = small(name, tmp_path, f"train.steps={CURVE_STEPS}")
     assert cfg.layout.num_devices == 8
