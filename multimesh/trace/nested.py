@@ -18,6 +18,7 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
+from ..core.jaxprs import subjaxprs
 from .interpret import bind_equation, interpret
 
 __all__ = ["rebind_nested"]
@@ -35,15 +36,7 @@ def _inner(value: Any) -> Jaxpr | None:
 
 def _holds(jaxpr: Jaxpr, wanted: Callable[[JaxprEqn], bool]) -> bool:
     """Whether ``jaxpr`` (or a jaxpr nested in it) has an equation ``wanted`` picks."""
-    for eqn in jaxpr.eqns:
-        if wanted(eqn):
-            return True
-        for value in eqn.params.values():
-            for item in value if isinstance(value, (tuple, list)) else (value,):
-                inner = _inner(item)
-                if inner is not None and _holds(inner, wanted):
-                    return True
-    return False
+    return any(wanted(eqn) or any(_holds(inner, wanted) for inner in subjaxprs(eqn)) for eqn in jaxpr.eqns)
 
 
 def _retrace(jaxpr: Jaxpr, consts: list, rule: Rule) -> ClosedJaxpr:
