@@ -198,6 +198,18 @@ def test_comm_time_lengthens_timeline():
         s.simulate(forward_time=0.0)
 
 
+@pytest.mark.parametrize("M", [1, 4, 7])
+def test_a_slow_stage_sets_the_pace(M):
+    """Stage 1 twice as slow as stage 0 (forward 2 vs 1, backward 4 vs 2): GPipe's forwards leave stage 1 at
+    2M + 1, its M backwards take 4M, and stage 0's last backward 2 more."""
+    s = GPipe(2, M)
+    assert s.simulate(stage_times={0: (1.0, 2.0), 1: (2.0, 4.0)}).makespan == pytest.approx(6 * M + 3)
+    assert s.simulate(2.0, 4.0).makespan == pytest.approx(6 * (M + 1))  # both stages as slow as stage 1
+    assert s.simulate(1.0, 2.0, stage_times={1: (1.0, 2.0)}).makespan == s.simulate(1.0, 2.0).makespan
+    with pytest.raises(ValueError, match="stage 1"):
+        s.simulate(stage_times={1: (0.0, 2.0)})
+
+
 def test_timeline_dict_matches_simulate():
     s = GPipe(2, 2)
     tl = s.timeline(1.0, 1.0)

@@ -279,7 +279,7 @@ class Schedule:
 
     def _derive_order(self) -> tuple[Action, ...]:
         """Global order: the default-cost timeline sorted by (start, stage)."""
-        tl = self._simulate_raw(*self._action_costs(1.0, 2.0), 0.0)
+        tl = self._simulate_raw(self._stage_costs(1.0, 2.0), 0.0)
         return tuple(
             sorted(
                 tl.spans,
@@ -510,24 +510,25 @@ class Schedule:
 
     # ------------------------------------------------------------- simulation
 
-    def _action_costs(self, forward: float, backward: float) -> tuple[float, float, float]:
-        """Per-action ``(F, B, W)`` costs from a stage-chunk's forward/backward
-        cost: a split backward costs half for ``B`` and half for ``W``."""
-        if self._split:
-            return forward, backward / 2, backward / 2
-        return forward, backward, backward
+    def _stage_costs(self, forward: float, backward: float) -> dict[int, dict[str, float]]:
+        """Every stage's per-kind action costs from a stage-chunk's forward and
+        backward cost: a split backward costs half for ``B`` and half for ``W``."""
+        b, w = (backward / 2, backward / 2) if self._split else (backward, backward)
+        return {stage: {FORWARD: forward, BACKWARD: b, WEIGHT: w} for stage in self._per_stage}
 
     def _simulate_raw(
-        self, f_cost: float, b_cost: float, w_cost: float, comm_time: float
+        self, costs: dict[int, dict[str, float]], comm_time: float
     ) -> Timeline:
-        """List-schedule each stage's order with per-action costs (``w_cost`` is
-        only used by ``W`` actions)."""
-        if f_cost <= 0 or b_cost <= 0 or w_cost <= 0 or comm_time < 0:
-            raise ValueError(
-                f"costs must be positive and comm_time non-negative, got "
-                f"forward={f_cost}, backward={b_cost}, comm={comm_time}"
-            )
-        cost_of = {FORWARD: f_cost, BACKWARD: b_cost, WEIGHT: w_cost}
+        """List-schedule each stage's order with per-stage, per-kind action
+        costs (``costs[stage][kind]``)."""
+        for stage, of_kind in costs.items():
+            if min(of_kind.values()) <= 0:
+                raise ValueError(
+                    f"costs must be positive, got forward={of_kind[FORWARD]}, "
+                    f"backward={of_kind[BACKWARD]} on stage {stage}"
+                )
+        if comm_time < 0:
+            raise ValueError(f"comm_time must be non-negative, got comm={comm_time}")
         queues = self._per_stage
         pos = {s: 0 for s in queues}
         free = {s: 0.0 for s in queues}
@@ -546,7 +547,7 @@ class Schedule:
                     for d in deps:
                         lat = comm_time if self.physical_stage(d) != s else 0.0
                         t = max(t, spans[d][1] + lat)
-                    cost = cost_of[a.kind]
+                    cost = costs[s][a.kind]
                     spans[a] = (t, t + cost)
                     free[s] = t + cost
                     busy[s] += cost
@@ -568,6 +569,7 @@ class Schedule:
         forward_time: float = 1.0,
         backward_time: float = 2.0,
         comm_time: float = 0.0,
+        stage_times: Mapping[int, tuple[float, float]] | None = None,
     ) -> Timeline:
         """Simulated timeline.
 
@@ -575,14 +577,17 @@ class Schedule:
         forward/backward for one microbatch; each of the ``V`` chunks of an
         interleaved stage costs ``1/V`` of it.  With :attr:`split_backward`,
         ``B`` and ``W`` each cost half the backward.  ``comm_time`` is added on
-        every cross-stage dependency.
+        every cross-stage dependency.  ``stage_times``: ``{stage: (forward,
+        backward)}`` for stages whose costs differ from the others' (an
+        unbalanced pipeline).
         """
-        key = ("sim", forward_time, backward_time, comm_time)
+        own = tuple(sorted((stage_times or {}).items()))
+        key = ("sim", forward_time, backward_time, comm_time, own)
         if key not in self._cache:
             v = self._num_chunks
-            self._cache[key] = self._simulate_raw(
-                *self._action_costs(forward_time / v, backward_time / v), comm_time
-            )
+            costs = self._stage_costs(forward_time / v, backward_time / v)
+            costs.update({stage: self._stage_costs(f / v, b / v)[stage] for stage, (f, b) in own})
+            self._cache[key] = self._simulate_raw(costs, comm_time)
         return self._cache[key]  # type: ignore[return-value]
 
     def timeline(
@@ -647,7 +652,7 @@ class Schedule:
         if not isinstance(backward_slots, int) or backward_slots < 1:
             raise ValueError(f"backward_slots must be a positive int, got {backward_slots!r}")
         slots = float(backward_slots)
-        tl = self._simulate_raw(1.0, slots, slots, 0.0)
+        tl = self._simulate_raw({st: {FORWARD: 1.0, BACKWARD: slots, WEIGHT: slots} for st in self._per_stage}, 0.0)
         width = int(round(tl.makespan))
         grid = [["."] * width for _ in range(self._num_stages)]
         for a, (start, end) in tl.spans.items():

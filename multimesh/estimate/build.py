@@ -121,7 +121,7 @@ def estimate(step_fn: Any, profile: str | HardwareProfile | None = None, *, args
 
 _TIME_NOTES = (
     "time: roofline per program + alpha-beta collectives, not overlapped; a pipeline through its schedule's "
-    "simulator, each stage costed as the busiest (see multimesh.estimate.steptime)",
+    "simulator, each stage with its own programs' costs (see multimesh.estimate.steptime)",
 )
 
 

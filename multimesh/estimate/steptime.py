@@ -1,13 +1,13 @@
 """A whole step's predicted time from its programs' times: SPMD, tasks in sequence, or a pipeline schedule.
 
 A pipeline is timed by its schedule's own simulator (`Schedule.simulate`):
-a forward action costs the busiest stage's forward programs per microbatch,
-a backward action its backward (and weight-gradient) programs, and every
-dependency between stages the mean copy into an action. The simulator takes
-one cost per kind for every stage, so an unbalanced pipeline is timed as if
-each stage were its busiest. Segments outside the schedule (the optimizer
-update, glue) are added per stage after it, the busiest stage's. Tasks without
-a schedule run one after another.
+a forward action costs its stage's forward programs per microbatch, a
+backward action its stage's backward (and weight-gradient) programs, each
+stage its own (an unbalanced pipeline waits on its slowest stage where the
+schedule makes it), and every dependency between stages the mean copy into
+an action. Segments outside the schedule (the optimizer update, glue) are
+added per stage after it, the busiest stage's. Tasks without a schedule run
+one after another.
 """
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ def step_timing(plan: Any, programs: tuple[ProgramCost, ...], segment_program: d
         per = forward if seg.action.kind == "F" else backward
         per[stage] = per.get(stage, 0.0) + t
     m = schedule.num_microbatches
-    f = max(max(forward.values(), default=0.0) / m, _TINY)
-    b = max(max(backward.values(), default=0.0) / m, _TINY)
+    per_stage = {s: (max(forward.get(s, 0.0) / m, _TINY), max(backward.get(s, 0.0) / m, _TINY))
+                 for s in set(forward) | set(backward)}
     comm = sum(into_actions) / len(into_actions) if into_actions else 0.0
-    makespan = schedule.simulate(forward_time=f, backward_time=b, comm_time=comm).makespan
+    makespan = schedule.simulate(comm_time=comm, stage_times=per_stage).makespan
     rest = max(outside.values(), default=0.0)
     return StepTiming(times, moved, makespan + rest, pipeline=makespan, outside=rest)
