@@ -8,7 +8,7 @@ This layer reads the step's layouts, plan and runtime (``core``, ``plan``,
 ``run``); only the public API and the steps' ``estimate`` method import it.
 """
 
-from .build import estimate
+from .build import estimate, estimate_mjit
 from .calibrate import calibrate
 from .collectives import Collective, find_collectives
 from .held import DEFAULT_OPTIMIZER_PATHS, HeldBytes, held_bytes, shard_bytes
@@ -33,6 +33,7 @@ __all__ = [
     "calibrate",
     "collective_time",
     "estimate",
+    "estimate_mjit",
     "find_collectives",
     "get_profile",
     "held_bytes",

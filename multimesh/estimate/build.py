@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import numpy as np
 
+from ..core.fmt import keypath_str
+from ..core.layout import LeafLayout
 from .held import DEFAULT_OPTIMIZER_PATHS, held_bytes, is_optimizer_path
 from .profiles import HardwareProfile, get_profile
-from .programs import ProgramCost, mpmd_programs, spmd_program
+from .programs import ProgramCost, analyse_compiled, mpmd_programs, spmd_program
 from .report import DeviceMemory, Estimate, StepTime
 from .steptime import step_timing
 
-__all__ = ["estimate"]
+__all__ = ["estimate", "estimate_mjit"]
 
 _NOTES = (
     "params, optimizer and batch are exact (the layouts' shards); outputs and temp are XLA's analysis of the "
@@ -21,10 +24,10 @@ _NOTES = (
 )
 
 
-def _compute_dtype(step_fn: Any, optimizer_paths: str) -> str:
+def _compute_dtype(param_leaves: Any, optimizer_paths: str) -> str:
     """The floating dtype holding the most parameter bytes (float32 when none)."""
     by_dtype: dict[str, int] = {}
-    for leaf in step_fn.param_layout.leaves:
+    for leaf in param_leaves:
         dt = np.dtype(leaf.dtype)
         if dt.kind == "f" or dt.name == "bfloat16":
             if not is_optimizer_path(leaf.path, optimizer_paths):
@@ -32,10 +35,8 @@ def _compute_dtype(step_fn: Any, optimizer_paths: str) -> str:
     return max(by_dtype, key=by_dtype.get) if by_dtype else "float32"
 
 
-def _stage_names(step_fn: Any) -> dict[int, str]:
+def _stage_names(placements: Any) -> dict[int, str]:
     """Device id -> the names of the submeshes it belongs to (``"default"``: the step's own mesh)."""
-    plan = step_fn.plan
-    placements = plan.placements if getattr(step_fn, "runtime", None) is not None else [step_fn.placement]
     names: dict[int, list[str]] = {}
     for p in placements:
         for d in p.mesh.devices.flat:
@@ -43,9 +44,9 @@ def _stage_names(step_fn: Any) -> dict[int, str]:
     return {d: "+".join(dict.fromkeys(n)) for d, n in names.items()}
 
 
-def _stashed_peak(step_fn: Any, stash: tuple, stage_index: dict[int, int]) -> dict[int, int]:
+def _stashed_peak(plan: Any, stash: tuple, stage_index: dict[int, int]) -> dict[int, int]:
     """Per device: the schedule's peak live microbatches on its stage x the most one microbatch stashes there."""
-    schedule = step_fn.plan.schedule
+    schedule = plan.schedule
     if schedule is None or not stash:
         return {}
     per_label: dict[tuple[int, tuple, int], int] = {}
@@ -74,8 +75,6 @@ def estimate(step_fn: Any, profile: str | HardwareProfile | None = None, *, args
     compiled programs, recomputation included). ``optimizer_paths``: a
     regular expression of the parameter paths that are optimizer state.
     """
-    if profile is not None:
-        profile = get_profile(profile)
     runtime = getattr(step_fn, "runtime", None)
     if runtime is None and not hasattr(step_fn, "lower"):
         raise TypeError(f"estimate needs a step built by parallelize (a ShardedFunction or MPMDFunction), "
@@ -88,22 +87,60 @@ def estimate(step_fn: Any, profile: str | HardwareProfile | None = None, *, args
     if runtime is not None and args:
         raise TypeError(f"estimate: step {name!r} is a pipeline (MPMD) step, called as step(params, batch): "
                         f"it takes no args=")
-    held = held_bytes(step_fn.param_layout.leaves, step_fn.batch_layout.leaves, optimizer_paths)
+    placements = step_fn.plan.placements if runtime is not None else [step_fn.placement]
+    spmd = None if runtime is not None else (lambda: spmd_program(step_fn, tuple(args)))
+    return _estimate(name, step_fn.plan, runtime, spmd, placements, step_fn.param_layout.leaves,
+                     step_fn.batch_layout.leaves, profile, dtype, model_flops, optimizer_paths)
+
+
+def estimate_mjit(fn: Any, args: tuple, profile: str | HardwareProfile | None = None, *, dtype: str | None = None,
+                  model_flops: float | None = None, optimizer_paths: str = DEFAULT_OPTIMIZER_PATHS) -> Estimate:
+    """The `Estimate` of a call of the `mjit` function ``fn`` with ``args`` (arrays, or
+    `jax.ShapeDtypeStruct`s with shardings), compiled from abstract inputs; nothing runs. `mjit` knows no
+    batch: every argument leaf outside ``optimizer_paths`` counts as ``params``."""
+    leaves = []
+    for path, x in jax.tree_util.tree_flatten_with_path(args)[0]:
+        sharding = getattr(x, "sharding", None)
+        if not isinstance(sharding, jax.sharding.Sharding):
+            raise TypeError(f"estimate of mjit({fn.__name__}): argument args{jax.tree_util.keystr(path)} has no "
+                            f"sharding: pass a jax.Array or jax.ShapeDtypeStruct(shape, dtype, sharding=...) for "
+                            f"every leaf")
+        leaves.append(LeafLayout(keypath_str(path), tuple(x.shape), x.dtype, None, "argument", sharding))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), args)
+    compiled, abstract = fn.compiled_for(*abstract)
+    if compiled.runtime is None:
+        def spmd() -> ProgramCost:
+            lowered = compiled.jitted.lower(*jax.tree.leaves(abstract))
+            return analyse_compiled(fn.__name__, lowered.compile(), compiled.plan.placements[0].mesh,
+                                    lowered=lowered)
+    else:
+        spmd = None
+    return _estimate(fn.__name__, compiled.plan, compiled.runtime, spmd, compiled.plan.placements, leaves, (),
+                     profile, dtype, model_flops, optimizer_paths)
+
+
+def _estimate(name: str, plan: Any, runtime: Any, spmd: Any, placements: Any, param_leaves: Any,
+              batch_leaves: Any, profile: str | HardwareProfile | None, dtype: str | None, model_flops: float | None,
+              optimizer_paths: str) -> Estimate:
+    """The estimate of a planned step: ``runtime`` its MPMD runtime, or ``spmd()`` compiling its one program."""
+    if profile is not None:
+        profile = get_profile(profile)
+    held = held_bytes(param_leaves, batch_leaves, optimizer_paths)
     stashed: dict[int, int] = {}
     transfers: tuple = ()
     segment_program: dict[int, int] | None = None
     if runtime is None:
-        programs: tuple[ProgramCost, ...] = (spmd_program(step_fn, tuple(args)),)
+        programs: tuple[ProgramCost, ...] = (spmd(),)
     else:
         built = mpmd_programs(runtime)
         programs = built.programs
         segment_program = built.segment_program
-        stage_index = {d: s.stage for s in step_fn.plan.segments if s.stage is not None for d in
+        stage_index = {d: s.stage for s in plan.segments if s.stage is not None for d in
                        (x.id for x in s.placement.devices)}
-        stashed = _stashed_peak(step_fn, built.stash, stage_index)
-        transfers = tuple((what, src, dst, size) for what, src, dst, _, size in step_fn.plan.transfers())
+        stashed = _stashed_peak(plan, built.stash, stage_index)
+        transfers = tuple((what, src, dst, size) for what, src, dst, _, size in plan.transfers())
     memory = {}
-    for d, stage in sorted(_stage_names(step_fn).items()):
+    for d, stage in sorted(_stage_names(placements).items()):
         mine = [p for p in programs if d in p.devices]
         memory[d] = DeviceMemory(
             device=d, stage=stage, params=held.params.get(d, 0), optimizer=held.optimizer.get(d, 0),
@@ -114,8 +151,8 @@ def estimate(step_fn: Any, profile: str | HardwareProfile | None = None, *, args
     if profile is None:
         return result
     return Estimate(name=name, memory=memory, programs=programs, transfers=transfers, profile=profile,
-                    time=_step_time(step_fn, result, segment_program, profile,
-                                    dtype or _compute_dtype(step_fn, optimizer_paths), model_flops),
+                    time=_step_time(plan, result, segment_program, profile,
+                                    dtype or _compute_dtype(param_leaves, optimizer_paths), model_flops),
                     notes=_NOTES + _TIME_NOTES)
 
 
@@ -125,10 +162,10 @@ _TIME_NOTES = (
 )
 
 
-def _step_time(step_fn: Any, est: Estimate, segment_program: dict[int, int] | None, profile: HardwareProfile,
+def _step_time(plan: Any, est: Estimate, segment_program: dict[int, int] | None, profile: HardwareProfile,
                dtype: str, model_flops: float | None) -> StepTime:
     n_devices = len(est.memory)
-    timing = step_timing(step_fn.plan, est.programs, segment_program, est.transfers, profile, dtype, n_devices)
+    timing = step_timing(plan, est.programs, segment_program, est.transfers, profile, dtype, n_devices)
     flops = est.flops if model_flops is None else model_flops
     total = timing.total
     mfu = flops / (total * profile.flops_rate(dtype) * n_devices) if total > 0 else 0.0

@@ -73,10 +73,23 @@ class _Compiled:
     call: Callable[[list], list]
     out_tree: Any
     spmd: bool
+    #: the SPMD program's `jax.jit` (None for MPMD); ``runtime``: the MPMD runtime (None for SPMD)
+    jitted: Any = None
+    runtime: Runtime | None = None
 
 
 def _sharding_of(x: Any) -> Any:
-    return x.sharding if isinstance(x, jax.Array) else None
+    """An argument's sharding: a `jax.Array`'s, or a `jax.ShapeDtypeStruct`'s (an abstract argument)."""
+    return x.sharding if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else None
+
+
+def _moved(x: Any, s: Any) -> Any:
+    """``x`` on sharding ``s`` (None: as it is); an abstract argument only changes its type."""
+    if s is None or _sharding_of(x) == s:
+        return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+    return jax.device_put(x, s)
 
 
 def _sharding_key(x: Any) -> Any:
@@ -132,7 +145,9 @@ class MJitFunction:
             which = "arguments" if what == "in_shardings" else "outputs"
             raise ValueError(f"mjit({self.__name__}): {what} must be a prefix of the {which}' tree: {e}") from None
 
-    def __call__(self, *args: Any) -> Any:
+    def compiled_for(self, *args: Any) -> tuple[_Compiled, tuple]:
+        """The plan and programs for ``args`` (arrays, or `jax.ShapeDtypeStruct`s with shardings), built on
+        the first call with their signature, and the arguments moved to ``in_shardings``; nothing runs."""
         for i in self.donate_argnums:
             if not 0 <= i < len(args):
                 raise ValueError(f"mjit({self.__name__}): donate_argnums names argument {i}, but the call has "
@@ -140,21 +155,32 @@ class MJitFunction:
         placement = self._placement()
         if self.in_shardings is not None:
             targets = self._resolve(args, self.in_shardings, placement, "in_shardings")
-            args = jax.tree.map(lambda x, s: x if s is None or _sharding_of(x) == s else jax.device_put(x, s),
-                                args, targets, is_leaf=lambda s: s is None)
+            args = jax.tree.map(_moved, args, targets, is_leaf=lambda s: s is None)
         flat, tree = jax.tree.flatten(args)
         key = (tree, tuple((np.shape(x), jax.numpy.result_type(x), _sharding_key(x)) for x in flat),
                placement.mesh, placement.rules)
         if key not in self._cache:
             self._cache[key] = self._compile(args, flat, tree, placement)
-        compiled = self._cache[key]
+        return self._cache[key], args
+
+    def __call__(self, *args: Any) -> Any:
+        compiled, args = self.compiled_for(*args)
         self.plan = compiled.plan
+        self.runtime = compiled.runtime if compiled.runtime is not None else self.runtime
+        flat = jax.tree.leaves(args)
         outs = jax.tree.unflatten(compiled.out_tree, compiled.call(flat))
         if self.out_shardings is not None and not compiled.spmd:
-            targets = self._resolve(outs, self.out_shardings, placement, "out_shardings")
-            outs = jax.tree.map(lambda x, s: x if s is None or _sharding_of(x) == s else jax.device_put(x, s),
-                                outs, targets, is_leaf=lambda s: s is None)
+            targets = self._resolve(outs, self.out_shardings, self._placement(), "out_shardings")
+            outs = jax.tree.map(_moved, outs, targets, is_leaf=lambda s: s is None)
         return outs
+
+    def estimate(self, *args: Any, profile: Any = None, **options: Any) -> Any:
+        """Memory per device, work and (with a hardware ``profile``) predicted time of a call with ``args``
+        (arrays, or `jax.ShapeDtypeStruct`s with shardings), without running it: see
+        `multimesh.estimate.estimate` for the options and ``docs/planning.md``."""
+        from ..estimate import estimate_mjit  # the estimate layer sits above this one: imported when asked
+
+        return estimate_mjit(self, args, profile, **options)
 
     def _compile(self, args: tuple, flat: list, tree: Any, placement: Placement) -> _Compiled:
         avals = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)) for x in flat]
@@ -177,8 +203,7 @@ class MJitFunction:
         shardings = {v: s for v, x in zip(plan.jaxpr.invars, flat)
                      if isinstance(s := _sharding_of(x), NamedSharding)}
         runtime = Runtime(plan, shardings, donated=donated)
-        self.runtime = runtime
-        return _Compiled(plan, runtime, out_tree, spmd=False)
+        return _Compiled(plan, runtime, out_tree, spmd=False, runtime=runtime)
 
     def _split_stack(self, plan: Plan, flat: list, out_tree: Any, donated_leaves: list[int]) -> _Compiled:
         """The MPMD runtime for a plan with a split scanned stack: each split argument is laid over its
@@ -194,14 +219,13 @@ class MJitFunction:
             how, first = boundary.inputs[i], boundary.plan_index(i)
             donated.update(plan.jaxpr.invars[first:first + (1 if how is None else len(how.split.ranges))])
         runtime = Runtime(plan, shardings, donated=donated)
-        self.runtime = runtime
         targets = [None] * len(boundary.outputs)
 
         def call(args: list) -> list:
             outs = runtime(to_parts(args, boundary.inputs, unions))
             return from_parts(outs, boundary.outputs, targets)
 
-        return _Compiled(plan, call, out_tree, spmd=False)
+        return _Compiled(plan, call, out_tree, spmd=False, runtime=runtime)
 
     def _donated_leaves(self, args: tuple) -> list[int]:
         out, offset = [], 0
@@ -230,7 +254,7 @@ class MJitFunction:
         def call(flat: list) -> list:
             return jax.tree.leaves(jitted(*flat))
 
-        return _Compiled(plan, call, out_tree, spmd=True)
+        return _Compiled(plan, call, out_tree, spmd=True, jitted=jitted)
 
     @property
     def stats(self) -> Any:
