@@ -239,17 +239,22 @@ def achievable_profile(name: str):
 
 
 def _row(p: Prediction) -> str:
+    from multimesh.estimate import get_profile
+
     r = p.run
     miss = p.tflops / r.published_tflops - 1
+    peak = get_profile(r.profile).peak_flops["bfloat16"] / 1e12  # MFU against the datasheet, as sources do
     return (f"| {r.name} | {r.devices} {r.profile} | {', '.join(f'{k}={v}' for k, v in r.mesh.items())} | "
             f"{p.profile} | {p.step_time:.3f} s | {p.serial_time:.3f} s | {p.published_step_time:.3f} s | "
             f"{p.tflops:.0f} | "
-            f"{r.published_tflops:.0f} | {miss:+.0%} | {p.compute:.3f} / {p.memory:.3f} / {p.communication:.3f} | "
+            f"{r.published_tflops:.0f} | {p.tflops / peak:.0%} / {r.published_tflops / peak:.0%} | "
+            f"{miss:+.0%} | {p.compute:.3f} / {p.memory:.3f} / {p.communication:.3f} | "
             f"{p.peak_bytes / 2**30:.1f} GiB |")
 
 
 HEADER = ("| run | devices | layout | profile | predicted step | serial bound | published step | "
-          "predicted TFLOP/s/dev | published | miss | compute / memory / comm. (s) | peak/device |\n|" + "---|" * 12)
+          "predicted TFLOP/s/dev | published | MFU predicted / published | miss | compute / memory / comm. (s) | "
+          "peak/device |\n|" + "---|" * 13)
 
 
 def main() -> None:
