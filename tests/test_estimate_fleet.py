@@ -155,7 +155,9 @@ def test_fleet_runs_are_the_published_sizes(name, billions, tmp_path):
     from trainers.step import build_model
 
     run = fleet.RUNS[name]
-    cfg = load_config("tiny", fleet.trainer_overrides(run, run.num_layers, str(tmp_path)))
+    # scanned: the same parameters, traced once instead of once per block
+    cfg = load_config("tiny", [*fleet.trainer_overrides(run, run.num_layers, str(tmp_path)), "model.scan_layers=true"])
+    assert cfg.model.scan_layers
     shapes = jax.eval_shape(build_model(cfg.model).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
     ours = count_params(shapes)
     assert ours == pytest.approx(billions * 1e9, rel=0.06)
