@@ -111,6 +111,26 @@ def test_plan_on_16_simulated_devices(tmp_path):
     assert seconds < 60, f"the plan took {seconds:.0f} s"
 
 
+def test_plan_on_as_many_devices_as_here_runs_in_this_process(tmp_path, capsys):
+    """--num-devices equal to the devices present: no re-run, the estimate is made on them."""
+    from trainers.cli import main
+
+    assert main(["tiny", *SMALL, f"train.out_dir={tmp_path}", "--plan", "--num-devices", "8",
+                 "--profile", "tpu-v5e"]) == 0
+    out = capsys.readouterr().out
+    assert "train step on 8 cpu devices, priced as tpu-v5e" in out and "simulated" not in out
+    assert "predicted step time on tpu-v5e (float32)" in out
+
+
+def test_the_re_run_gets_exactly_the_asked_device_count():
+    from trainers.plan_estimate import SIMULATED, simulated_env
+
+    env = simulated_env(16, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/x",
+                             "JAX_PLATFORMS": "cuda", "HOME": "/h"})
+    assert env["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=16"
+    assert (env["JAX_PLATFORMS"], env[SIMULATED], env["HOME"]) == ("cpu", "16", "/h")
+
+
 def test_plan_needing_more_devices_than_asked_is_a_config_error(tmp_path):
     done, seconds = _plan("tiny", *SMALL, f"train.out_dir={tmp_path}", "--plan", "--num-devices", "4")
     assert done.returncode == 2, done.stderr[-3000:]
