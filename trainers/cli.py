@@ -41,7 +41,8 @@ _EPILOG = textwrap.dedent("""\
 def _train_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="multimesh-train",
-        usage="multimesh-train [CONFIG] [key.sub=value ...] [--print-config] [--plan] [--report] [-q]\n"
+        usage="multimesh-train [CONFIG] [key.sub=value ...] [--print-config] [--plan [--num-devices N] "
+              "[--profile NAME]] [--report] [-q]\n"
               "       multimesh-train sample --run DIR [--prompt TEXT] [--tokens N] [...]",
         description="Train the example byte-level transformer on any parallel layout, by config.",
         epilog=_EPILOG,
@@ -53,6 +54,12 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", action="store_true",
                    help="print the layout (a pipeline: the modules and parameter bytes of each stage, and its "
                         "schedule), write train.out_dir/schedule.png, exit")
+    p.add_argument("--num-devices", type=int, default=None, metavar="N",
+                   help="with --plan: also estimate the layout's train step on N devices (simulated CPU devices, "
+                        "in a fresh process, when this machine has another number): memory per device")
+    p.add_argument("--profile", default=None, metavar="NAME",
+                   help="with --plan: price that estimate on a hardware profile (h100-sxm, h200, a100-80gb, "
+                        "tpu-v5e, tpu-v5p): predicted step time and MFU")
     p.add_argument("--report", action="store_true",
                    help="print where every parameter and batch array lives (sharding.txt; a pipeline: on which "
                         "stage) before training starts")
@@ -160,6 +167,8 @@ def _split_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
 
 def _train(argv: Sequence[str]) -> int:
     opts = _train_parser().parse_intermixed_args(argv)
+    if not opts.plan and (opts.num_devices is not None or opts.profile is not None):
+        _usage_error("--num-devices and --profile go with --plan (they estimate the layout without training)")
     config_name, overrides = _split_args(opts.args)
     num_processes = _check_process_flags(opts)
     _setup_devices(num_processes)
@@ -175,7 +184,7 @@ def _train(argv: Sequence[str]) -> int:
         return 0
     if opts.plan:
         try:
-            return _plan(cfg, num_processes)
+            return _plan_and_estimate(opts, argv, cfg, num_processes)
         except ConfigError as e:
             print(f"multimesh-train: config error: {e}", file=sys.stderr)
             return 2
@@ -212,6 +221,34 @@ def _train(argv: Sequence[str]) -> int:
     if opts.process_id == 0:  # the others' numbers are the same
         print(result.summary())
     return 0
+
+
+def _plan_and_estimate(opts: argparse.Namespace, argv: Sequence[str], cfg, num_processes: int) -> int:
+    """``--plan``, then with ``--num-devices``/``--profile`` the train step's estimate on those devices;
+    ``--num-devices N`` other than the devices here re-runs the command with N simulated CPU devices."""
+    if opts.num_devices is None and opts.profile is None:
+        return _plan(cfg, num_processes)
+    if opts.num_devices is not None:
+        if opts.num_devices < 1:
+            _usage_error(f"--num-devices must be >= 1, got {opts.num_devices}")
+        if num_processes > 1:
+            _usage_error(f"--num-devices plans on simulated devices in one process: drop --num-processes "
+                         f"{num_processes} (and --coordinator, --process-id)")
+    if opts.profile is not None:
+        from multimesh.estimate import UnknownProfileError, get_profile
+
+        try:
+            get_profile(opts.profile)
+        except UnknownProfileError as e:
+            _usage_error(f"--profile {opts.profile}: {e}")
+    from trainers.plan_estimate import needs_other_devices, print_estimate, replan_on_simulated_devices
+
+    if opts.num_devices is not None and needs_other_devices(opts.num_devices):
+        return replan_on_simulated_devices(argv, opts.num_devices)
+    status = _plan(cfg, num_processes)
+    if status == 0:
+        print_estimate(cfg, opts.profile)
+    return status
 
 
 def _plan(cfg, num_processes: int) -> int:

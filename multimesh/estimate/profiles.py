@@ -6,6 +6,16 @@ Link figures are per direction (NVLink's "900 GB/s" is both directions
 together). The inter-node figures and every latency are *assumptions* of a
 typical cluster (one 400 Gb/s NDR InfiniBand NIC per Hopper GPU, 200 Gb/s
 HDR per A100), not datasheet values: measure your own and pass a profile.
+
+TPU figures are Google Cloud's TPU documentation pages (one per generation).
+There the "node" is the ICI domain: every chip of a slice is linked by the
+inter-chip interconnect (a 2-D torus on v5e, 3-D on v5p), so
+``devices_per_node`` is the largest single slice and the inter-node figures
+are the data-center network between slices (Multislice). A collective over
+one mesh axis is taken to run as a bidirectional ring over one torus
+dimension, i.e. over two of the chip's ICI ports: that per-direction bandwidth
+is derived from the page's per-chip total and port count, an *assumption* of
+the model (XLA may route over more links), as are every TPU latency.
 """
 
 from __future__ import annotations
@@ -55,6 +65,13 @@ class HardwareProfile:
 
 _T, _G = 1e12, 1e9
 _LINK_ASSUMPTION = "inter-node bandwidth and all latencies are assumptions of a typical cluster, not datasheet values"
+_TPU_ASSUMPTIONS = (
+    "intra-node (ICI) bandwidth per direction assumes a collective runs as a bidirectional ring over one torus "
+    "dimension: 2 of the chip's ICI ports (the page's per-chip bidirectional total / ports x 2 ports / 2 "
+    "directions); latencies are assumptions, not documented values",
+    "float32 is listed at the bfloat16 rate: XLA's DEFAULT matmul precision on TPU multiplies float32 in one "
+    "bfloat16 pass (precision=HIGHEST takes several passes: give a profile with a lower float32 peak for that)",
+)
 
 PROFILES: dict[str, HardwareProfile] = {
     "h100-sxm": HardwareProfile(
@@ -91,11 +108,39 @@ PROFILES: dict[str, HardwareProfile] = {
                "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf (A100 80GB SXM column)",
         notes=(_LINK_ASSUMPTION,),
     ),
+    "tpu-v5e": HardwareProfile(
+        name="tpu-v5e",
+        # page: 197 TFLOPs bf16 and 393 TOPs int8 per chip; 16 GB HBM2 at 819 GBps; ICI 400 GBps per chip
+        # (bidirectional) over 4 ports, 2-D torus, 256 chips per pod; per host of 8 chips 2 x 100 Gbps NICs
+        peak_flops={"bfloat16": 197 * _T, "float32": 197 * _T, "int8": 393 * _T},
+        memory_bandwidth=819 * _G, memory_bytes=16 * 10**9,
+        intra_node_bandwidth=100 * _G, intra_node_latency=5e-6,  # 400 GB/s / 4 ports x 2 ports / 2 directions
+        inter_node_bandwidth=25 * _G / 8, inter_node_latency=20e-6,  # 2 x 100 Gb/s per host, shared by 8 chips
+        devices_per_node=256,
+        source="https://cloud.google.com/tpu/docs/v5e (Cloud TPU v5e, system architecture: key chip and Pod "
+               "specifications)",
+        notes=_TPU_ASSUMPTIONS,
+    ),
+    "tpu-v5p": HardwareProfile(
+        name="tpu-v5p",
+        # page: 459 TFLOPs bf16 and fp8 per chip; 95 GiB HBM2e at 2765 GBps; ICI 1200 GBps per chip
+        # (bidirectional; "4800 Gbps" on older versions of the page: one direction), 3-D torus, so 6 ports
+        # (2 per dimension: our reading, the page gives no port count); DCN 50 Gbps per chip; largest single
+        # slice 6144 chips. No int8 rate is on the page, so none here.
+        peak_flops={"bfloat16": 459 * _T, "float32": 459 * _T, "float8": 459 * _T},
+        memory_bandwidth=2765 * _G, memory_bytes=95 * 2**30,
+        intra_node_bandwidth=200 * _G, intra_node_latency=5e-6,  # 1200 GB/s / 6 ports x 2 ports / 2 directions
+        inter_node_bandwidth=50 * _G / 8, inter_node_latency=20e-6,  # DCN 50 Gb/s per chip
+        devices_per_node=6144,
+        source="https://cloud.google.com/tpu/docs/v5p (Cloud TPU v5p, system architecture: key specifications)",
+        notes=_TPU_ASSUMPTIONS,
+    ),
 }
 
 
 def get_profile(profile: str | HardwareProfile) -> HardwareProfile:
-    """A profile by name (``"h100-sxm"``, ``"h200"``, ``"a100-80gb"``), or ``profile`` itself."""
+    """A profile by name (``"h100-sxm"``, ``"h200"``, ``"a100-80gb"``, ``"tpu-v5e"``, ``"tpu-v5p"``), or
+    ``profile`` itself."""
     if isinstance(profile, HardwareProfile):
         return profile
     if not isinstance(profile, str):

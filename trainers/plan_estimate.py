@@ -1,0 +1,89 @@
+"""``--plan --num-devices N --profile NAME``: a config's layout estimated on devices this machine may not have.
+
+JAX fixes its number of CPU devices when it starts
+(``--xla_force_host_platform_device_count``), so a plan for ``N`` devices
+other than those present runs again in a fresh process with ``N`` simulated
+CPU devices (``JAX_PLATFORMS=cpu``). There the config's train step is built
+and compiled from abstract inputs (nothing is allocated) and its
+:class:`multimesh.estimate.Estimate` printed: memory per device and, with a
+profile, the predicted step time and MFU on that hardware.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from trainers.config import Config
+
+__all__ = ["SIMULATED", "estimate_config", "needs_other_devices", "print_estimate", "replan_on_simulated_devices",
+           "simulated_env"]
+
+#: Set in the process that plans on simulated devices, to the device count it was started with.
+SIMULATED = "MULTIMESH_PLAN_SIMULATED_DEVICES"
+
+_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
+
+
+def simulated_env(num_devices: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` for a process with ``num_devices`` simulated CPU devices (any device count it set replaced)."""
+    flags = _COUNT_FLAG.sub("", environ.get("XLA_FLAGS", "")).split()
+    env = dict(environ)
+    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={num_devices}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    env[SIMULATED] = str(num_devices)
+    return env
+
+
+def needs_other_devices(num_devices: int) -> bool:
+    """Whether this process's devices are not ``num_devices`` (starts JAX's backends)."""
+    import jax
+
+    have = jax.device_count()
+    if have != num_devices and os.environ.get(SIMULATED):  # the re-run itself: JAX ignored the flag
+        raise RuntimeError(f"started with {os.environ[SIMULATED]} simulated CPU devices "
+                           f"(XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}) but JAX has {have}")
+    return have != num_devices
+
+
+def replan_on_simulated_devices(argv: Sequence[str], num_devices: int) -> int:
+    """``multimesh-train ARGV`` again, in a process with ``num_devices`` simulated CPU devices; its exit status."""
+    cmd = [sys.executable, "-m", "trainers", *argv]
+    return subprocess.run(cmd, env=simulated_env(num_devices, os.environ), check=False).returncode
+
+
+def estimate_config(cfg: Config, profile: Any = None, devices: Sequence[Any] | None = None) -> Any:
+    """The `Estimate` of ``cfg``'s train step on its layout over ``devices`` (default: all), priced on
+    ``profile`` (a name or `HardwareProfile`; None: memory and work only) at the peak of the config's
+    compute dtype (``model.dtype``: parameters may be stored wider). Nothing is allocated."""
+    from trainers.layout import build_layout
+    from trainers.step import build_program
+
+    layout = build_layout(cfg.layout, devices)
+    batch = {"tokens": np.zeros((cfg.data.batch_size, cfg.data.seq_len + 1), np.int32)}
+    with layout.tasks(cfg.model.num_layers, cfg.model.scan_layers):
+        program = build_program(cfg, layout, batch, batch)
+    return program.step.estimate(profile=profile, dtype=cfg.model.dtype if profile is not None else None)
+
+
+def print_estimate(cfg: Config, profile: str | None) -> None:
+    """``--plan``'s estimate: which devices it assumed, then the `Estimate` table."""
+    import jax
+
+    n = jax.device_count()
+    where = f"{n} simulated CPU devices" if os.environ.get(SIMULATED) else f"{n} {jax.devices()[0].platform} devices"
+    used = cfg.layout.num_devices
+    of = f" (the layout uses {used} of them)" if used < n else ""
+    priced = f", priced as {profile}" if profile else " (no --profile: memory and work only)"
+    print(f"\nestimate of {cfg.name}'s train step on {where}{of}{priced}:")
+    print(estimate_config(cfg, profile))
+    if cfg.model.scan_layers:  # XLA's cost analysis counts a while loop's body once
+        print(f"note: model.scan_layers=true: the scanned stack's loop body is counted once, not once per layer "
+              f"(its flops, bytes and collectives: {cfg.model.num_layers} layers counted as 1); plan with "
+              f"model.scan_layers=false for the step's work and time")
