@@ -52,7 +52,8 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--plan", action="store_true",
                    help="print the layout (a pipeline: the modules and parameter bytes of each stage, and its "
-                        "schedule), write train.out_dir/schedule.png, exit")
+                        "schedule), write train.out_dir/schedule.png, exit; with layout.mesh=auto: the layout "
+                        "search's table and the chosen layout's memory per device and predicted step time")
     p.add_argument("--report", action="store_true",
                    help="print where every parameter and batch array lives (sharding.txt; a pipeline: on which "
                         "stage) before training starts")
@@ -226,13 +227,15 @@ def _plan(cfg, num_processes: int) -> int:
     from trainers.fit import check_devices, check_out_dir, make_out_dir
 
     lay = cfg.layout
+    if lay.is_auto:
+        return _plan_auto(cfg)
     check_devices(lay.mesh, lay.pipeline.stages if lay.pipeline else None, jax.local_device_count() * num_processes,
                   num_processes)
     check_out_dir(cfg.out_dir)
     mesh = "x".join(f"{k}={v}" for k, v in lay.mesh.items())
     if lay.pipeline is None:
         print(f"{cfg.name}: SPMD on {lay.num_devices} devices, mesh {mesh}, rules {lay.rule_pairs()}; no pipeline")
-        return 0
+        return _plan_estimate(cfg)
     from trainers.layout import pipeline_schedule, write_schedule_png
     from trainers.stage_plan import format_stage_plan
 
@@ -242,6 +245,33 @@ def _plan(cfg, num_processes: int) -> int:
     path = make_out_dir(cfg.out_dir) / "schedule.png"
     write_schedule_png(p, path, title=None)
     print(f"wrote {path}")
+    return _plan_estimate(cfg)
+
+
+def _plan_estimate(cfg) -> int:
+    """``--plan`` of a fixed layout with ``layout.profile``: its estimate (memory per device, predicted time)."""
+    if cfg.layout.profile is None:
+        return 0
+    from trainers.layout_search import estimate_config
+
+    print(estimate_config(cfg))
+    return 0
+
+
+def _plan_auto(cfg) -> int:
+    """``--plan`` of ``layout.mesh: auto``: the layout search's table, then the chosen layout's estimate
+    (memory per device, programs, predicted step time). Nothing fits: the table, then the config error."""
+    from trainers.errors import ConfigError
+    from trainers.layout_search import search_layout
+
+    try:
+        search = search_layout(cfg, progress=False)
+    except ConfigError as e:
+        if getattr(e, "search", None) is not None:  # every layout tried, and why none could be chosen
+            print(e.search)
+        raise
+    best = search.best_candidate
+    print(f"{search}\n\n{cfg.name}: chosen layout {best.layout.describe()}\n{best.estimate}")
     return 0
 
 
