@@ -200,6 +200,12 @@ def test_parallelize_layout_arguments_are_checked():
         parallelize(step, init_params=init, get_input_batch=get_batch, layout="auto")
 
 
+def test_the_public_parallelize_warns_at_the_callers_line():
+    with pytest.warns(UserWarning, match="no rules=") as caught:
+        parallelize(step, init_params=init, get_input_batch=get_batch)
+    assert {w.filename for w in caught} == {__file__}
+
+
 # -- the trainer: layout.mesh: auto ------------------------------------------------------------------------------
 
 AUTO = ["model.num_layers=1", "model.d_model=32", "model.max_len=32", "data.seq_len=32", "data.batch_size=8",

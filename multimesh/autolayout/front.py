@@ -28,7 +28,9 @@ def _call(fn: Callable, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, its warnings issued again after it (`_reissue`), even when it raises."""
     caught: list = []
     try:
-        with warnings.catch_warnings(record=True) as caught:  # the caller's filters apply to what is caught
+        with warnings.catch_warnings(record=True) as caught:  # the caller's filters apply to what is caught,
+            # but those naming these modules: each is judged by them when issued again at the caller's line
+            warnings.filterwarnings("always", module=r"multimesh\.autolayout\.(front|building)$")
             return fn(*args, **kwargs)
     finally:
         _reissue(caught)
