@@ -180,6 +180,15 @@ def test_a_device_count_with_no_valid_mesh_says_why():
     assert "device count" in message
 
 
+def test_a_pipeline_that_builds_no_stages_is_named():
+    @contextlib.contextmanager
+    def registers_nothing(stages, chunks):
+        yield
+
+    with pytest.raises(NoValidLayoutError, match="registered no stage"):
+        search(axes=("data",), pipeline=registers_nothing, stage_counts=(2,), microbatches=(2,), schedules=("1f1b",))
+
+
 @pytest.mark.parametrize("kw, error, words", [
     (dict(axes=("data", "pipe")), ValueError, "'pipe'"),
     (dict(stage_counts=(2,)), ValueError, "pipeline="),

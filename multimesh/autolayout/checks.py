@@ -16,7 +16,7 @@ import numpy as np
 
 from .layouts import STAGE_AXIS, Layout
 
-__all__ = ["batch_misfit", "idle_axis", "spec_axes"]
+__all__ = ["batch_misfit", "idle_axis", "pipeline_misfit", "shapes_of", "spec_axes"]
 
 #: The axes `standard_rules` splits the batch over, in order.
 _BATCH_AXES = ("data", "fsdp")
@@ -64,7 +64,22 @@ def idle_axis(layout: Layout, step_fn: Any) -> str | None:
     return None
 
 
+def pipeline_misfit(layout: Layout, step_fn: Any) -> str | None:
+    """Whether a pipeline layout built as one: its stages registered and its microbatches scheduled."""
+    if not layout.is_pipeline:
+        return None
+    schedule = getattr(step_fn.plan, "schedule", None) if step_fn.plan is not None else None
+    if schedule is None:
+        return ("no pipeline schedule was built: the pipeline= context registered no stage the step runs, or the "
+                "step calls no microbatch(...) (its loss must be microbatched for a pipeline)")
+    if schedule.num_stages != layout.stages or schedule.num_microbatches != layout.microbatches:
+        return (f"the step built {schedule.num_stages} stages x {schedule.num_microbatches} microbatches, not "
+                f"{layout.stages} x {layout.microbatches}: does pipeline=(stages, chunks) register that many stages?")
+    return None
+
+
 def shapes_of(abstract: Any) -> list[tuple[int, ...]]:
+    """The shapes of a pytree's leaves."""
     import jax
 
     return [tuple(np.shape(x)) for x in jax.tree.leaves(abstract)]

@@ -22,7 +22,7 @@ import jax
 from ..core.fmt import format_bytes
 from ..estimate import Estimate, HardwareProfile, get_profile, held_bytes
 from .building import PipelineFactory, build_on
-from .checks import batch_misfit, idle_axis, shapes_of
+from .checks import batch_misfit, idle_axis, pipeline_misfit, shapes_of
 from .layouts import AXES, Layout, enumerate_layouts
 from .table import search_table
 
@@ -243,9 +243,9 @@ def _try(layout: Layout, step: Callable, pool: list, pipeline: PipelineFactory |
     except (ValueError, NotImplementedError) as e:  # the layout's own misfit, e.g. more stages than layers
         return Candidate(layout, rejected=f"{_INVALID}cannot be built: {type(e).__name__}: {e}")
     step_fn = built[0]
-    idle = idle_axis(layout, step_fn)
-    if idle is not None:
-        return Candidate(layout, rejected=_INVALID + idle)
+    misfit = pipeline_misfit(layout, step_fn) or idle_axis(layout, step_fn)
+    if misfit is not None:
+        return Candidate(layout, rejected=_INVALID + misfit)
     held = held_bytes(step_fn.param_layout.leaves, step_fn.batch_layout.leaves)
     per_device = {d: held.params.get(d, 0) + held.optimizer.get(d, 0) + held.batch.get(d, 0)
                   for d in set(held.params) | set(held.optimizer) | set(held.batch)}
