@@ -81,7 +81,7 @@ def test_factorizations_cover_every_mesh():
     assert len(factorizations(8, 3)) == 10 and all(np.prod(f) == 8 for f in factorizations(8, 3))
     layout = Layout({"data": 2, "tensor": 2}, stages=2, microbatches=4, schedule="1f1b")
     assert layout.describe() == "2 stages of data=2 x tensor=2, 1f1b, 4 microbatches"
-    assert layout.whole_mesh == {"stage": 2, "data": 2, "tensor": 2} and layout.num_devices == 8
+    assert layout.whole_mesh == {"pipe": 2, "data": 2, "tensor": 2} and layout.num_devices == 8
 
 
 def test_search_ranks_by_time_is_deterministic_and_rejects_what_overflows():
@@ -280,3 +280,19 @@ def test_trainer_auto_layout_trains_as_the_chosen_layout_by_hand(tmp_path):
     b = train(by_hand, quiet=True)
     assert a.config.layout.mesh == by_hand.layout.mesh
     np.testing.assert_allclose([a.losses[s] for s in (1, 2, 3)], [b.losses[s] for s in (1, 2, 3)], rtol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scanned", [False, True], ids=["blocks", "scanned-stack"])
+def test_trainer_search_builds_its_pipelines(scanned):
+    from trainers.config import load_config
+    from trainers.layout_search import chosen_config, search_layout
+
+    cfg = load_config("tiny", [*AUTO, "model.num_layers=2", f"model.scan_layers={str(scanned).lower()}",
+                               "layout.search.axes=[data]", "layout.search.stages=[2]",
+                               "layout.search.microbatches=[2]", "layout.search.schedules=[1f1b]"])
+    found = search_layout(cfg, progress=False)
+    (only,) = found.candidates
+    assert only.rejected is None and only.layout.describe() == "2 stages of data=4, 1f1b, 2 microbatches"
+    chosen = chosen_config(cfg, found.best).layout
+    assert chosen.mesh == {"data": 4} and (chosen.pipeline.stages, chosen.pipeline.microbatches) == (2, 2)

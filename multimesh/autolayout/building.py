@@ -1,6 +1,6 @@
 """Building a step on a `Layout`: its mesh, its rules, and for a pipeline its stages and microbatches.
 
-A pipeline's stages are slices of one mesh whose outermost axis is ``stage``:
+A pipeline's stages are slices of one mesh whose outermost axis is ``pipe``:
 stage ``s`` holds the devices ``[s * n, (s + 1) * n)`` (``n`` per stage), laid
 out as the layout's stage mesh. The caller's ``pipeline(stages, chunks)``
 context registers the model's parts on them, typically with
@@ -33,7 +33,7 @@ PipelineFactory = Callable[[int, int], ContextManager[Any]]
 
 
 def stage_task(stage: int, name: str | None = None) -> Task:
-    """Stage ``stage`` of the layout being built: the slice ``{"stage": stage}`` of the mesh in force, with
+    """Stage ``stage`` of the layout being built: the slice ``{"pipe": stage}`` of the mesh in force, with
     `standard_rules` of its axes. For a ``pipeline=`` context given to `auto_layout`."""
     mesh = current_global_mesh()
     if mesh is None or STAGE_AXIS not in mesh.axis_names:

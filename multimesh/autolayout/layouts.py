@@ -26,7 +26,8 @@ AXES = ("data", "fsdp", "tensor", "model")
 #: Named rule sets a layout may use; ``standard``: `multimesh.jax.standard_rules` of the mesh's axes.
 RULE_SETS = ("standard",)
 #: The axis of the whole mesh along which a pipeline's stages lie (outermost: stage s is a contiguous block).
-STAGE_AXIS = "stage"
+#: Not ``stage``: a scanned stack split over the stages spans them on a union mesh with that axis.
+STAGE_AXIS = "pipe"
 #: Schedules whose stages each run several non-adjacent groups of layers (2 groups, the library's default).
 _CHUNKS = {"interleaved": 2}
 
@@ -67,7 +68,7 @@ class Layout:
 
     @property
     def whole_mesh(self) -> dict[str, int]:
-        """The mesh `parallelize` is given: the stage mesh, after a ``stage`` axis for a pipeline."""
+        """The mesh `parallelize` is given: the stage mesh, after a ``pipe`` axis (`STAGE_AXIS`) for a pipeline."""
         return {STAGE_AXIS: self.stages, **self.mesh} if self.is_pipeline else dict(self.mesh)
 
     def rule_set(self) -> Rules:
