@@ -194,6 +194,8 @@ def test_a_pipeline_that_builds_no_stages_is_named():
     (dict(stage_counts=(2,)), ValueError, "pipeline="),
     (dict(num_devices=64), ValueError, "xla_force_host_platform_device_count=64"),
     (dict(mesh={"data": 4}), TypeError, "mesh="),
+    (dict(memory_limit="80GB"), TypeError, "memory_limit must be a number of bytes per device"),
+    (dict(memory_limit=0), ValueError, "memory_limit must be a positive number"),
 ])
 def test_bad_search_arguments_are_named(kw, error, words):
     with pytest.raises(error, match=words.replace("(", r"\(").replace(".", r"\.")):

@@ -188,6 +188,9 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
     """
     start = time.perf_counter()
     profile = get_profile(profile)
+    if memory_limit is not None and (not isinstance(memory_limit, (int, float)) or isinstance(memory_limit, bool)):
+        raise TypeError(f"auto_layout: memory_limit must be a number of bytes per device (e.g. 80 * 2**30), "
+                        f"got {memory_limit!r}")
     limit = int(profile.memory_bytes if memory_limit is None else memory_limit)
     if limit <= 0:
         raise ValueError(f"auto_layout: memory_limit must be a positive number of bytes per device, got {memory_limit!r}")
