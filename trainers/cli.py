@@ -53,7 +53,8 @@ def _train_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--plan", action="store_true",
                    help="print the layout (a pipeline: the modules and parameter bytes of each stage, and its "
-                        "schedule), write train.out_dir/schedule.png, exit")
+                        "schedule), write train.out_dir/schedule.png, exit; with layout.mesh=auto: the layout "
+                        "search's table and the chosen layout's memory per device and predicted step time")
     p.add_argument("--num-devices", type=int, default=None, metavar="N",
                    help="with --plan: also estimate the layout's train step on N devices (simulated CPU devices, "
                         "in a fresh process, when this machine has another number): memory per device")
@@ -224,10 +225,9 @@ def _train(argv: Sequence[str]) -> int:
 
 
 def _plan_and_estimate(opts: argparse.Namespace, argv: Sequence[str], cfg, num_processes: int) -> int:
-    """``--plan``, then with ``--num-devices``/``--profile`` the train step's estimate on those devices;
-    ``--num-devices N`` other than the devices here re-runs the command with N simulated CPU devices."""
-    if opts.num_devices is None and opts.profile is None:
-        return _plan(cfg, num_processes)
+    """``--plan``, then with ``--num-devices``, ``--profile`` or ``layout.profile`` the train step's estimate
+    on those devices; ``--num-devices N`` other than the devices here re-runs the command with N simulated
+    CPU devices. ``--profile`` overrides ``layout.profile``."""
     if opts.num_devices is not None:
         if opts.num_devices < 1:
             _usage_error(f"--num-devices must be >= 1, got {opts.num_devices}")
@@ -241,13 +241,14 @@ def _plan_and_estimate(opts: argparse.Namespace, argv: Sequence[str], cfg, num_p
             get_profile(opts.profile)
         except UnknownProfileError as e:
             _usage_error(f"--profile {opts.profile}: {e}")
+        cfg = cfg.replace(layout={"profile": opts.profile})
     from trainers.plan_estimate import needs_other_devices, print_estimate, replan_on_simulated_devices
 
     if opts.num_devices is not None and needs_other_devices(opts.num_devices):
         return replan_on_simulated_devices(argv, opts.num_devices)
     status = _plan(cfg, num_processes)
-    if status == 0:
-        print_estimate(cfg, opts.profile)
+    if status == 0 and not cfg.layout.is_auto and (cfg.layout.profile or opts.num_devices is not None):
+        print_estimate(cfg, cfg.layout.profile)
     return status
 
 
@@ -263,6 +264,8 @@ def _plan(cfg, num_processes: int) -> int:
     from trainers.fit import check_devices, check_out_dir, make_out_dir
 
     lay = cfg.layout
+    if lay.is_auto:
+        return _plan_auto(cfg)
     check_devices(lay.mesh, lay.pipeline.stages if lay.pipeline else None, jax.local_device_count() * num_processes,
                   num_processes)
     check_out_dir(cfg.out_dir)
@@ -279,6 +282,23 @@ def _plan(cfg, num_processes: int) -> int:
     path = make_out_dir(cfg.out_dir) / "schedule.png"
     write_schedule_png(p, path, title=None)
     print(f"wrote {path}")
+    return 0
+
+
+def _plan_auto(cfg) -> int:
+    """``--plan`` of ``layout.mesh: auto``: the layout search's table, then the chosen layout's estimate
+    (memory per device, programs, predicted step time). Nothing fits: the table, then the config error."""
+    from trainers.errors import ConfigError
+    from trainers.layout_search import search_layout
+
+    try:
+        search = search_layout(cfg, progress=False)
+    except ConfigError as e:
+        if getattr(e, "search", None) is not None:  # every layout tried, and why none could be chosen
+            print(e.search)
+        raise
+    best = search.best_candidate
+    print(f"{search}\n\n{cfg.name}: chosen layout {best.layout.describe()}\n{best.estimate}")
     return 0
 
 

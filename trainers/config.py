@@ -44,6 +44,7 @@ __all__ = [
     "LayoutConfig",
     "OptimizerConfig",
     "PipelineConfig",
+    "SearchConfig",
     "TrainConfig",
     "config_from_dict",
     "find_config",
@@ -144,6 +145,34 @@ class PipelineConfig:
         return DEFAULT_INTERLEAVE if self.interleave is None else self.interleave
 
 
+#: What ``layout.mesh: auto`` may factorize the devices over (``multimesh.autolayout``'s axes but ``model``).
+AUTO_AXES = ("data", "fsdp", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchConfig:
+    """What ``layout.mesh: auto`` tries (``multimesh.jax.auto_layout``): meshes over ``axes`` (every
+    factorization of the devices per stage), pipelines of each of ``stages`` (1: SPMD), each with every
+    count of ``microbatches`` and every ``schedules`` entry."""
+
+    axes: list = dataclasses.field(default_factory=lambda: list(AUTO_AXES))
+    stages: list = dataclasses.field(default_factory=lambda: [1])
+    microbatches: list = dataclasses.field(default_factory=lambda: [4, 8])
+    schedules: list = dataclasses.field(default_factory=lambda: ["1f1b"])
+
+    def __post_init__(self) -> None:
+        bad = [a for a in self.axes if a not in AUTO_AXES]
+        if not self.axes or bad or len(set(self.axes)) != len(self.axes):
+            raise ValueError(f"axes={self.axes!r}: give distinct mesh axes among {list(AUTO_AXES)}")
+        for key in ("stages", "microbatches"):
+            values = getattr(self, key)
+            if not values or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values):
+                raise ValueError(f"{key}={values!r}: give a list of positive ints, e.g. [1, 2]")
+        bad = [s for s in self.schedules if s not in SCHEDULES]
+        if not self.schedules or bad:
+            raise ValueError(f"schedules={self.schedules!r}: give a list of schedules among {list(SCHEDULES)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class LayoutConfig:
     """How the step is laid out on devices.
@@ -154,13 +183,40 @@ class LayoutConfig:
     ``[logical_name, mesh_axis | [axes] | null]`` pairs. ``pipeline``:
     ``null`` (SPMD) or a :class:`PipelineConfig`. The layout runs on the first
     :attr:`num_devices` devices (``{data: 1}`` without a pipeline: one device).
+
+    ``mesh: auto``: the mesh and pipeline are chosen on the machine's devices
+    by ``multimesh.jax.auto_layout`` (what it tries: ``search``, a
+    :class:`SearchConfig`), the fastest predicted on ``profile`` (a name of
+    ``multimesh.estimate.PROFILES``) that fits ``memory_limit`` bytes per device
+    (default: the profile's memory); ``pipeline`` must then be null and
+    ``rules`` standard. ``profile`` also lets ``--plan`` estimate a fixed layout.
     """
 
-    mesh: dict[str, int] = dataclasses.field(default_factory=lambda: {"data": 8})
+    mesh: dict[str, int] | str = dataclasses.field(default_factory=lambda: {"data": 8})
     rules: str | list = "standard"
     pipeline: PipelineConfig | None = None
+    profile: str | None = None
+    memory_limit: int | None = None
+    search: SearchConfig = dataclasses.field(default_factory=SearchConfig)
+
+    @property
+    def is_auto(self) -> bool:
+        """Whether the mesh (and pipeline) is chosen by the layout search (``mesh: auto``)."""
+        return self.mesh == "auto"
 
     def __post_init__(self) -> None:
+        if self.profile is not None:
+            from multimesh.estimate import PROFILES
+
+            if self.profile.lower() not in PROFILES:
+                raise ValueError(f"profile={self.profile!r} is not a known device profile; use one of "
+                                 f"{sorted(PROFILES)}")
+        if self.memory_limit is not None and self.memory_limit < 1:
+            raise ValueError(f"memory_limit={self.memory_limit}: give bytes per device (a positive int), or null "
+                             f"for the profile's memory")
+        if isinstance(self.mesh, str):
+            self._check_auto()
+            return
         if not self.mesh:
             raise ValueError("mesh must name at least one axis, e.g. {data: 8}")
         for axis, size in self.mesh.items():
@@ -172,8 +228,26 @@ class LayoutConfig:
         else:
             Rules(self.rules).check_mesh(self.mesh)  # a RuleError (a ValueError) names the rule and axis
 
+    def _check_auto(self) -> None:
+        if self.mesh != "auto":
+            raise ValueError(f"mesh={self.mesh!r}: give {{axis: size}} (e.g. {{data: 8}}) or auto (chosen by the "
+                             f"layout search)")
+        if self.pipeline is not None:
+            raise ValueError("mesh=auto chooses the pipeline too: set layout.pipeline=null and list the stage "
+                             "counts to try in layout.search.stages (e.g. [1, 2])")
+        if self.rules != "standard":
+            raise ValueError(f"mesh=auto lays meshes out with the standard rules, not rules={self.rules!r}: set "
+                             f"layout.rules=standard, or give a mesh of your own")
+        if self.profile is None:
+            from multimesh.estimate import PROFILES
+
+            raise ValueError(f"mesh=auto ranks layouts by predicted step time on a device profile: set "
+                             f"layout.profile to one of {sorted(PROFILES)}")
+
     @property
     def devices_per_stage(self) -> int:
+        if self.is_auto:
+            raise ValueError("layout.mesh=auto: the devices per stage are known once the search has chosen")
         return math.prod(self.mesh.values())
 
     @property
@@ -185,7 +259,7 @@ class LayoutConfig:
         """The rules as ``(logical, mesh_axes)`` pairs (named sets resolved for this mesh: a `Rules`, which
         also knows the names it leaves whole on purpose)."""
         if isinstance(self.rules, str):
-            return standard_rules(tuple(self.mesh))
+            return standard_rules(() if self.is_auto else tuple(self.mesh))
         return [(name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in self.rules]
 
 
@@ -232,7 +306,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
 }
 #: Nested dataclass fields (merged key by key rather than replaced).
-NESTED: dict[tuple[str, str], type] = {("layout", "pipeline"): PipelineConfig}
+NESTED: dict[tuple[str, str], type] = {("layout", "pipeline"): PipelineConfig, ("layout", "search"): SearchConfig}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -576,5 +650,8 @@ def _check_consistency(cfg: Config) -> None:
             )
     # What fits is decided by the config alone here; the machine's devices and corpus are checked by
     # --plan and at the start of training (trainers.fit).
+    if lay.is_auto:  # the search rejects the meshes that do not split the batch; one window per device is
+        check_data(d, 1)  # checked once one is chosen (trainers.layout_search)
+        return
     check_batch(lay.mesh, lay.rule_pairs(), d.batch_size)
     check_data(d, batch_shards(lay.mesh, lay.rule_pairs())[1])

@@ -30,7 +30,8 @@ from trainers.layout import RunLayout
 from trainers.nonfinite import count_nonfinite
 from trainers.optim import learning_rate_schedule, make_optimizer, schedule_length
 
-__all__ = ["Model", "Program", "build_model", "build_program", "initializers", "loss_sum_over"]
+__all__ = ["Model", "Program", "TrainFunctions", "build_model", "build_program", "initializers", "loss_sum_over",
+           "train_functions"]
 
 #: What ``model.api`` builds; both have ``init(key, tokens)`` and ``apply(params, tokens)``.
 Model = Transformer | FunctionalModel
@@ -89,18 +90,33 @@ class Program:
         return f"Program({self.config.name!r}, {self.layout.describe()})"
 
 
-def build_program(cfg: Config, layout: RunLayout, train_batch: dict[str, np.ndarray],
-                  val_batch: dict[str, np.ndarray]) -> Program:
-    """Build and parallelize the steps (for a pipeline: inside ``layout.tasks(...)``)."""
+@dataclasses.dataclass(frozen=True)
+class TrainFunctions:
+    """A config's one-device functions, before any layout: the model, optimizer and its learning-rate
+    schedule, the initializers, and ``train_step(state, batch)``, ``eval_step(params, batch)``."""
+
+    model: Model
+    optimizer: optax.GradientTransformation
+    lr_schedule: optax.Schedule
+    init_params: Callable[[], Any]
+    init_state: Callable[[], Any]
+    train_step: Callable
+    eval_step: Callable
+
+
+def train_functions(cfg: Config, loss_for_grad: Callable[[Callable, int], Callable],
+                   global_tokens: int) -> TrainFunctions:
+    """The config's functions; ``loss_for_grad(loss_fn, batch_size)`` is the loss the step differentiates
+    (a layout's :meth:`RunLayout.loss_for_grad`: microbatched in a pipeline), ``global_tokens`` the
+    predicted tokens of one training batch (the loss is normalised by them)."""
     model = build_model(cfg.model)
     decay_steps = schedule_length(cfg.optimizer, cfg.train.steps)
     schedule = learning_rate_schedule(cfg.optimizer, decay_steps)
     tx = make_optimizer(cfg.optimizer, decay_steps)
 
     init_params, init_state = initializers(cfg, model, tx)
-    global_tokens = int(np.prod(train_batch["tokens"].shape)) - train_batch["tokens"].shape[0]
     loss_fn = functools.partial(loss_sum_over, model, n_tokens=global_tokens)
-    grad_fn = jax.value_and_grad(layout.loss_for_grad(loss_fn, cfg.data.batch_size))
+    grad_fn = jax.value_and_grad(loss_for_grad(loss_fn, cfg.data.batch_size))
 
     def train_step(state, batch):
         loss, grads = grad_fn(state["params"], batch)
@@ -113,6 +129,14 @@ def build_program(cfg: Config, layout: RunLayout, train_batch: dict[str, np.ndar
         b, t1 = batch["tokens"].shape
         return loss_sum_over(model, params, batch, b * (t1 - 1))
 
-    step, init = layout.parallelize(train_step, init_state, train_batch, donate=True)
-    evaluate, _ = layout.parallelize(eval_step, init_params, val_batch, donate=False)
-    return Program(cfg, layout, model, tx, schedule, step, init, evaluate)
+    return TrainFunctions(model, tx, schedule, init_params, init_state, train_step, eval_step)
+
+
+def build_program(cfg: Config, layout: RunLayout, train_batch: dict[str, np.ndarray],
+                  val_batch: dict[str, np.ndarray]) -> Program:
+    """Build and parallelize the steps (for a pipeline: inside ``layout.tasks(...)``)."""
+    global_tokens = int(np.prod(train_batch["tokens"].shape)) - train_batch["tokens"].shape[0]
+    f = train_functions(cfg, layout.loss_for_grad, global_tokens)
+    step, init = layout.parallelize(f.train_step, f.init_state, train_batch, donate=True)
+    evaluate, _ = layout.parallelize(f.eval_step, f.init_params, val_batch, donate=False)
+    return Program(cfg, layout, f.model, f.optimizer, f.lr_schedule, step, init, evaluate)

@@ -55,6 +55,7 @@ from trainers.data import TextDataset, load_corpus, make_datasets
 from trainers.feed import Feed
 from trainers.fit import check_data, make_out_dir
 from trainers.layout import build_layout, write_schedule_png
+from trainers.layout_search import resolve_auto_layout
 from trainers.metrics import MetricsLog, StepBar, Throughput, plot_losses, read_metrics, strict_json
 from trainers.nonfinite import NonFiniteError, NonFiniteWarning, first_nonfinite, how_to_fix
 from trainers.optim import cut_warmup_note
@@ -205,6 +206,7 @@ def _train(cfg: Config, *, devices: Any, quiet: bool, stop_after: int | None, re
     main = jax.process_index() == 0
     quiet = quiet or not main
     out = make_out_dir(cfg.out_dir)
+    cfg = resolve_auto_layout(cfg, devices, log=lambda text: _log(quiet, text))  # layout.mesh: auto
     layout = build_layout(cfg.layout, devices)
     # The corpus found may be smaller than data.max_bytes (which the config check assumed).
     check_data(cfg.data, layout.batch_ways, len(load_corpus(cfg.data.paths, cfg.data.max_bytes)))

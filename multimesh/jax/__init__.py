@@ -21,7 +21,9 @@ from ..run.checks import DonatedArrayError, StepInputError
 from ..run.mjit import MJitFunction, mjit
 from ..run.mpmd import MPMDFunction
 from ..run.initializers import ShardedInitializer
-from ..run.parallelize import BatchStep, ShardedFunction, StepAndInit, StepFunctions, parallelize
+from ..run.parallelize import BatchStep, ShardedFunction, StepAndInit, StepFunctions
+# the public parallelize: the run layer's, plus layout="auto" (the layout search above it)
+from ..autolayout import Layout, LayoutSearch, auto_layout, parallelize, stage_task
 from ..trace.constraints import shard_map, with_sharding_constraint
 from ..trace.context import Context, MultiMesh, tasks
 from ..trace.implicit import (
@@ -50,6 +52,8 @@ __all__ = [
     "Estimate",
     "GPipe",
     "HardwareProfile",
+    "Layout",
+    "LayoutSearch",
     "Interleaved1F1B",
     "BatchStep",
     "MJitFunction",
@@ -72,6 +76,7 @@ __all__ = [
     "ZeroBubbleH1",
     "ZeroBubbleH2",
     "__version__",
+    "auto_layout",
     "autoshard",
     "build_mesh",
     "clear_tasks",
@@ -95,6 +100,7 @@ __all__ = [
     "shutdown",
     "slice_global_mesh",
     "slice_mesh",
+    "stage_task",
     "standard_rules",
     "task",
     "task_scope",

@@ -30,6 +30,7 @@ import numpy as np
 
 from ..core.schedules import KNOWN_SCHEDULES, Schedule, get_schedule
 from .constraints import with_sharding_constraint
+from .pipeline_choice import chosen_pipeline
 from .scopes import microbatch_body, scope_stack
 from .task import transforms_ignored
 
@@ -198,10 +199,15 @@ def microbatch(
         leaves, treedef = jax.tree.flatten(args[argnum])
         if not leaves:
             raise ValueError(f"microbatch({name}): argument {argnum} has no arrays to split")
-        n = _count(leaves, dim, size, f"microbatch({name}) argument {argnum}")
+        # a layout search may choose the pipeline from outside the step (`pipeline_choice`)
+        choice = chosen_pipeline()
+        mb_size, mb_schedule, mb_stages, mb_interleave = (size, schedule, num_stages, interleave) \
+            if choice is None else (choice.size_for(f"microbatch({name})", leaves, dim), choice.schedule,
+                                    choice.stages, choice.interleave)
+        n = _count(leaves, dim, mb_size, f"microbatch({name}) argument {argnum}")
         collector = _COLLECTOR.get()
         if collector is not None:
-            collector.append(Pipeline(name, n, schedule, num_stages, interleave, next(_CALLS)))
+            collector.append(Pipeline(name, n, mb_schedule, mb_stages, mb_interleave, next(_CALLS)))
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
             body = _traced_once(fun, args, argnum, n)
         else:  # called eagerly: run fun per microbatch (a jit made for this call would compile every call)
@@ -212,7 +218,7 @@ def microbatch(
                 # A dynamic slice at a literal offset: the segments of every microbatch then differ only
                 # in that literal, which the runtime passes as an argument (one program per stage).
                 results[i] = body(jax.tree.unflatten(
-                    treedef, [jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=dim) for x in leaves]))
+                    treedef, [jax.lax.dynamic_slice_in_dim(x, i * mb_size, mb_size, axis=dim) for x in leaves]))
         total = results[0]
         for i, r in enumerate(results[1:], 1):
             with jax.named_scope(f"microbatch_{i}"):  # the sum is part of microbatch i's work

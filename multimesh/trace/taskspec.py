@@ -202,9 +202,9 @@ def slice_global_mesh(**to_slice: int) -> TaskMesh:
                     axis_names=mesh.axis_names)
 
 
-def _pairs(value: Any, what: str) -> tuple[tuple[str, MeshAxes], ...] | None:
-    if value is None:
-        return None
+def _pairs(value: Any, what: str) -> tuple[tuple[str, MeshAxes], ...] | Rules | None:
+    if value is None or isinstance(value, Rules):  # a Rules keeps what it knows (its generic names)
+        return value
     try:
         return tuple(Rules(value).rules)
     except (TypeError, ValueError) as e:

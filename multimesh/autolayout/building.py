@@ -1,0 +1,79 @@
+"""Building a step on a `Layout`: its mesh, its rules, and for a pipeline its stages and microbatches.
+
+A pipeline's stages are slices of one mesh whose outermost axis is ``pipe``:
+stage ``s`` holds the devices ``[s * n, (s + 1) * n)`` (``n`` per stage), laid
+out as the layout's stage mesh. The caller's ``pipeline(stages, chunks)``
+context registers the model's parts on them, typically with
+``register_task(pattern, callback=lambda name, backprop: stage_task(s))``; the
+number of microbatches and the schedule reach the step's `microbatch` call
+through `choose_pipeline`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ContextManager
+
+import numpy as np
+from jax.sharding import Mesh
+
+from ..core.rules import standard_rules
+from ..run.parallelize import parallelize
+from ..trace.pipeline_choice import choose_pipeline
+from ..trace.taskspec import Task, current_global_mesh, use_global_mesh
+from .layouts import STAGE_AXIS, Layout
+
+__all__ = ["PipelineFactory", "build_on", "layout_mesh", "stage_task"]
+
+#: ``pipeline(stages, chunks)``: a context manager under which `parallelize` builds a pipeline of that many
+#: stages (each running ``chunks`` groups of layers).
+PipelineFactory = Callable[[int, int], ContextManager[Any]]
+
+
+def stage_task(stage: int, name: str | None = None) -> Task:
+    """Stage ``stage`` of the layout being built: the slice ``{"pipe": stage}`` of the mesh in force, with
+    `standard_rules` of its axes. For a ``pipeline=`` context given to `auto_layout`."""
+    mesh = current_global_mesh()
+    if mesh is None or STAGE_AXIS not in mesh.axis_names:
+        raise ValueError(f"stage_task({stage}): no mesh with a {STAGE_AXIS!r} axis is in force; call it inside the "
+                         f"pipeline= context that auto_layout or parallelize(layout='auto') enters")
+    stages = dict(mesh.shape)[STAGE_AXIS]
+    if not 0 <= stage < stages:
+        raise ValueError(f"stage_task({stage}): the layout being built has {stages} stages (0..{stages - 1})")
+    return Task(name=name or f"stage{stage}", mesh_slice={STAGE_AXIS: stage},
+                logical_axes=standard_rules(mesh.axis_names))
+
+
+def layout_mesh(layout: Layout, devices: Sequence[Any]) -> Mesh:
+    """The layout's whole mesh over the first devices, in order (stage outermost)."""
+    shape = layout.whole_mesh
+    picked = np.empty(layout.num_devices, dtype=object)
+    picked[:] = list(devices)[:layout.num_devices]
+    return Mesh(picked.reshape(tuple(shape.values())), tuple(shape))
+
+
+@contextlib.contextmanager
+def _placed(layout: Layout, mesh: Mesh, pipeline: PipelineFactory | None) -> Iterator[None]:
+    """The mesh in force for `stage_task`, and for a pipeline its registrations and chosen microbatches."""
+    with use_global_mesh(mesh), contextlib.ExitStack() as stack:
+        if layout.is_pipeline:
+            if pipeline is None:
+                raise ValueError(f"layout {layout.describe()!r} is a pipeline; building it needs pipeline= "
+                                 f"(stages, chunks) -> a context that registers the model's stages")
+            stack.enter_context(pipeline(layout.stages, layout.chunks))
+            stack.enter_context(choose_pipeline(layout.microbatches, layout.schedule, layout.stages,
+                                                layout.chunks if layout.chunks > 1 else None))
+        yield
+
+
+def build_on(layout: Layout, fun: Callable, devices: Sequence[Any], pipeline: PipelineFactory | None,
+             quiet: bool = False, **kwargs: Any) -> Any:
+    """``parallelize(fun, **kwargs)`` on ``layout`` (what `parallelize` returns). ``quiet``: without its
+    warnings (a search judges layouts by its own checks)."""
+    mesh = layout_mesh(layout, devices)
+    with _placed(layout, mesh, pipeline), warnings.catch_warnings():
+        if quiet:
+            warnings.simplefilter("ignore")
+        return parallelize(fun, mesh=mesh, rules=layout.rule_set(), **kwargs)

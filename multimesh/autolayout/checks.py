@@ -1,0 +1,85 @@
+"""Why a layout cannot serve a step, found before compiling it (None: no reason).
+
+Two checks, cheapest first: `batch_misfit` reads only the batch's shapes (no
+trace), `idle_axis` the layouts of a built but not compiled step. A layout
+that fails them would run, but with devices holding the same rows or the same
+shards as their neighbours: not a layout worth compiling.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .layouts import STAGE_AXIS, Layout
+
+__all__ = ["batch_misfit", "idle_axis", "pipeline_misfit", "shapes_of", "spec_axes"]
+
+#: The axes `standard_rules` splits the batch over, in order.
+_BATCH_AXES = ("data", "fsdp")
+
+
+def batch_misfit(layout: Layout, batch_shapes: Sequence[tuple[int, ...]]) -> str | None:
+    """Whether the batch's leading dimension splits into the layout's microbatches, each over its batch axes."""
+    rows = {s[0] for s in batch_shapes if len(s) > 0}
+    if not rows:
+        return None
+    ways = math.prod(layout.mesh.get(a, 1) for a in _BATCH_AXES)
+    for n in sorted(rows):
+        per = n
+        if layout.microbatches:
+            if n % layout.microbatches:
+                return (f"{layout.microbatches} microbatches do not divide the batch's leading dimension {n}")
+            per = n // layout.microbatches
+        if per % ways:
+            where = "a microbatch's" if layout.microbatches else "the batch's leading dimension"
+            return (f"{where} {per} rows do not split over data x fsdp = {ways} devices "
+                    f"(they would hold the same rows)")
+    return None
+
+
+def spec_axes(spec: Any) -> set[str]:
+    """The mesh axes a `PartitionSpec` names."""
+    out: set[str] = set()
+    for entry in spec:
+        if isinstance(entry, str):
+            out.add(entry)
+        elif isinstance(entry, (tuple, list)):
+            out.update(a for a in entry if isinstance(a, str))
+    return out
+
+
+def idle_axis(layout: Layout, step_fn: Any) -> str | None:
+    """A mesh axis of size > 1 that shards no parameter and no batch array of the built step."""
+    used: set[str] = set()
+    for leaf in (*step_fn.param_layout.leaves, *step_fn.batch_layout.leaves):
+        used |= spec_axes(leaf.spec)
+    for axis, size in layout.mesh.items():
+        if size > 1 and axis != STAGE_AXIS and axis not in used:
+            return (f"mesh axis {axis}={size} shards no parameter or batch array (no dimension its rules name is "
+                    f"divisible by {size}), so its {size} devices would hold the same")
+    return None
+
+
+def pipeline_misfit(layout: Layout, step_fn: Any) -> str | None:
+    """Whether a pipeline layout built as one: its stages registered and its microbatches scheduled."""
+    if not layout.is_pipeline:
+        return None
+    schedule = getattr(step_fn.plan, "schedule", None) if step_fn.plan is not None else None
+    if schedule is None:
+        return ("no pipeline schedule was built: the pipeline= context registered no stage the step runs, or the "
+                "step calls no microbatch(...) (its loss must be microbatched for a pipeline)")
+    if schedule.num_stages != layout.stages or schedule.num_microbatches != layout.microbatches:
+        return (f"the step built {schedule.num_stages} stages x {schedule.num_microbatches} microbatches, not "
+                f"{layout.stages} x {layout.microbatches}: does pipeline=(stages, chunks) register that many stages?")
+    return None
+
+
+def shapes_of(abstract: Any) -> list[tuple[int, ...]]:
+    """The shapes of a pytree's leaves."""
+    import jax
+
+    return [tuple(np.shape(x)) for x in jax.tree.leaves(abstract)]

@@ -1,0 +1,90 @@
+"""The public `parallelize`: `multimesh.run.parallelize`, or with ``layout="auto"`` the layout `auto_layout` picks.
+
+It lives here, above the search, so that the layer that builds steps
+(`multimesh.run`) never imports the one that searches layouts.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from ..estimate import HardwareProfile
+from ..run.parallelize import parallelize as parallelize_on_mesh
+from . import building
+from .building import PipelineFactory, build_on
+from .search import auto_layout
+
+__all__ = ["parallelize"]
+
+#: Files whose lines a warning of `parallelize` would name instead of the caller's (it warns at its caller).
+_WRAPPERS = frozenset({__file__, building.__file__})
+
+
+def _call(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, its warnings issued again after it (`_reissue`), even when it raises."""
+    caught: list = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:  # the caller's filters apply to what is caught,
+            # but those naming these modules: each is judged by them when issued again at the caller's line
+            warnings.filterwarnings("always", module=r"multimesh\.autolayout\.(front|building)$")
+            return fn(*args, **kwargs)
+    finally:
+        _reissue(caught)
+
+
+def _reissue(pending: list) -> None:
+    """Each warning again; one that names this wrapper's lines (the run layer warns at its caller, which is
+    now this module) names the line that called `parallelize` instead."""
+    for w in pending:
+        if w.filename in _WRAPPERS:
+            warnings.warn(w.message, stacklevel=4)  # _reissue, _call, parallelize, its caller
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
+def parallelize(fun: Callable, *, layout: str | None = None, profile: str | HardwareProfile | None = None,
+                num_devices: int | None = None, memory_limit: int | None = None,
+                axes: Sequence[str] = ("data", "fsdp", "tensor"), pipeline: PipelineFactory | None = None,
+                stage_counts: Sequence[int] = (1,), microbatches: Sequence[int] = (4, 8),
+                schedules: Sequence[str] = ("1f1b", "zb-h2"), progress: bool | None = None,
+                **kwargs: Any) -> Any:
+    """Compile ``fun(params, batch, *args)`` into a sharded function (see `multimesh.run.parallelize.parallelize`
+    for every other argument).
+
+    ``layout="auto"``: the mesh, rules and pipeline are chosen by `auto_layout` (``profile=`` required;
+    ``devices=``/``num_devices=``, ``memory_limit=``, ``axes=``, ``pipeline=``, ``stage_counts=``,
+    ``microbatches=``, ``schedules=``, ``progress=`` as there), then built like any other layout with the
+    real ``init_params``. The returned step has ``.layout_search``, the `LayoutSearch`.
+    """
+    auto_only = {"profile": profile, "num_devices": num_devices, "memory_limit": memory_limit,
+                 "pipeline": pipeline}
+    if layout is None:
+        given = [k for k, v in auto_only.items() if v is not None]
+        if given:
+            raise TypeError(f"parallelize: {', '.join(given)}= only serve layout='auto' (the layout search); "
+                            f"pass layout='auto', or leave them out and give mesh= and rules=")
+        return _call(parallelize_on_mesh, fun, **kwargs)
+    if layout != "auto":
+        raise ValueError(f"parallelize: layout={layout!r}; the one layout parallelize chooses is 'auto' (give a "
+                         f"mesh of your own as mesh= with rules=)")
+    if profile is None:
+        raise TypeError("parallelize(layout='auto') needs profile= (a name such as 'h100-sxm', or a "
+                        "HardwareProfile, e.g. multimesh.estimate.calibrate()) to predict step times with")
+    for key in ("mesh", "rules"):
+        if kwargs.get(key) is not None:
+            raise TypeError(f"parallelize(layout='auto') chooses {key}=; leave it out, or drop layout='auto'")
+    if "initial_batch" in kwargs:
+        raise TypeError("parallelize(layout='auto') needs get_input_batch= (it is evaluated abstractly for every "
+                        "layout tried), not initial_batch=")
+    devices = kwargs.pop("devices", None)
+    search = auto_layout(fun, profile=profile, devices=devices, num_devices=num_devices, memory_limit=memory_limit,
+                         axes=axes, pipeline=pipeline, stage_counts=stage_counts, microbatches=microbatches,
+                         schedules=schedules, progress=progress, **kwargs)
+    pool = list(devices) if devices is not None else jax.devices()[:search.num_devices]
+    made = _call(build_on, search.best, fun, pool, pipeline, **kwargs)
+    made[0].layout_search = search
+    return made

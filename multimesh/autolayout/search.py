@@ -1,0 +1,265 @@
+"""`auto_layout`: try every layout of the devices, keep those that fit, rank them by predicted step time.
+
+Each candidate (`layouts.enumerate_layouts`) goes through the cheapest test
+that can reject it first: the batch's shapes (read once, `jax.eval_shape`),
+then the step built on it by `parallelize` (traced and planned, not
+compiled): a mesh axis that shards nothing, or parameters, optimizer state
+and batch that alone overflow the memory limit. Only the rest are compiled,
+from abstract inputs, and estimated (`multimesh.estimate`): their peak memory
+per device against the limit, and their predicted step time on the profile.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from ..core.fmt import format_bytes
+from ..estimate import Estimate, HardwareProfile, get_profile, held_bytes
+from .building import PipelineFactory, build_on
+from .checks import batch_misfit, idle_axis, pipeline_misfit, shapes_of
+from .layouts import AXES, Layout, enumerate_layouts
+from .table import search_table
+
+__all__ = ["Candidate", "LayoutSearch", "LayoutSearchError", "NoLayoutFitsError", "NoValidLayoutError",
+           "auto_layout"]
+
+#: Reasons a candidate is rejected that say it is no valid layout for the step (not that it is too big).
+_INVALID = "invalid: "
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout tried: its `Estimate` (None when rejected before compiling), its peak bytes per device
+    (the held bytes alone when rejected by them), predicted step ``time`` (s) and ``mfu``, and why it was
+    ``rejected`` (None: it fits)."""
+
+    layout: Layout
+    estimate: Estimate | None = None
+    peak_bytes: int | None = None
+    time: float | None = None
+    mfu: float | None = None
+    rejected: str | None = None
+
+    @property
+    def valid(self) -> bool:
+        """Whether the layout can serve the step at all (it may still be too big)."""
+        return not (self.rejected or "").startswith(_INVALID)
+
+
+@dataclass(frozen=True)
+class LayoutSearch:
+    """What `auto_layout` found: every ``candidates`` ranked (those that fit by predicted time, then the
+    rejected), the ``profile``, the per-device ``memory_limit``, the devices and how long it took."""
+
+    candidates: tuple[Candidate, ...]
+    profile: HardwareProfile
+    memory_limit: int
+    num_devices: int
+    seconds: float
+
+    @property
+    def fitting(self) -> tuple[Candidate, ...]:
+        return tuple(c for c in self.candidates if c.rejected is None)
+
+    @property
+    def best(self) -> Layout:
+        """The layout of the least predicted step time among those that fit."""
+        if not self.fitting:
+            raise _nothing_fits(self)
+        return self.fitting[0].layout
+
+    @property
+    def best_candidate(self) -> Candidate:
+        if not self.fitting:
+            raise _nothing_fits(self)
+        return self.fitting[0]
+
+    def __str__(self) -> str:
+        return search_table(self)
+
+    def __repr__(self) -> str:
+        best = self.fitting[0].layout.describe() if self.fitting else "none fits"
+        return f"LayoutSearch({len(self.candidates)} candidates, best: {best}, {self.seconds:.1f} s)"
+
+
+class LayoutSearchError(ValueError):
+    """No layout can be chosen; ``search`` holds every candidate and why it was rejected."""
+
+    def __init__(self, message: str, search: LayoutSearch):
+        super().__init__(message)
+        self.search = search
+
+
+class NoLayoutFitsError(LayoutSearchError):
+    """Valid layouts exist, and none fits the memory limit."""
+
+
+class NoValidLayoutError(LayoutSearchError):
+    """No layout of the devices suits the step (its batch, its model's dimensions)."""
+
+
+def _nothing_fits(search: LayoutSearch) -> LayoutSearchError:
+    valid = [c for c in search.candidates if c.valid and c.peak_bytes is not None]
+    if valid:
+        least = min(valid, key=lambda c: c.peak_bytes)
+        held = " at least (parameters, optimizer state and batch alone)" if least.estimate is None else ""
+        return NoLayoutFitsError(
+            f"auto_layout: no layout of {search.num_devices} devices fits the memory limit "
+            f"{format_bytes(search.memory_limit)} ({search.memory_limit:,} B) per device; the smallest found, "
+            f"{least.layout.describe()}, needs{held} {format_bytes(least.peak_bytes)} ({least.peak_bytes:,} B) per "
+            f"device. Raise memory_limit= to at least {least.peak_bytes:,}, use more devices, or shrink the model "
+            f"or the batch", search)
+    reasons: dict[str, list[str]] = {}
+    for c in search.candidates:
+        reasons.setdefault((c.rejected or "").removeprefix(_INVALID), []).append(c.layout.describe())
+    why = "; ".join(f"{', '.join(ls)}: {r}" for r, ls in reasons.items())
+    return NoValidLayoutError(
+        f"auto_layout: no valid layout of {search.num_devices} devices: {why}. Use a device count whose factors "
+        f"divide the batch and the model's dimensions (e.g. a power of two), or other axes=/stage_counts=",
+        search)
+
+
+def _check_axes(axes: Sequence[str]) -> tuple[str, ...]:
+    axes = tuple(axes) if not isinstance(axes, str) else (axes,)
+    unknown = [a for a in axes if a not in AXES]
+    if not axes or unknown or len(set(axes)) != len(axes):
+        raise ValueError(f"auto_layout: axes={axes!r}; give distinct mesh axes among {AXES} (standard_rules gives "
+                         f"each a role: data and fsdp split the batch, fsdp the parameters, tensor/model the "
+                         f"Megatron dimensions)")
+    if "tensor" in axes and "model" in axes:
+        raise ValueError("auto_layout: axes names both 'tensor' and 'model', which standard_rules treats as one "
+                         "(tensor parallelism); keep one of them")
+    return axes
+
+
+def _pick_devices(devices: Sequence[Any] | None, num_devices: int | None) -> list[Any]:
+    if devices is not None and num_devices is not None:
+        raise TypeError("auto_layout: give devices= or num_devices=, not both")
+    present = jax.devices()
+    if devices is not None:
+        return list(devices)
+    n = len(present) if num_devices is None else num_devices
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"auto_layout: num_devices must be a positive int, got {num_devices!r}")
+    if n > len(present):
+        raise ValueError(f"auto_layout: num_devices={n}, but {len(present)} devices are present; plan for more "
+                         f"on CPU by starting Python with XLA_FLAGS=--xla_force_host_platform_device_count={n} "
+                         f"(JAX_PLATFORMS=cpu)")
+    return present[:n]
+
+
+def _progress(total: int, progress: bool | None) -> Any:
+    from tqdm import tqdm
+
+    show = sys.stderr.isatty() if progress is None else progress
+    return tqdm(total=total, desc="auto_layout", unit="layout", disable=not show, leave=False)
+
+
+def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_batch: Callable[[], Any],
+                profile: str | HardwareProfile, devices: Sequence[Any] | None = None,
+                num_devices: int | None = None, memory_limit: int | None = None,
+                axes: Sequence[str] = ("data", "fsdp", "tensor"), pipeline: PipelineFactory | None = None,
+                stage_counts: Sequence[int] = (1,), microbatches: Sequence[int] = (4, 8),
+                schedules: Sequence[str] = ("1f1b", "zb-h2"), progress: bool | None = None,
+                **parallelize_kwargs: Any) -> LayoutSearch:
+    """Search the layouts of ``step`` on the devices; return them ranked (`LayoutSearch`, print it).
+
+    Args:
+      step, init_params, get_input_batch: as for `parallelize`.
+      profile: a `HardwareProfile` or a name (``"h100-sxm"``, ...) to predict step times with.
+      devices / num_devices: the devices to lay out (default: all); ``num_devices`` takes the first.
+      memory_limit: bytes per device (default: the profile's memory).
+      axes: the mesh axes whose sizes are searched (factorizations of the devices per stage).
+      pipeline: ``pipeline(stages, chunks)`` -> a context manager that registers the model's parts on the
+        stages (e.g. with ``register_task(..., callback=... stage_task(s))``); needed for stage counts > 1.
+      stage_counts: pipeline stage counts to try (1: SPMD).
+      microbatches, schedules: tried for every pipeline (the step must call `microbatch`).
+      progress: a progress bar (default: when stderr is a terminal).
+      parallelize_kwargs: passed on to `parallelize` (``param_rules=``, ``donate=``, ...).
+
+    Raises `UnknownProfileError`, and a `LayoutSearchError` (`NoLayoutFitsError`, `NoValidLayoutError`)
+    when no layout can be chosen.
+    """
+    start = time.perf_counter()
+    profile = get_profile(profile)
+    if memory_limit is not None and (not isinstance(memory_limit, (int, float)) or isinstance(memory_limit, bool)):
+        raise TypeError(f"auto_layout: memory_limit must be a number of bytes per device (e.g. 80 * 2**30), "
+                        f"got {memory_limit!r}")
+    limit = int(profile.memory_bytes if memory_limit is None else memory_limit)
+    if limit <= 0:
+        raise ValueError(f"auto_layout: memory_limit must be a positive number of bytes per device, got {memory_limit!r}")
+    axes = _check_axes(axes)
+    stage_counts = tuple(stage_counts)
+    if any(not isinstance(s, int) or s < 1 for s in stage_counts) or not stage_counts:
+        raise ValueError(f"auto_layout: stage_counts={stage_counts!r}; give positive ints (1: SPMD)")
+    if pipeline is None and any(s > 1 for s in stage_counts):
+        raise ValueError(f"auto_layout: stage_counts={stage_counts} tries pipelines, which need pipeline= "
+                         f"(stages, chunks) -> a context registering the model's stages")
+    for key in ("mesh", "rules"):
+        if key in parallelize_kwargs:
+            raise TypeError(f"auto_layout chooses {key}=; leave it out")
+    pool = _pick_devices(devices, num_devices)
+    batch_shapes = shapes_of(jax.eval_shape(get_input_batch))  # once for every candidate
+    layouts = list(enumerate_layouts(len(pool), axes, stage_counts, tuple(microbatches), tuple(schedules)))
+    candidates = []
+    with _progress(len(layouts), progress) as bar:
+        for layout in layouts:
+            candidates.append(_try(layout, step, pool, pipeline, limit, profile,
+                                   dict(init_params=init_params, get_input_batch=get_input_batch,
+                                        **parallelize_kwargs), batch_shapes))
+            bar.update(1)
+    ranked = sorted(candidates, key=_rank)
+    search = LayoutSearch(tuple(ranked), profile, limit, len(pool), time.perf_counter() - start)
+    if not search.fitting:
+        raise _nothing_fits(search)
+    return search
+
+
+def _rank(c: Candidate) -> tuple:
+    """Fitting by predicted time, then too big by peak, then invalid; ties by description."""
+    if c.rejected is None:
+        return (0, c.time, c.peak_bytes, c.layout.describe())
+    if c.valid:
+        return (1, c.peak_bytes or 0, 0.0, c.layout.describe())
+    return (2, 0, 0.0, c.layout.describe())
+
+
+def _over(limit: int, device: int, need: int, what: str) -> str:
+    return (f"device {device} needs {format_bytes(need)} ({need:,} B){what}, {format_bytes(need - limit)} "
+            f"({need - limit:,} B) over the limit {format_bytes(limit)}")
+
+
+def _try(layout: Layout, step: Callable, pool: list, pipeline: PipelineFactory | None, limit: int,
+         profile: HardwareProfile, kwargs: dict, batch_shapes: list) -> Candidate:
+    """One layout through the checks, cheapest first (see the module docstring)."""
+    misfit = batch_misfit(layout, batch_shapes)
+    if misfit is not None:
+        return Candidate(layout, rejected=_INVALID + misfit)
+    try:
+        built = build_on(layout, step, pool, pipeline, quiet=True, **kwargs)
+    except (ValueError, NotImplementedError) as e:  # the layout's own misfit, e.g. more stages than layers
+        return Candidate(layout, rejected=f"{_INVALID}cannot be built: {type(e).__name__}: {e}")
+    step_fn = built[0]
+    misfit = pipeline_misfit(layout, step_fn) or idle_axis(layout, step_fn)
+    if misfit is not None:
+        return Candidate(layout, rejected=_INVALID + misfit)
+    held = held_bytes(step_fn.param_layout.leaves, step_fn.batch_layout.leaves)
+    per_device = {d: held.params.get(d, 0) + held.optimizer.get(d, 0) + held.batch.get(d, 0)
+                  for d in set(held.params) | set(held.optimizer) | set(held.batch)}
+    device, most = max(per_device.items(), key=lambda kv: (kv[1], -kv[0]), default=(0, 0))
+    if most > limit:  # no need to compile: what it holds alone does not fit
+        return Candidate(layout, peak_bytes=most,
+                         rejected=_over(limit, device, most, " for parameters, optimizer state and batch alone"))
+    est = step_fn.estimate(profile=profile)
+    over = est.overflow(limit)
+    rejected = None
+    if over:
+        device = max(over, key=lambda d: (over[d], -d))
+        rejected = _over(limit, device, est.memory[device].peak, " at its peak")
+    return Candidate(layout, est, est.peak_bytes, est.time.total, est.time.mfu, rejected)

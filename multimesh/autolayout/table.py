@@ -1,0 +1,42 @@
+"""The text table of a `LayoutSearch`: rank, layout, peak bytes per device, predicted time, MFU, why rejected."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..core.fmt import format_bytes
+
+__all__ = ["search_table"]
+
+
+def _time(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds >= 1:
+        return f"{seconds:.3g} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} us"
+
+
+def search_table(search: Any) -> str:
+    """The search as lines: a heading, then one row per candidate (the fitting ones ranked 1, 2, ...)."""
+    fits = len(search.fitting)
+    n = len(search.candidates)
+    lines = [f"auto_layout: {n} layout{'s' if n != 1 else ''} of {search.num_devices} devices on "
+             f"{search.profile.name}, memory limit {format_bytes(search.memory_limit)}/device: {fits} fit; "
+             f"searched in {search.seconds:.1f} s"]
+    rows = [("rank", "layout", "peak/device", "step time", "MFU", "rejected")]
+    for i, c in enumerate(search.candidates, 1):
+        peak = "-" if c.peak_bytes is None else format_bytes(c.peak_bytes)
+        if c.estimate is None and c.peak_bytes is not None:
+            peak = ">" + peak  # the held bytes alone: the peak is more
+        mfu = "-" if c.mfu is None else f"{c.mfu:.1%}"
+        rows.append((str(i) if c.rejected is None else "-", c.layout.describe(), peak, _time(c.time), mfu,
+                     c.rejected or ""))
+    widths = [max(len(r[k]) for r in rows) for k in range(5)]
+    for r in rows:
+        cells = [r[0].rjust(widths[0]), r[1].ljust(widths[1]), r[2].rjust(widths[2]), r[3].rjust(widths[3]),
+                 r[4].rjust(widths[4]), r[5]]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)

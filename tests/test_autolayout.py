@@ -1,0 +1,300 @@
+"""`auto_layout` and ``parallelize(layout="auto")``: the search, its rejections and errors, and the trainer's
+``layout.mesh: auto`` (``--plan`` prints the search).
+
+A two-layer MLP with Adam, its parameters named by logical axes (``embed``,
+``mlp``) so that `standard_rules` shards them; meshes of 4 devices over data and
+tensor (3 layouts), so a search compiles at most 3 programs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from multimesh.autolayout import Layout, NoLayoutFitsError, NoValidLayoutError, factorizations
+from multimesh.estimate import UnknownProfileError
+from multimesh.jax import auto_layout, build_mesh, microbatch, parallelize, register_task, stage_task, standard_rules
+
+D, H, BATCH = 64, 256, 16
+TX = optax.adam(1e-2)
+PARAM_RULES = [(r"w1$", ("embed", "mlp")), (r"w2$", ("mlp", "embed"))]
+SEARCH = dict(init_params=None, num_devices=4, axes=("data", "tensor"), profile="h100-sxm",
+              param_rules=PARAM_RULES, progress=False)
+F32 = 4
+PARAM_BYTES = 2 * D * H * F32
+ADAM_BYTES = 2 * PARAM_BYTES + 4  # mu, nu and the int32 step count
+BATCH_ROW_BYTES = 2 * D * F32  # x and y
+
+
+def init():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = {"w1": jax.random.normal(k1, (D, H)) * 0.05, "w2": jax.random.normal(k2, (H, D)) * 0.05}
+    return {"params": params, "opt_state": TX.init(params)}
+
+
+def get_batch():
+    x = jax.random.normal(jax.random.key(1), (BATCH, D))
+    return {"x": x, "y": jnp.sin(x)}
+
+
+def loss_fn(p, batch):
+    with jax.named_scope("layer0"):
+        h = jnp.tanh(batch["x"] @ p["w1"])
+    with jax.named_scope("layer1"):
+        out = h @ p["w2"]
+    return jnp.sum((out - batch["y"]) ** 2) / (BATCH * D)  # over the global batch: microbatches sum
+
+
+def step(state, batch):
+    value, grads = jax.value_and_grad(microbatch(loss_fn, 0, BATCH, argnum=1))(state["params"], batch)
+    updates, opt_state = TX.update(grads, state["opt_state"], state["params"])
+    return value, {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}
+
+
+@contextlib.contextmanager
+def two_layers(stages: int, chunks: int):
+    """The pipeline= of the MLP: layer i on stage i * stages // 2."""
+    with register_task(r"layer(\d)", callback=lambda m, backprop: stage_task(int(m.group(1)) * stages // 2)):
+        yield
+
+
+def search(**kw):
+    return auto_layout(step, **{**SEARCH, "init_params": init, "get_input_batch": get_batch, **kw})
+
+
+def losses(step_fn, init_fn, batch_fn, steps=3):
+    state, batch, out = init_fn(), batch_fn(), []
+    for _ in range(steps):
+        loss, state = step_fn(state, batch)
+        out.append(float(loss))
+    return out
+
+
+def test_factorizations_cover_every_mesh():
+    assert sorted(factorizations(8, 2)) == [(1, 8), (2, 4), (4, 2), (8, 1)]
+    assert len(factorizations(8, 3)) == 10 and all(np.prod(f) == 8 for f in factorizations(8, 3))
+    layout = Layout({"data": 2, "tensor": 2}, stages=2, microbatches=4, schedule="1f1b")
+    assert layout.describe() == "2 stages of data=2 x tensor=2, 1f1b, 4 microbatches"
+    assert layout.whole_mesh == {"pipe": 2, "data": 2, "tensor": 2} and layout.num_devices == 8
+
+
+def test_search_ranks_by_time_is_deterministic_and_rejects_what_overflows():
+    first = search()
+    assert [c.layout.describe() for c in first.candidates if c.rejected is None] and len(first.candidates) == 3
+    times = [c.time for c in first.candidates]
+    assert times == sorted(times) and first.best == first.candidates[0].layout
+    again = search()  # estimates are deterministic: the same peaks and times, in the same order
+    assert [(c.layout, c.peak_bytes, c.time) for c in again.candidates] == \
+        [(c.layout, c.peak_bytes, c.time) for c in first.candidates]
+    assert first.seconds > 0 and "rank" in str(first) and first.best.describe() in str(first)
+
+    # data=4 replicates the parameters and Adam's state: held bytes, exact, from the shapes alone
+    held_data4 = PARAM_BYTES + ADAM_BYTES + BATCH // 4 * BATCH_ROW_BYTES
+    smallest = min(c.peak_bytes for c in first.candidates)
+    assert smallest < held_data4
+    limited = search(memory_limit=smallest)
+    by_mesh = {tuple(c.layout.mesh.items()): c for c in limited.candidates}
+    data4 = by_mesh[(("data", 4),)]
+    assert data4.estimate is None  # rejected before compiling: what it holds alone overflows
+    assert f"{held_data4:,} B" in data4.rejected and f"{held_data4 - smallest:,} B" in data4.rejected
+    for c in limited.candidates:
+        if c.estimate is not None and c.peak_bytes > smallest:
+            assert c.rejected is not None and f"{c.peak_bytes - smallest:,} B" in c.rejected
+    assert limited.best_candidate.peak_bytes == smallest and limited.fitting[0].rejected is None
+
+
+def test_parallelize_auto_gives_the_losses_of_the_same_layout_by_hand_and_of_one_device():
+    step_fn, init_fn, batch_fn = parallelize(step, init_params=init, get_input_batch=get_batch, layout="auto",
+                                             profile="h100-sxm", num_devices=4, axes=("data", "tensor"),
+                                             param_rules=PARAM_RULES, progress=False)
+    best = step_fn.layout_search.best
+    assert dict(step_fn.placement.mesh.shape) == best.mesh
+    auto = losses(step_fn, init_fn, batch_fn)
+    mesh = build_mesh(best.mesh, jax.devices()[:4])
+    by_hand = losses(*parallelize(step, init_params=init, get_input_batch=get_batch, mesh=mesh,
+                                  rules=standard_rules(tuple(best.mesh)), param_rules=PARAM_RULES))
+    one = losses(*parallelize(step, init_params=init, get_input_batch=get_batch, devices=jax.devices()[:1],
+                              rules=standard_rules(("data",)), param_rules=PARAM_RULES))
+    np.testing.assert_allclose(auto, by_hand, rtol=1e-6)
+    np.testing.assert_allclose(auto, one, rtol=1e-5)
+    assert auto[-1] < auto[0]
+
+
+def test_pipeline_layouts_run_the_chosen_microbatches():
+    found = search(axes=("data",), pipeline=two_layers, stage_counts=(2,), microbatches=(2, 4),
+                   schedules=("1f1b",))
+    assert {(c.layout.stages, c.layout.microbatches) for c in found.candidates} == {(2, 2), (2, 4)}
+    for c in found.candidates:
+        assert c.rejected is None and c.estimate.time.pipeline > 0
+        forward = [p for p in c.estimate.programs if p.executions == c.layout.microbatches]
+        assert forward, f"{c.layout}: no program runs once per microbatch"
+
+
+@pytest.mark.slow
+def test_parallelize_auto_pipeline_matches_one_device():
+    step_fn, init_fn, batch_fn = parallelize(
+        step, init_params=init, get_input_batch=get_batch, layout="auto", profile="h100-sxm", num_devices=4,
+        axes=("data",), pipeline=two_layers, stage_counts=(2,), microbatches=(2, 4), schedules=("1f1b", "gpipe"),
+        param_rules=PARAM_RULES, progress=False)
+    best = step_fn.layout_search.best
+    assert step_fn.plan.schedule.num_microbatches == best.microbatches
+    one = losses(*parallelize(step, init_params=init, get_input_batch=get_batch, devices=jax.devices()[:1],
+                              rules=standard_rules(("data",)), param_rules=PARAM_RULES))
+    np.testing.assert_allclose(losses(step_fn, init_fn, batch_fn), one, rtol=1e-5)
+
+
+# -- bad inputs: clear errors, before anything is compiled -------------------------------------------------------
+
+
+def test_unknown_profile_is_named_with_the_known_ones():
+    start = time.perf_counter()
+    with pytest.raises(UnknownProfileError, match=r"'h100-pcie'.*h100-sxm"):
+        search(profile="h100-pcie")
+    assert time.perf_counter() - start < 5
+
+
+def test_a_memory_limit_nothing_fits_names_the_smallest_need():
+    start = time.perf_counter()
+    with pytest.raises(NoLayoutFitsError) as caught:
+        search(memory_limit=1000)
+    # tensor=4 holds the least: a quarter of the parameters and Adam's moments, the count, the whole batch
+    least = (PARAM_BYTES + ADAM_BYTES - 4) // 4 + 4 + BATCH * BATCH_ROW_BYTES
+    message = str(caught.value)
+    assert "tensor=4" in message and f"{least:,} B" in message and "memory_limit=" in message
+    assert all(c.estimate is None for c in caught.value.search.candidates)  # none was compiled
+    assert time.perf_counter() - start < 20
+
+
+def test_a_device_count_with_no_valid_mesh_says_why():
+    with pytest.raises(NoValidLayoutError) as caught:
+        search(num_devices=3)
+    message = str(caught.value)
+    assert "data=3" in message and "16 rows do not split over data x fsdp = 3" in message
+    assert "tensor=3" in message and "shards no parameter or batch array" in message
+    assert "device count" in message
+
+
+def test_a_pipeline_that_builds_no_stages_is_named():
+    @contextlib.contextmanager
+    def registers_nothing(stages, chunks):
+        yield
+
+    with pytest.raises(NoValidLayoutError, match="registered no stage"):
+        search(axes=("data",), pipeline=registers_nothing, stage_counts=(2,), microbatches=(2,), schedules=("1f1b",))
+
+
+@pytest.mark.parametrize("kw, error, words", [
+    (dict(axes=("data", "pipe")), ValueError, "'pipe'"),
+    (dict(stage_counts=(2,)), ValueError, "pipeline="),
+    (dict(num_devices=64), ValueError, "xla_force_host_platform_device_count=64"),
+    (dict(mesh={"data": 4}), TypeError, "mesh="),
+    (dict(memory_limit="80GB"), TypeError, "memory_limit must be a number of bytes per device"),
+    (dict(memory_limit=0), ValueError, "memory_limit must be a positive number"),
+])
+def test_bad_search_arguments_are_named(kw, error, words):
+    with pytest.raises(error, match=words.replace("(", r"\(").replace(".", r"\.")):
+        search(**kw)
+
+
+def test_parallelize_layout_arguments_are_checked():
+    with pytest.raises(ValueError, match="layout='manual'"):
+        parallelize(step, init_params=init, get_input_batch=get_batch, layout="manual")
+    with pytest.raises(TypeError, match="profile= only serve layout='auto'"):
+        parallelize(step, init_params=init, get_input_batch=get_batch, profile="h100-sxm")
+    with pytest.raises(TypeError, match="needs profile="):
+        parallelize(step, init_params=init, get_input_batch=get_batch, layout="auto")
+
+
+def test_the_public_parallelize_warns_at_the_callers_line():
+    with pytest.warns(UserWarning, match="no rules=") as caught:
+        parallelize(step, init_params=init, get_input_batch=get_batch)
+    assert {w.filename for w in caught} == {__file__}
+
+
+# -- the trainer: layout.mesh: auto ------------------------------------------------------------------------------
+
+AUTO = ["model.num_layers=1", "model.d_model=32", "model.max_len=32", "data.seq_len=32", "data.batch_size=8",
+        "data.max_bytes=200000", "layout.mesh=auto", "layout.profile=h100-sxm", "layout.search.axes=[data, tensor]"]
+
+
+def test_auto_layout_config_is_checked():
+    from trainers.config import ConfigError, load_config
+
+    cfg = load_config("tiny", AUTO)
+    assert cfg.layout.is_auto and cfg.layout.search.axes == ["data", "tensor"]
+    for overrides, words in [(["layout.profile=null"], "layout.profile"),
+                             (["layout.pipeline={stages: 2, microbatches: 4}"], "layout.pipeline=null"),
+                             (["layout.mesh=automatic"], "auto"),
+                             (["layout.profile=h100-pcie"], "h100-sxm"),
+                             (["layout.search.schedules=[1f2b]"], "1f2b")]:
+        with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
+            load_config("tiny", [*AUTO, *overrides])
+
+
+def test_plan_prints_the_search_and_the_chosen_layouts_memory(tmp_path, capsys):
+    from trainers.cli import main
+
+    # one mesh (data=8): the trainer's step takes seconds to compile here; the library tests search wider
+    assert main(["tiny", *AUTO, "layout.search.axes=[data]", f"train.out_dir={tmp_path}", "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "auto_layout: 1 layout of 8 devices on h100-sxm" in out and "chosen layout data=8" in out
+    assert "memory per device" in out and "predicted step time on h100-sxm" in out
+
+
+@pytest.mark.slow
+def test_plan_of_a_fixed_layout_with_a_profile_prints_its_estimate(tmp_path, capsys):
+    from trainers.cli import main
+
+    fixed = [a for a in AUTO if not a.startswith(("layout.mesh", "layout.search"))]
+    assert main(["tiny", *fixed, "layout.mesh={data: 2, tensor: 4}", f"train.out_dir={tmp_path}", "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "SPMD on 8 devices, mesh data=2xtensor=4" in out and "predicted step time on h100-sxm" in out
+
+
+def test_plan_when_nothing_fits_names_the_memory_limit(tmp_path, capsys):
+    from trainers.cli import main
+
+    start = time.perf_counter()
+    assert main(["tiny", *AUTO, "layout.memory_limit=1000", f"train.out_dir={tmp_path}", "--plan"]) == 2
+    captured = capsys.readouterr()
+    assert "layout.memory_limit=1000" in captured.err and "Raise memory_limit= to at least" in captured.err
+    assert "auto_layout: 4 layouts" in captured.out  # the table, every layout rejected
+    assert time.perf_counter() - start < 30
+
+
+@pytest.mark.slow
+def test_trainer_auto_layout_trains_as_the_chosen_layout_by_hand(tmp_path):
+    from trainers.config import load_config
+    from trainers.layout_search import chosen_config, search_layout
+    from trainers.train import train
+
+    over = [*AUTO, "train.steps=3", "train.log_every=1", "train.eval_every=1000", "train.eval_batches=1"]
+    auto_cfg = load_config("tiny", [*over, f"train.out_dir={tmp_path / 'auto'}"])
+    by_hand = chosen_config(load_config("tiny", [*over, f"train.out_dir={tmp_path / 'hand'}"]),
+                            search_layout(auto_cfg, progress=False).best)
+    a = train(auto_cfg, quiet=True)
+    b = train(by_hand, quiet=True)
+    assert a.config.layout.mesh == by_hand.layout.mesh
+    np.testing.assert_allclose([a.losses[s] for s in (1, 2, 3)], [b.losses[s] for s in (1, 2, 3)], rtol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scanned", [False, True], ids=["blocks", "scanned-stack"])
+def test_trainer_search_builds_its_pipelines(scanned):
+    from trainers.config import load_config
+    from trainers.layout_search import chosen_config, search_layout
+
+    cfg = load_config("tiny", [*AUTO, "model.num_layers=2", f"model.scan_layers={str(scanned).lower()}",
+                               "layout.search.axes=[data]", "layout.search.stages=[2]",
+                               "layout.search.microbatches=[2]", "layout.search.schedules=[1f1b]"])
+    found = search_layout(cfg, progress=False)
+    (only,) = found.candidates
+    assert only.rejected is None and only.layout.describe() == "2 stages of data=4, 1f1b, 2 microbatches"
+    chosen = chosen_config(cfg, found.best).layout
+    assert chosen.mesh == {"data": 4} and (chosen.pipeline.stages, chosen.pipeline.microbatches) == (2, 2)
