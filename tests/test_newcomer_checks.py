@@ -16,8 +16,8 @@ LAYOUT_CONFIGS = ["dp", "fsdp", "tp", "dp_tp", "pipeline", "pipeline4"]
 
 
 @pytest.mark.parametrize("mesh, axis, hint", [
-    ("{dta: 8}", "'dta' (size 8)", "did you mean 'data'?"),
-    ("{data: 4, tnsor: 2}", "'tnsor' (size 2)", "did you mean 'tensor'?"),
+    ("{dta: 8}", "'dta' (size 8)", "Did you mean 'data'?"),
+    ("{data: 4, tnsor: 2}", "'tnsor' (size 2)", "Did you mean 'tensor'?"),
     ("{data: 2, tensor: 2, model: 2}", "'model' (size 2)", "tensor before model"),
 ])
 def test_a_mesh_axis_no_standard_rule_uses_is_named(mesh, axis, hint):

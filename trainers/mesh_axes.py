@@ -33,7 +33,7 @@ def unused_axis_notes(mesh: Mapping[str, int], rules: Iterable[tuple[str, Any]])
         if size == 1 or axis in used:
             continue
         close = [] if axis in STANDARD_AXES else difflib.get_close_matches(axis, STANDARD_AXES, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
+        hint = f"Did you mean {close[0]!r}? " if close else ""
         notes.append(
             f"layout.mesh axis {axis!r} (size {size}) is used by no rule of layout.rules=standard, so nothing is "
             f"split over it: its {size} devices each hold and compute the same, batch included. {hint}The standard "
