@@ -123,3 +123,26 @@ def test_gloo_notices_are_dropped_wherever_the_stream_is_cut(stream, shown):
         notices = NoticeFilter()
         out = notices.feed(stream[:cut]) + notices.feed(stream[cut:]) + notices.flush()
         assert out == (stream if shown is None else shown), cut
+
+
+_PROGRAM = """
+import ctypes, os, sys
+from multimesh.core.gloo_notices import drop_gloo_notices
+drop_gloo_notices()
+libc = ctypes.CDLL(None)
+libc.printf(b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\\nC line\\n")
+os.write(1, b"[Gloo] Rank 1 is connected to 0 peer ranks. Expected number of connected peer ranks is : 1\\n")
+print("python line", flush=True)
+"""
+
+
+def test_a_process_filtering_notices_keeps_everything_else():
+    """The plumbing: C's buffered stdout (flushed only at exit, as ``std::cout``'s may be), writes to
+    descriptor 1 and Python's ``print`` all arrive; only the notice whose counts agree is gone."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # C's stdout buffered, as usual
+    done = subprocess.run([sys.executable, "-c", _PROGRAM], cwd=REPO, env={**env, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == sorted([
+        "C line", "python line",
+        "[Gloo] Rank 1 is connected to 0 peer ranks. Expected number of connected peer ranks is : 1"])

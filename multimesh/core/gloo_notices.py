@@ -125,7 +125,7 @@ def _finish(destination: int, thread: threading.Thread) -> None:
 
 def drop_gloo_notices() -> None:
     """Filters Gloo's connection notices out of this process's stdout from now on (once; later calls do
-    nothing). Every other output goes where it went, in its order."""
+    nothing). Every other line goes where it went."""
     global _installed
     with _lock:
         if _installed:
@@ -133,7 +133,10 @@ def drop_gloo_notices() -> None:
         for stream in (sys.stdout, sys.__stdout__):
             if stream is not None:
                 stream.flush()
-        destination = os.dup(1)
+        try:
+            destination = os.dup(1)
+        except OSError:  # no stdout at all (descriptor 1 closed): nothing to keep clean
+            return
         read_end, write_end = os.pipe()
         os.dup2(write_end, 1)
         os.close(write_end)
