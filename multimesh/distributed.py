@@ -5,7 +5,10 @@ other JAX call. It wraps `jax.distributed.initialize` and sets what
 multimesh's runtime needs:
 
 * CPU collectives across processes (gloo), so an SPMD program (a stage) may
-  span processes; GPUs keep JAX's defaults;
+  span processes; GPUs keep JAX's defaults; gloo's connection notices, which
+  it prints on stdout from every process, are filtered out
+  (`multimesh.core.gloo_notices`), so they neither cut a progress bar nor
+  fill the terminal;
 * JAX's cross-host device transfers (``jax_cross_host_transfer_socket_address``),
   so pipeline stages may sit on different processes and hosts: each process
   listens on a free port of the address other processes reach it at;
@@ -39,6 +42,7 @@ import jax
 
 from ._version import __version__
 from .core.agreement import DisagreementError, agree, source_digest
+from .core.gloo_notices import drop_gloo_notices
 from .core.processes import ProcessLostError, heartbeat_timeout, lost_process_error
 from .core.rollcall import StartupError, roll_call, split_address
 
@@ -79,6 +83,7 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
     host, port = split_address(coordinator_address)
     roll_call(coordinator_address, num_processes, process_id, timeout=initialization_timeout)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    drop_gloo_notices()  # its "[Gloo] Rank r is connected to n peer ranks" lines, from every process, on stdout
     jax.config.update("jax_cross_host_transfer_socket_address", transfer_address or _free_address(host, port))
     jax.distributed.initialize(coordinator_address, num_processes=num_processes, process_id=process_id,
                                local_device_ids=local_device_ids, initialization_timeout=initialization_timeout,

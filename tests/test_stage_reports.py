@@ -128,11 +128,13 @@ def test_pipeline_sharding_txt_has_stages_and_its_plan(pipeline):
     assert "stage0 0-3" in text.split("batch of")[0] and "MPMD plan: " in text
 
 
-def test_a_tiny_checkpoint_resumes_on_the_pipeline_like_one_device(tmp_path):
-    """One model for every layout: 2 steps of ``tiny`` (SPMD), then steps 3-4 on ``pipeline`` from its
-    checkpoint, against 4 steps on one device."""
+@pytest.mark.parametrize("first_layout", ["fsdp", pytest.param("tiny", marks=pytest.mark.slow)])
+def test_an_spmd_checkpoint_resumes_on_the_pipeline_like_one_device(first_layout, tmp_path):
+    """One model for every layout: 2 steps of ``fsdp`` (parameters split over 8 devices; ``tiny``'s data x
+    tensor with -m slow), then steps 3-4 on ``pipeline`` in the same ``out_dir`` from its checkpoint,
+    against 4 steps on one device."""
     over = [*SMALL, TWO_BLOCKS, "train.steps=4", "train.checkpoint_every=2"]
-    first = train(load_config("tiny", [*over, f"train.out_dir={tmp_path / 'run'}"]), quiet=True, stop_after=3)
+    first = train(load_config(first_layout, [*over, f"train.out_dir={tmp_path / 'run'}"]), quiet=True, stop_after=3)
     assert first.step == 3  # killed after step 3: its checkpoint is step 2's
     moved = train(load_config("pipeline", [*over, "layout.pipeline.microbatches=2",
                                            f"train.out_dir={tmp_path / 'run'}"]), quiet=True)

@@ -35,6 +35,7 @@ from multimesh.core.rules import Rules, standard_rules
 from trainers.data import DataConfig
 from trainers.errors import ConfigError
 from trainers.fit import batch_shards, check_batch, check_data
+from trainers.mesh_axes import warn_unused_axes
 
 __all__ = [
     "CONFIG_DIR",
@@ -655,3 +656,5 @@ def _check_consistency(cfg: Config) -> None:
         return
     check_batch(lay.mesh, lay.rule_pairs(), d.batch_size)
     check_data(d, batch_shards(lay.mesh, lay.rule_pairs())[1])
+    if lay.rules == "standard":
+        warn_unused_axes(lay.mesh, lay.rule_pairs())

@@ -6,7 +6,7 @@ share it without importing each other; ``trainers.config`` re-exports it.
 
 from __future__ import annotations
 
-__all__ = ["ConfigError"]
+__all__ = ["ConfigError", "ConfigWarning"]
 
 
 class ConfigError(ValueError):
@@ -14,3 +14,7 @@ class ConfigError(ValueError):
 
     ``multimesh-train`` prints it as one line and exits with status 2.
     """
+
+
+class ConfigWarning(UserWarning):
+    """A config that runs but probably not as meant (e.g. a mesh axis no rule uses); the message names the key."""

@@ -4,6 +4,10 @@
     python -m multimesh.checkpoint.inspect DIR STEP     # one step: tree + metadata
     multimesh-ckpt DIR [STEP|latest]
 
+Leaf paths are printed as ``step_fn.report()`` and the trainer's
+``sharding.txt`` spell them (a Flax box's ``params/Dense_0/kernel``, not the
+key path through its ``value`` attribute); ``restore(path=...)`` takes them.
+
 Reads only; never creates, changes or deletes anything.
 """
 
@@ -79,7 +83,8 @@ def describe_step(directory: str, step: int | None) -> str:
     lines.append("")
     total = sum(r.nbytes for r in info.leaves)
     lines.append(f"tree: {len(info.leaves)} leaves, {format_bytes(total)}")
-    rows = [[r.path, str(r.shape), r.dtype, sharding_str(r.sharding), r.checksum or "-"]
+    # names, not full key paths: a boxed leaf reads as in step_fn.report() and sharding.txt
+    rows = [[r.name, str(r.shape), r.dtype, sharding_str(r.sharding), r.checksum or "-"]
             for r in info.leaves]
     lines.append(format_table(["path", "shape", "dtype", "saved sharding", "checksum"], rows))
     lines.append("")

@@ -44,6 +44,7 @@ from .errors import CheckpointCorruptError, CheckpointExistsError, CheckpointSav
 from .finite import warn_if_nonfinite
 from .handlers import DocHandler, PendingDoc, StateHandler, SubsetRestore, registry
 from .jsonsafe import to_json_safe
+from .leaf_names import leaf_names
 from .nnx_objects import as_states
 from .save_failure import as_save_error, exception_chain
 from .tree import (
@@ -303,7 +304,10 @@ class CheckpointManager:
             raise CheckpointExistsError(step, self._directory)
         state, _ = as_states(state)  # NNX objects as their nnx.State: the key paths Orbax reads back
         named = check_saveable(state)
-        leaves, meshes = build_manifest(named, None)
+        names = leaf_names(state)
+        if len(names) != len(named):  # pragma: no cover - both flatten the same tree
+            raise AssertionError(f"{len(names)} leaf names for {len(named)} leaves")
+        leaves, meshes = build_manifest(named, None, names)
         save_id = uuid.uuid4().hex  # tells this save's commit from another writer's
         doc = {
             "format": FORMAT,
@@ -527,10 +531,12 @@ class CheckpointManager:
                 only its leaves are read from disk, each still checked
                 against the saved one. The restored state has the target's
                 structure.
-            path: restore the saved subtree at this path (as ``info()`` and
-                the inspector spell leaf paths: ``"params"``,
-                ``"opt_state/0/mu"``); ``target`` describes that subtree (all
-                of it, unless ``partial``) and the restored state is it.
+            path: restore the saved subtree at this path (as ``info()``'s
+                leaf ``path``s or ``name``s and the inspector spell them:
+                ``"params"``, ``"opt_state/0/mu"``, a boxed leaf's
+                ``"params/Dense_0/kernel"``); ``target`` describes that
+                subtree (all of it, unless ``partial``) and the restored
+                state is it.
 
         Returns:
             ``Restored(state, metadata, data_position, step)``.

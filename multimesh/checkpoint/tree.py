@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
 
 from ..core.fmt import device_span, keypath_str
 from .errors import CheckpointMismatchError
+from .leaf_names import name_of_unnamed
 
 PyTree = Any
 
@@ -84,6 +85,12 @@ class LeafRecord:
     ``sharding`` is a JSON dict: ``{"kind": "named", "mesh": i, "spec": [...]}``
     (``i`` indexes the manifest's ``meshes``), ``{"kind": "single_device",
     "device": id}``, or ``{"kind": <class name>, "devices": [ids]}``.
+
+    ``path`` is the leaf's full key path, through a Flax box's ``value``
+    attribute (``params/Dense_0/kernel/value``); ``name`` is the path as the
+    sharding report spells it (``params/Dense_0/kernel``), see
+    ``leaf_names``. Manifests written before names were recorded have none:
+    ``name`` is then derived from ``path``.
     """
 
     path: str
@@ -92,15 +99,24 @@ class LeafRecord:
     sharding: dict
     nbytes: int = 0
     checksum: str | None = None
+    recorded_name: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The leaf's path as ``step_fn.report()`` and ``sharding.txt`` spell it."""
+        return self.recorded_name if self.recorded_name is not None else name_of_unnamed(self.path)
 
     def to_json(self) -> dict:
-        return {"path": self.path, "shape": list(self.shape), "dtype": self.dtype,
-                "sharding": self.sharding, "nbytes": self.nbytes, "checksum": self.checksum}
+        out = {"path": self.path, "shape": list(self.shape), "dtype": self.dtype,
+               "sharding": self.sharding, "nbytes": self.nbytes, "checksum": self.checksum}
+        if self.recorded_name is not None:
+            out["name"] = self.recorded_name
+        return out
 
     @classmethod
     def from_json(cls, d: dict) -> LeafRecord:
         return cls(d["path"], tuple(d["shape"]), d["dtype"], d.get("sharding") or {},
-                   int(d.get("nbytes", 0)), d.get("checksum"))
+                   int(d.get("nbytes", 0)), d.get("checksum"), d.get("name"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,9 +173,10 @@ def _spec_json(spec) -> list:
 
 
 def build_manifest(
-    named_leaves: list[tuple[str, jax.Array]], checksums: list[str] | None
+    named_leaves: list[tuple[str, jax.Array]], checksums: list[str] | None, names: list[str] | None = None,
 ) -> tuple[list[LeafRecord], list[MeshRecord]]:
-    """Records (path, shape, dtype, sharding, checksum) for every saved leaf."""
+    """Records (path, shape, dtype, sharding, checksum, name) for every saved leaf; ``names`` (see
+    ``leaf_names``) in the order of ``named_leaves``."""
     meshes: list[MeshRecord] = []
     index: dict[MeshRecord, int] = {}
     records = []
@@ -179,7 +196,8 @@ def build_manifest(
             desc = {"kind": type(s).__name__, "devices": sorted(int(d.id) for d in s.device_set)}
         size = jax.random.key_data(x).nbytes if is_prng_key(x.dtype) else x.nbytes
         records.append(LeafRecord(path, tuple(int(d) for d in x.shape), str(x.dtype), desc,
-                                  int(size), checksums[i] if checksums else None))
+                                  int(size), checksums[i] if checksums else None,
+                                  names[i] if names is not None else None))
     return records, meshes
 
 

@@ -20,7 +20,7 @@ __all__ = ["estimate", "estimate_mjit"]
 _NOTES = (
     "params, optimizer and batch are exact (the layouts' shards); outputs and temp are XLA's analysis of the "
     "programs compiled for this backend, which can differ on another (CPU compilation's temporaries are not a GPU's)",
-    "collectives inside a loop body count once, not once per iteration",
+    "a loop body (scan) counts once, not once per iteration: its flops, bytes and collectives",
 )
 
 
