@@ -17,9 +17,11 @@ per stage against the schedule's bound; the final losses. The model is a stack
 of per-token MLP blocks (``--layers`` blocks of ``--width`` x 4``--width``),
 half of them on each stage (interleaved: ``2 x interleave`` groups, dealt to the
 stages in turn); adam. ``--sweep`` runs every schedule at 4, 8 and 16
-microbatches, one row each.
+microbatches, one row each. ``--profile`` also prints, per process, where one
+more step's time went (`pipeline_profile.py`: compute per action, waits for the
+other process, sends, the runtime's own time).
 
-    python benchmarks/multiprocess_pipeline.py [--schedule zb-h2] [--microbatches 8] [--sweep]
+    python benchmarks/multiprocess_pipeline.py [--schedule zb-h2] [--microbatches 8] [--sweep] [--profile]
         [--steps 10] [--rounds 5] [--layers 8] [--width 512] [--batch 64] [--seq 32]
 
 Needs 2 free cores (``taskset``); the numbers mean little on a loaded machine.
@@ -102,9 +104,9 @@ def batch(args: argparse.Namespace):
     return {"x": jax.random.normal(kx, shape), "y": jax.random.normal(ky, shape)}
 
 
-def timed(step, state, b, steps: int, rounds: int) -> tuple[float, float]:
-    """Seconds per step (the median over ``rounds`` rounds of ``steps`` steps) after 3 warm-up steps; and
-    the loss of the first step (equal for every schedule: the same initial state)."""
+def timed(step, state, b, steps: int, rounds: int) -> tuple[float, float, object]:
+    """Seconds per step (the median over ``rounds`` rounds of ``steps`` steps) after 3 warm-up steps; the
+    loss of the first step (equal for every schedule: the same initial state); the state after them."""
     import jax
 
     value, state = step(state, b)
@@ -120,14 +122,14 @@ def timed(step, state, b, steps: int, rounds: int) -> tuple[float, float]:
         float(value)
         jax.block_until_ready(state)
         per_round.append((time.perf_counter() - start) / steps)
-    return statistics.median(per_round), first
+    return statistics.median(per_round), first, state
 
 
 def single(args: argparse.Namespace) -> dict:
     import jax
 
     init, step = model(args, None)
-    seconds, loss = timed(jax.jit(step), jax.jit(init)(), jax.jit(lambda: batch(args))(), args.steps, args.rounds)
+    seconds, loss, _ = timed(jax.jit(step), jax.jit(init)(), jax.jit(lambda: batch(args))(), args.steps, args.rounds)
     return {"seconds": seconds, "loss": loss}
 
 
@@ -144,11 +146,17 @@ def worker(args: argparse.Namespace) -> dict:
     stages = [task(block, f"stage{i}", mesh=m) for i, m in enumerate(meshes)]
     init, step = model(args, stages)
     fn, init_p, get_b = parallelize(step, init_params=init, get_input_batch=lambda: batch(args))
-    seconds, loss = timed(fn, init_p(), get_b(), args.steps, args.rounds)
+    b = get_b()
+    seconds, loss, state = timed(fn, init_p(), b, args.steps, args.rounds)
     schedule = fn.plan.schedule
     out = {"seconds": seconds, "loss": loss, "bubble": schedule.bubble_fraction,
            "peak": {str(k): v for k, v in fn.stats.peak_live_activations.items()},
            "bound": {str(k): v for k, v in schedule.peak_live_activations.items()}}
+    if args.profile:
+        from pipeline_profile import profile_step  # this script's folder is on sys.path
+
+        (_, state), _ = profile_step(fn, state, b)  # the first profiled call pays for the wrappers' first use
+        _, out["profile"] = profile_step(fn, state, b)
     jax.distributed.shutdown()
     return out
 
@@ -166,7 +174,7 @@ def launch(args: argparse.Namespace, role: list[str], core: int) -> subprocess.P
     cmd = [*pin, sys.executable, __file__, *role, "--steps", str(args.steps), "--layers", str(args.layers),
            "--width", str(args.width), "--batch", str(args.batch), "--seq", str(args.seq),
            "--microbatches", str(args.microbatches), "--schedule", args.schedule, "--interleave",
-           str(args.interleave), "--rounds", str(args.rounds)]
+           str(args.interleave), "--rounds", str(args.rounds), *(["--profile"] if args.profile else [])]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
 
 
@@ -182,8 +190,25 @@ def pipelined(args: argparse.Namespace) -> dict:
     port = free_port()
     procs = [launch(args, ["--process", str(i), "--port", str(port)], i) for i in range(2)]
     two = [result(p) for p in procs]
+    if args.profile:
+        print_profiles(args, [t["profile"] for t in two], [t["seconds"] for t in two])
     return {"seconds": max(t["seconds"] for t in two), "loss": two[0]["loss"], "bubble": two[0]["bubble"],
             "peak": {**two[0]["peak"], **two[1]["peak"]}, "bound": two[0]["bound"]}
+
+
+def print_profiles(args: argparse.Namespace, profiles: list[dict], unprofiled: list[float]) -> None:
+    """Per process: where one profiled step's time went (see pipeline_profile.py), against its wall time."""
+    from pipeline_profile import CATEGORIES
+
+    name = f"{args.schedule} x{args.interleave}" if args.schedule == "interleaved" else args.schedule
+    print(f"profile of one step, {name}, {args.microbatches} microbatches (seconds, share of the profiled step; "
+          f"n: calls)")
+    for i, (p, plain) in enumerate(zip(profiles, unprofiled)):
+        parts = ", ".join(f"{k} {p['seconds'][k]:.3f} ({p['seconds'][k] / p['wall']:.0%}, n {p['counts'][k]})"
+                          for k in CATEGORIES if p["counts"][k] or k == "runtime")
+        print(f"  process {i}: profiled step {p['wall']:.3f} s (unprofiled {plain:.3f} s/step): {parts}")
+        order = " ".join(f"{label.split(':', 1)[-1]}={sec * 1e3:.0f}ms" for label, sec in p["actions"])
+        print(f"    its programs in order: {order}")
 
 
 def main() -> None:
@@ -198,6 +223,9 @@ def main() -> None:
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     parser.add_argument("--interleave", type=int, default=2, help="chunks per stage (interleaved)")
     parser.add_argument("--sweep", action="store_true", help="every schedule at 4, 8 and 16 microbatches")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one step per process: compute per action, waits for the other process, "
+                             "sends, the runtime's own time (benchmarks/pipeline_profile.py)")
     parser.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--process", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)

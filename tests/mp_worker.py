@@ -2,10 +2,14 @@
 
     python tests/mp_worker.py SCENARIO PROCESS_ID NUM_PROCESSES COORDINATOR_PORT DEVICES_PER_PROCESS [OUT_DIR]
 
-Runs a pipelined train step (2 stages, or one per process; 4 microbatches,
-adam) for 3 steps with stages placed as SCENARIO says, and the same step on one local device; checks
-on this process the loss of every step and the parameter shards it holds
-against the one-device run, and prints one JSON line with what it saw.
+For each schedule of ``MP_SCHEDULE`` (comma-separated, default 1f1b; one launch
+and one compile per schedule), runs a pipelined train step (2 stages, or one per
+process; interleaved: 2 chunks per stage; 4 microbatches, adam) for 3 steps with
+stages placed as SCENARIO says, and the same step on one local device; checks on
+this process the loss of every step and the parameter shards it holds against
+the one-device run, that the executed order is the schedule's and that the peak
+live activations are its bound, and prints one JSON line with what it saw
+(``runs``: one entry per schedule, in order).
 """
 
 from __future__ import annotations
@@ -13,12 +17,20 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
+from collections.abc import Iterator
+from typing import Any
 
 SCENARIO, PID, NPROC, PORT, PER = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 OUT = sys.argv[6] if len(sys.argv) > 6 else None  # save the final state there (with reference.npz)
 RESTORE = os.environ.get("MP_RESTORE")  # start from the latest checkpoint there instead of init
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={PER}"
+# Compiling is most of a worker's time (each process compiles every stage's programs, its own and the
+# others'): XLA's cheapest CPU code generation halves it. The one-device reference is compiled the same way;
+# what these tests check (plans, transfers, orders, values against the reference) does not depend on it.
+os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={PER} --xla_backend_optimization_level=0 "
+                           "--xla_llvm_disable_expensive_passes=true")
 os.environ["JAX_PLATFORMS"] = "cpu"
+STARTED = time.perf_counter()
 
 import jax
 import jax.numpy as jnp
@@ -44,10 +56,17 @@ if os.environ.get("MP_PLAIN_JAX_INIT"):  # the documented alternative: JAX's own
 else:
     multimesh.distributed.initialize(f"127.0.0.1:{PORT}", NPROC, PID, heartbeat_timeout_seconds=10)
 
+COMPILE_SECONDS = [0.0]  # XLA's compile time so far in this process (reported per schedule: what a run costs)
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, secs, **_: COMPILE_SECONDS.__setitem__(0, COMPILE_SECONDS[0] + secs)
+    if name == "/jax/core/compile/backend_compile_duration" else None)
+
 B, D, H, N_MB = 16, 16, 32, 4
 STEPS = int(os.environ.get("MP_STEPS", "3"))  # the failure test runs long and kills a process mid-run
 TX = optax.adam(1e-2)
-SCHEDULE = os.environ.get("MP_SCHEDULE", "1f1b")
+SCHEDULES = os.environ.get("MP_SCHEDULE", "1f1b").split(",")
+if (OUT or RESTORE) and len(SCHEDULES) > 1:
+    raise SystemExit(f"MP_SCHEDULE={','.join(SCHEDULES)}: saving or restoring a checkpoint takes one schedule")
 
 
 def stage_devices() -> list[list]:
@@ -68,41 +87,38 @@ def layer(w, x):
     return x + h @ w["b"]
 
 
-def init():
-    keys = jax.random.split(jax.random.key(0), 2 * len(meshes))
-    p = {f"s{i}": {"a": jax.random.normal(keys[2 * i], (D, H)) * .2,
-                   "b": jax.random.normal(keys[2 * i + 1], (H, D)) * .2} for i in range(len(meshes))}
-    return {"p": p, "o": TX.init(p)}
-
-
 def batch():
     return {"x": jax.random.normal(jax.random.key(5), (B, D)), "y": jax.random.normal(jax.random.key(6), (B, D))}
 
 
-meshes = [Mesh(np.array(ds), ("model",)) for ds in stage_devices()]
-stages = [task(layer, f"stage{i}", mesh=m) for i, m in enumerate(meshes)]
-MB_OPTIONS = {}
-if SCHEDULE == "interleaved":  # two chunks per device group: logical stage l runs on group l % 2
-    stages, MB_OPTIONS = stages + stages, {"interleave": 2}
-    meshes = meshes + meshes
+def pipeline(schedule: str):
+    """``(step, init, logical stages)`` of the pipelined train step under ``schedule`` (interleaved: every device group
+    runs two logical stages, logical stage l on group l % groups)."""
+    meshes = [Mesh(np.array(ds), ("model",)) for ds in stage_devices()]
+    stages = [task(layer, f"stage{i}", mesh=m) for i, m in enumerate(meshes)]
+    options = {}
+    if schedule == "interleaved":
+        stages, options = stages + stages, {"interleave": 2}
 
+    def init():
+        keys = jax.random.split(jax.random.key(0), 2 * len(stages))
+        p = {f"s{i}": {"a": jax.random.normal(keys[2 * i], (D, H)) * .2,
+                       "b": jax.random.normal(keys[2 * i + 1], (H, D)) * .2} for i in range(len(stages))}
+        return {"p": p, "o": TX.init(p)}
 
-def loss(p, b):
-    h = b["x"]
-    for i, s in enumerate(stages):
-        h = s(p[f"s{i}"], h)
-    return jnp.sum((h - b["y"]) ** 2) / (B * D)
+    def loss(p, b):
+        h = b["x"]
+        for i, s in enumerate(stages):
+            h = s(p[f"s{i}"], h)
+        return jnp.sum((h - b["y"]) ** 2) / (B * D)
 
+    def step(state, b):
+        pipelined = microbatch(loss, 0, B // N_MB, argnum=1, schedule=schedule, **options)
+        value, grads = jax.value_and_grad(pipelined)(state["p"], b)
+        updates, opt = TX.update(grads, state["o"], state["p"])
+        return value, {"p": optax.apply_updates(state["p"], updates), "o": opt}
 
-def step(state, b):
-    value, grads = jax.value_and_grad(microbatch(loss, 0, B // N_MB, argnum=1, schedule=SCHEDULE, **MB_OPTIONS))(state["p"], b)
-    updates, opt = TX.update(grads, state["o"], state["p"])
-    return value, {"p": optax.apply_updates(state["p"], updates), "o": opt}
-
-
-def reference(state, b):
-    with ignore_transforms():
-        return step(state, b)
+    return step, init, len(stages)
 
 
 def held_shards_match(got, want) -> int:
@@ -115,51 +131,89 @@ def held_shards_match(got, want) -> int:
     return n
 
 
-fn, init_p, get_b = parallelize(step, init_params=init, get_input_batch=batch)
-b = get_b()
-local = jax.local_devices()[0]
-with jax.default_device(local):
-    ref_b, ref = jax.jit(batch)(), jax.jit(reference)
+def one_device(step, start) -> Iterator[tuple[float, Any]]:
+    """The reference: ``step`` without its transforms on one local device from ``start()``; (loss, state)
+    after each step, for as many steps as asked."""
+    local = jax.local_devices()[0]
+
+    def reference(state, b):
+        with ignore_transforms():
+            return step(state, b)
+
+    with jax.default_device(local):
+        ref, b, state = jax.jit(reference), jax.jit(batch)(), start()
+    while True:
+        with jax.default_device(local):
+            value, state = ref(state, b)
+        yield float(value), state
+
+
+# stages -> [(loss, state) after each step] of the one-device run: it does not depend on the schedule, so
+# schedules with as many stages reuse it (kept only when several schedules run in this process)
+REFERENCE: dict[int, list[tuple[float, Any]]] = {}
+
+
+def run(schedule: str) -> dict:
+    """``STEPS`` steps of the pipeline under ``schedule`` against one local device; what was seen."""
+    started, compiled = time.perf_counter(), COMPILE_SECONDS[0]
+    step, init, n_stages = pipeline(schedule)
+    fn, init_p, get_b = parallelize(step, init_params=init, get_input_batch=batch)
+    built = time.perf_counter()
+    b = get_b()
     if RESTORE:  # resume a checkpoint (written by one process) on this pipeline; the reference starts from its values
         import multimesh.checkpoint as ckpt
 
         with ckpt.CheckpointManager(RESTORE) as mgr:
             state = mgr.restore(target=fn.abstract_params).state
         saved = np.load(os.path.join(RESTORE, "reference.npz"))
-        ref_state = jax.tree.unflatten(jax.tree.structure(fn.abstract_params),
-                                       [jnp.asarray(saved[f"arr_{i}"]) for i in range(len(saved.files))])
+        references = one_device(step, lambda: jax.tree.unflatten(
+            jax.tree.structure(fn.abstract_params), [jnp.asarray(saved[f"arr_{i}"]) for i in range(len(saved.files))]))
     else:
-        state, ref_state = init_p(), jax.jit(init)()
-losses, ref_losses = [], []
-for _ in range(STEPS):
-    value, state = fn(state, b)
-    with jax.default_device(local):
-        ref_value, ref_state = ref(ref_state, ref_b)
-    losses.append(float(value))  # readable on every process
-    print(f"step {len(losses)}", flush=True)
-    ref_losses.append(float(ref_value))
-np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
-shards = held_shards_match(state, ref_state)
-mine = {d for d in jax.local_devices()}
-stage_of_leaf = {i: sorted({d.process_index for d in leaf.sharding.device_set})
-                 for i, leaf in enumerate(jax.tree.leaves(state["p"]))}
-held = sorted({i for i, leaf in enumerate(jax.tree.leaves(state["p"])) if leaf.sharding.device_set & mine})
-schedule = fn.plan.schedule
-executed = [label.split(":", 1)[1] for label in fn.stats.executed if any(f":{k}[" in label for k in "FBW")]
-expected = [str(a) for a in schedule.order]
-if "W" in "".join(expected):  # zero-bubble: stage 0 needs no input gradient, its B is dropped
-    expected = [str(a) for a in schedule.order if not (a.kind == "B" and a.stage == 0)]
-assert executed == expected, (executed, expected)
-assert fn.stats.peak_live_activations == schedule.peak_live_activations, (
-    fn.stats.peak_live_activations, schedule.peak_live_activations)
-if OUT:  # every process writes the shards it holds; the test restores them in one process
-    import multimesh.checkpoint as ckpt
+        state = init_p()
+        cached = REFERENCE.get(n_stages)
+        references = iter(cached) if cached is not None else one_device(step, jax.jit(init))
+        if cached is None and len(SCHEDULES) > 1:
+            REFERENCE[n_stages] = cached = []
+            references = (cached.append(r) or r for r in references)
+    losses, ref_losses = [], []
+    for _ in range(STEPS):
+        value, state = fn(state, b)
+        ref_value, ref_state = next(references)
+        losses.append(float(value))  # readable on every process
+        if len(losses) == 1:
+            first_step = time.perf_counter()
+        print(f"step {len(losses)}", flush=True)
+        ref_losses.append(ref_value)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5, err_msg=f"schedule {schedule}: losses")
+    shards = held_shards_match(state, ref_state)
+    mine = set(jax.local_devices())
+    stage_of_leaf = {i: sorted({d.process_index for d in leaf.sharding.device_set})
+                     for i, leaf in enumerate(jax.tree.leaves(state["p"]))}
+    held = sorted({i for i, leaf in enumerate(jax.tree.leaves(state["p"])) if leaf.sharding.device_set & mine})
+    plan_schedule = fn.plan.schedule
+    executed = [label.split(":", 1)[1] for label in fn.stats.executed if any(f":{k}[" in label for k in "FBW")]
+    expected = [str(a) for a in plan_schedule.order]
+    if "W" in "".join(expected):  # zero-bubble: stage 0 needs no input gradient, its B is dropped
+        expected = [str(a) for a in plan_schedule.order if not (a.kind == "B" and a.stage == 0)]
+    assert executed == expected, (schedule, executed, expected)
+    assert fn.stats.peak_live_activations == plan_schedule.peak_live_activations, (
+        schedule, fn.stats.peak_live_activations, plan_schedule.peak_live_activations)
+    if OUT:  # every process writes the shards it holds; the test restores them in one process
+        import multimesh.checkpoint as ckpt
 
-    with ckpt.CheckpointManager(OUT) as mgr:
-        mgr.save(STEPS, state)
-    if PID == 0:
-        np.savez(os.path.join(OUT, "reference.npz"), *[np.asarray(x) for x in jax.tree.leaves(ref_state)])
-print(json.dumps({"process": PID, "schedule": schedule.name, "peak_live": fn.stats.peak_live_activations, "losses": losses, "reference": ref_losses, "shards_checked": shards,
-                  "leaf_processes": stage_of_leaf, "held_param_leaves": held,
-                  "executions": fn.stats.executions, "transfers": fn.stats.transfers}), flush=True)
+        with ckpt.CheckpointManager(OUT) as mgr:
+            mgr.save(STEPS, state)
+        if PID == 0:
+            np.savez(os.path.join(OUT, "reference.npz"), *[np.asarray(x) for x in jax.tree.leaves(ref_state)])
+    return {"schedule": plan_schedule.name, "peak_live": fn.stats.peak_live_activations,
+            "bound": plan_schedule.peak_live_activations, "actions": len(executed), "losses": losses,
+            "reference": ref_losses, "shards_checked": shards, "leaf_processes": stage_of_leaf,
+            "held_param_leaves": held, "executions": fn.stats.executions, "transfers": fn.stats.transfers,
+            "seconds": round(time.perf_counter() - started, 2), "build_seconds": round(built - started, 2),
+            "compile_seconds": round(COMPILE_SECONDS[0] - compiled, 2),
+            "first_step_seconds": round(first_step - built, 2)}
+
+
+runs = [run(s) for s in SCHEDULES]
+print(json.dumps({"process": PID, "runs": runs, "seconds": round(time.perf_counter() - STARTED, 2)}), flush=True)
 jax.distributed.shutdown()

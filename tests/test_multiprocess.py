@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -23,12 +24,14 @@ WORKER = Path(__file__).with_name("mp_worker.py")
 REPO = WORKER.parent.parent
 
 
-def run_processes(scenario: str, n: int, per: int, *, schedule: str = "1f1b", save_to: Path | None = None,
-                  restore_from: Path | None = None, plain_jax_init: bool = False, timeout: float = 420) -> list[dict]:
-    """Start ``n`` workers with ``per`` CPU devices each (saving their final state to ``save_to``, starting
-    from the checkpoint in ``restore_from``); their JSON reports, in process order."""
+def run_processes(scenario: str, n: int, per: int, *, schedule: str | Sequence[str] = "1f1b",
+                  save_to: Path | None = None, restore_from: Path | None = None, plain_jax_init: bool = False,
+                  timeout: float = 420) -> list[dict]:
+    """Start ``n`` workers with ``per`` CPU devices each, running ``schedule`` (several: one after the
+    other in the same processes), saving their final state to ``save_to``, starting from the checkpoint
+    in ``restore_from``; their JSON reports, in process order."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
-    env["MP_SCHEDULE"] = schedule
+    env["MP_SCHEDULE"] = schedule if isinstance(schedule, str) else ",".join(schedule)
     if restore_from is not None:
         env["MP_RESTORE"] = str(restore_from)
     if plain_jax_init:
@@ -51,31 +54,51 @@ def run_processes(scenario: str, n: int, per: int, *, schedule: str = "1f1b", sa
     return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
 
 
-def check(reports: list[dict], n_stages: int) -> None:
-    n = len(reports)
-    assert [r["process"] for r in reports] == list(range(n))
-    for r in reports:  # the same losses everywhere, equal to one device's (checked in the worker too)
-        assert r["losses"] == reports[0]["losses"]
+def check(reports: list[dict], n_stages: int) -> list[dict]:
+    """The processes' reports agree (losses equal to one device's: checked in the worker); each process's
+    report of its only schedule's run."""
+    runs = [r["runs"] for r in reports]
+    assert [len(r) for r in runs] == [1] * len(reports)
+    check_runs([r[0] for r in runs], n_stages)
+    return [r[0] for r in runs]
+
+
+def check_runs(runs: list[dict], n_stages: int) -> None:
+    """One schedule's run as each process saw it."""
+    for r in runs:  # the same losses everywhere, equal to one device's (checked in the worker too)
+        assert r["losses"] == runs[0]["losses"] and len(r["losses"]) == 3
         assert r["shards_checked"] > 0
-    leaves = 2 * n_stages
-    assert len(reports[0]["leaf_processes"]) == leaves
+        assert r["peak_live"] == r["bound"]  # the worker compared them; both reported
+    assert len(runs[0]["leaf_processes"]) == 2 * n_stages
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_two_stages_one_per_process(schedule):
-    reports = run_processes("one_stage_per_process", 2, 2, schedule=schedule)
-    check(reports, 2)
-    # each process holds exactly its stage's parameters (a and b), and no shard of the other stage's
-    assert reports[0]["held_param_leaves"] == [0, 1] and reports[1]["held_param_leaves"] == [2, 3]
-    assert reports[0]["leaf_processes"] == {"0": [0], "1": [0], "2": [1], "3": [1]}
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"]
+
+
+def test_every_schedule_two_stages_one_per_process():
+    """Every schedule (interleaved: 2 chunks per stage) in one pair of processes, one schedule after the
+    other: each process checks each schedule's losses and the parameter shards it holds after 3 steps
+    against one device, its executed order against the schedule's and its peak live activations
+    against the schedule's bound."""
+    reports = run_processes("one_stage_per_process", 2, 1, schedule=SCHEDULES)
+    assert [r["process"] for r in reports] == [0, 1]
+    for i, schedule in enumerate(SCHEDULES):
+        runs = [r["runs"][i] for r in reports]
+        assert all(r["schedule"] == schedule for r in runs), (schedule, [r["schedule"] for r in runs])
+        chunks = 2 if schedule == "interleaved" else 1
+        check_runs(runs, 2 * chunks)
+        # each process holds exactly its stages' parameters (a and b), and no shard of the others'
+        held = [[0, 1], [2, 3]] if chunks == 1 else [[0, 1, 4, 5], [2, 3, 6, 7]]
+        assert [r["held_param_leaves"] for r in runs] == held, schedule
+        assert all(runs[0]["leaf_processes"][str(leaf)] == [p] for p in (0, 1) for leaf in held[p])
+        assert runs[0]["actions"] > 0
 
 
 def test_stages_spanning_both_processes():
     """Two stages of 2 + 2 devices each: every stage is one SPMD program across both processes."""
-    reports = run_processes("stages_span_processes", 2, 4, schedule="zb-h1")
-    check(reports, 2)
-    assert all(procs == [0, 1] for procs in reports[0]["leaf_processes"].values())
-    assert reports[0]["schedule"] == "zb-h1"
+    runs = check(run_processes("stages_span_processes", 2, 4, schedule="zb-h1"), 2)
+    assert all(procs == [0, 1] for procs in runs[0]["leaf_processes"].values())
+    assert runs[0]["schedule"] == "zb-h1"
 
 
 def test_stages_of_different_sizes_across_processes():
@@ -87,9 +110,8 @@ def test_stages_of_different_sizes_across_processes():
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
 def test_four_processes(schedule):
-    reports = run_processes("one_stage_per_process", 4, 1, schedule=schedule)
-    check(reports, 8 if schedule == "interleaved" else 4)
-    assert [r["held_param_leaves"] for r in reports][:2] == ([[0, 1], [2, 3]] if schedule == "1f1b" else
+    runs = check(run_processes("one_stage_per_process", 4, 1, schedule=schedule), 8 if schedule == "interleaved" else 4)
+    assert [r["held_param_leaves"] for r in runs][:2] == ([[0, 1], [2, 3]] if schedule == "1f1b" else
                                                              [[0, 1, 8, 9], [2, 3, 10, 11]])
 
 

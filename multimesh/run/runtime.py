@@ -298,14 +298,23 @@ def _lifetimes(plan: Plan) -> dict[int, list[Key]]:
 
 def _donations(plan: Plan, donated: set[Var]) -> dict[int, tuple[int, ...]]:
     """Per segment, the arguments to donate: donated step inputs at their last use on a submesh, once
-    every other submesh reading them has taken its copy (they are copied before their first use there)."""
+    every other submesh reading them has taken its copy (they are copied before their first use there).
+
+    A copy to other processes is only started when `move` returns: the receiver pulls the bytes later, and
+    a buffer donated by then is gone ("called on deleted or donated buffer"). So an input that another
+    submesh on other processes reads is not donated (a tied embedding read by both ends of a pipeline).
+    """
     uses = _uses(plan)
     outputs = {v for v in plan.jaxpr.outvars if not isinstance(v, Literal)}
 
+    def processes(devices: frozenset) -> frozenset:
+        return frozenset(d.process_index for d in devices)
+
     def last_use(v: Var, seg: Segment) -> bool:
-        where = uses[v]
-        return max(where[seg.placement.devices]) == seg.index and all(
-            min(idx) < seg.index for devices, idx in where.items() if devices != seg.placement.devices)
+        where, here = uses[v], seg.placement.devices
+        return max(where[here]) == seg.index and all(
+            min(idx) < seg.index and processes(devices) == processes(here)
+            for devices, idx in where.items() if devices != here)
 
     return {seg.index: tuple(i for i, v in enumerate(seg.invars) if v in donated and v not in outputs
                              and last_use(v, seg))
