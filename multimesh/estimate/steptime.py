@@ -8,6 +8,17 @@ one cost per kind for every stage, so an unbalanced pipeline is timed as if
 each stage were its busiest. Segments outside the schedule (the optimizer
 update, glue) are added per stage after it, the busiest stage's. Tasks without
 a schedule run one after another.
+
+Devices that share compute (a `CalibratedProfile` whose ``alone_speedup`` is
+above 1: simulated CPU devices on one host's cores): a stage of ``k`` of the
+step's ``n`` devices computing while the others idle runs
+``min(alone_speedup, n / k)`` times faster than with all busy, so the
+schedule is simulated at those rates; and the step cannot take less than
+all its work at the all-busy rate spread over the host, the sum over program
+executions of their work times ``k / n``. The pipeline takes the larger of the
+two. With ``alone_speedup`` 1 (each device its own compute, every datasheet
+profile) the second is never the larger, and the model is the plain
+schedule simulation.
 """
 
 from __future__ import annotations
@@ -16,7 +27,7 @@ from typing import Any
 
 from .profiles import HardwareProfile
 from .programs import ProgramCost
-from .timing import ProgramTime, program_time, transfer_time
+from .timing import ProgramTime, launch_overhead, program_time, transfer_time
 
 __all__ = ["StepTiming", "step_timing"]
 
@@ -50,10 +61,13 @@ def step_timing(plan: Any, programs: tuple[ProgramCost, ...], segment_program: d
     schedule = plan.schedule
     if schedule is None:
         return StepTiming(times, moved, sum(took.values()) + moved)
+    shared = max(1.0, float(getattr(profile, "alone_speedup", 1.0)))
+    launch = launch_overhead(profile)
     forward: dict[int, float] = {}
     backward: dict[int, float] = {}
     outside: dict[frozenset, float] = {}
     into_actions = []
+    host_work = 0.0  # the actions' work at the all-busy rate, spread over the step's devices
     for seg in plan.segments:
         t = took.get(seg.index, 0.0)
         if seg.action is None:
@@ -62,11 +76,18 @@ def step_timing(plan: Any, programs: tuple[ProgramCost, ...], segment_program: d
         into_actions.append(copies.get(seg.index, 0.0))
         stage = schedule.physical_stage(seg.action)
         per = forward if seg.action.kind == "F" else backward
+        k = len(seg.placement.devices)
+        if seg.index in took:  # its work faster by the idle devices' share of the host; its launch as it is
+            work = t - launch
+            host_work += work * k / n_devices
+            t = launch + work / min(shared, n_devices / k)
         per[stage] = per.get(stage, 0.0) + t
     m = schedule.num_microbatches
     f = max(max(forward.values(), default=0.0) / m, _TINY)
     b = max(max(backward.values(), default=0.0) / m, _TINY)
     comm = sum(into_actions) / len(into_actions) if into_actions else 0.0
     makespan = schedule.simulate(forward_time=f, backward_time=b, comm_time=comm).makespan
+    if shared > 1.0:
+        makespan = max(makespan, host_work)
     rest = max(outside.values(), default=0.0)
     return StepTiming(times, moved, makespan + rest, pipeline=makespan, outside=rest)
