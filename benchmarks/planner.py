@@ -6,7 +6,9 @@ For each model size, on 8 simulated CPU devices: a profile is calibrated once
 (`multimesh.estimate.calibrate`, every device busy); then every candidate
 layout (`candidates`: all meshes of the 8 devices over data/fsdp/tensor with
 the standard rules, and 2- and 4-stage pipelines of 1f1b/zb-h2 at 4/8
-microbatches) is built with the trainer (`load_config`, `build_layout`,
+microbatches; for the large size by default only the SPMD meshes and the
+1f1b pipelines at 8 microbatches without an fsdp axis, `large_subset`, to
+keep a run near 15 minutes) is built with the trainer (`load_config`, `build_layout`,
 `build_program`), its predicted step time taken from
 ``program.step.estimate(profile)``, and its step measured: after two warm-up
 steps (compilation), ``--rounds`` rounds of ``--steps`` steps, the rounds of
@@ -63,6 +65,13 @@ SIZES = {
               "data.batch_size=32"],
 }
 QUIET = ["train.checkpoint_every=0", "train.eval_every=100000"]
+
+
+def large_subset(layouts: Sequence[Layout]) -> list[Layout]:
+    """The larger size's candidates when time is short (``--full-large`` measures them all): every SPMD
+    mesh, and the pipelines at 8 microbatches with 1f1b whose stage mesh has no fsdp axis."""
+    return [lay for lay in layouts if lay.stages == 1 or (lay.microbatches == 8 and lay.schedule == "1f1b"
+                                                             and "fsdp" not in lay.mesh)]
 
 
 # -- the candidates -------------------------------------------------------------------------------------------
@@ -351,6 +360,7 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--steps", type=int, default=2, help="steps per round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--full-large", action="store_true", help="every candidate for the large size too")
     parser.add_argument("--limit", type=int, default=None, help="measure only the first N candidates (a smoke test)")
     parser.add_argument("--multiprocess", action="store_true", help="also the 2-process, one-core-each pipeline")
     parser.add_argument("--cache", default=None, help="JAX compilation cache directory (default: a fresh one, "
@@ -381,10 +391,14 @@ def main() -> None:
     here = calibrate()
     print(f"calibrated: {here.peak_flops['float32']:.3g} flop/s, {here.memory_bandwidth:.3g} B/s memory, "
           f"{here.intra_node_bandwidth:.3g} B/s link, {here.intra_node_latency * 1e6:.1f} us latency, "
-          f"{getattr(here, 'launch_overhead', 0.0) * 1e6:.1f} us per program execution", flush=True)
+          f"{here.launch_overhead * 1e6:.1f} us per program execution, one device alone {here.alone_speedup:.2f}x "
+          f"faster than with all busy", flush=True)
     summary = {}
     for name in args.sizes:
-        layouts = candidates()[:args.limit]
+        layouts = candidates()
+        if name == "large" and not args.full_large:
+            layouts = large_subset(layouts)
+        layouts = layouts[:args.limit]
         print(f"\n{name} ({' '.join(SIZES[name])}): {len(layouts)} candidates", flush=True)
         summary[name] = report(name, measure_size(name, layouts, here, args.steps, args.rounds))
     if args.multiprocess:

@@ -63,12 +63,14 @@ def _best(fn: Callable, arg: Any, repeats: int) -> float:
 
 
 def _memory_bytes(devices: Sequence[Any]) -> int:
-    """The device's own limit where it reports one, else the host's memory shared by its local devices."""
-    stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
+    """A device's own limit where it reports one, else the host's memory shared by its local devices (only
+    this process's devices can be asked)."""
+    local = [d for d in devices if d.process_index == jax.process_index()] or list(devices[:1])
+    stats = local[0].memory_stats() if hasattr(local[0], "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(host // max(1, len([d for d in devices if d.process_index == devices[0].process_index])))
+    return int(host // max(1, len(local)))
 
 
 def _made(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> jax.Array:
