@@ -392,7 +392,8 @@ def main() -> None:
     print(f"calibrated: {here.peak_flops['float32']:.3g} flop/s, {here.memory_bandwidth:.3g} B/s memory, "
           f"{here.intra_node_bandwidth:.3g} B/s link, {here.intra_node_latency * 1e6:.1f} us latency, "
           f"{here.launch_overhead * 1e6:.1f} us per program execution, one device alone {here.alone_speedup:.2f}x "
-          f"faster than with all busy", flush=True)
+          f"faster than with all busy; per-device speed-up with k busy: "
+          f"{', '.join(f'{k}: {v:.2f}' for k, v in here.busy_speedup)}", flush=True)
     summary = {}
     for name in args.sizes:
         layouts = candidates()

@@ -284,6 +284,7 @@ def test_a_profile_calibrated_here_prices_a_step(fsdp):
     assert isinstance(here, CalibratedProfile) and here.launch_overhead > 0
     # 8 simulated devices share this host's cores: one computing alone is faster than with all 8 busy
     assert 1 < here.alone_speedup <= jax.device_count()
+    assert [k for k, _ in here.busy_speedup] == [1, 2, 4, 8] and dict(here.busy_speedup)[8] == 1.0
     est = fn.estimate(here)
     assert est.profile is here and est.time.total > 0 and est.time.dtype == "float32"
     assert all(t.launch == here.launch_overhead for t in est.time.programs.values())
@@ -326,6 +327,14 @@ def test_stages_sharing_a_host_are_timed_by_the_hosts_work(pipeline):
     assert shared.time.total >= work * (1 - 1e-9)
     # no bubble on a shared host: the idle stage's cores run the busy one, so it takes less than on own cores
     assert shared.time.pipeline < own.time.pipeline
+    # measured: 4 busy devices of 8 each compute 3x faster than with all 8 busy, more than their share (2x):
+    # the host does more with fewer device threads, so the stages' step takes less, and at least all the
+    # work at that best throughput (1.5x the all-busy one)
+    even = fn.estimate(measured_like("h100-sxm", alone_speedup=8.0, busy_speedup=((4, 2.0), (8, 1.0))))
+    more = fn.estimate(measured_like("h100-sxm", alone_speedup=8.0, busy_speedup=((4, 3.0), (8, 1.0))))
+    assert even.time == shared.time  # 4 devices at twice the all-busy rate: the host's throughput shared
+    assert more.time.pipeline < even.time.pipeline
+    assert more.time.total >= work / 1.5 * (1 - 1e-9)
 
 
 def test_a_pipeline_is_timed_through_its_schedule(pipeline):

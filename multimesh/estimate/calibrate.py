@@ -3,13 +3,15 @@
 Short measurements, each the best of ``repeats`` timed runs after one
 warm-up: a program doing next to nothing on every device (the cost of one
 program execution whatever its work: dispatch, thread hand-offs), a matrix
-product per device (flop/s), the same product on one device while the others
-idle (how much faster a device computes alone: simulated CPU devices share
-the host's cores), an elementwise pass over a large array per device (bytes
+product per device (flop/s), the same product on 1, 2, ... of the devices while
+the others idle (how much faster they compute than with all busy: simulated
+CPU devices share the host's cores), an elementwise pass over a large array per device (bytes
 read and written per second), and an all-reduce over all devices of a tiny
 and of a large array (latency, and bandwidth by the ring model of
-`timing.collective_time`). The execution cost is taken out of the others, so
-that it is counted once per program by the time model. On one host every
+`timing.collective_time`). The execution cost is taken out of the
+collectives' latency (a tiny all-reduce is mostly that cost), so that the
+time model counts it once per program; the other measurements are sized for
+their work to dominate it. On one host every
 link is the same, so the intra- and inter-node figures are equal and the
 node holds all the devices measured. The arrays are made by a program with
 the target sharding (not copied from the host), so devices of several
@@ -50,6 +52,10 @@ class CalibratedProfile(HardwareProfile):
 
     launch_overhead: float = 0.0
     alone_speedup: float = 1.0
+    #: ``(k, speed-up)`` pairs: with ``k`` devices busy (the others idle), their per-device compute rate over
+    #: the rate with all busy, measured for each ``k`` dividing the device count; XLA:CPU gets more from a
+    #: host's cores with fewer device threads, so ``k * speed-up`` can exceed the device count
+    busy_speedup: tuple[tuple[int, float], ...] = ()
 
 
 def _best(fn: Callable, arg: Any, repeats: int) -> float:
@@ -99,24 +105,28 @@ def calibrate(devices: Sequence[Any] | None = None, *, matmul_size: int = 512, c
     launch = _best(on_each(lambda x: x + 1.0), tiny, repeats)
 
     def after_launch(seconds: float) -> float:
-        return max(seconds - launch, 1e-9)
+        return max(seconds - launch, 0.0)
 
     k = matmul_size
     mats = _made((n * k, k), dtype, spread)
-    t_matmul = after_launch(_best(on_each(lambda x: x @ x), mats, repeats))  # each device: (k, k) @ (k, k)
+    t_matmul = _best(on_each(lambda x: x @ x), mats, repeats)  # each device: (k, k) @ (k, k)
     rate = 2 * k ** 3 / t_matmul
-    alone_speedup = 1.0
-    if n > 1 and devices[0].process_index == jax.process_index():
-        one = Mesh(np.array(devices[:1]), ("d",))  # the same product on one device, the others idle
-        alone = jax.jit(lambda x: x @ x)
-        single = _made((k, k), dtype, NamedSharding(one, P()))
-        t_one = _best(lambda x: alone(x), single, repeats)
-        t_launch_one = _best(jax.jit(lambda x: x + 1.0), _made((1,), jnp.float32, NamedSharding(one, P())), repeats)
-        alone_speedup = min(float(n), max(1.0, t_matmul / max(t_one - t_launch_one, 1e-9)))
+    busy_speedup: dict[int, float] = {n: 1.0}
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    for busy in (b for b in range(1, n) if n % b == 0 and b <= len(local)):
+        part = Mesh(np.array(local[:busy]), ("d",))  # the same product on `busy` devices, the others idle
+        some = NamedSharding(part, P("d"))
+
+        def on_part(fn: Callable, part: Mesh = part) -> Callable:
+            return jax.jit(jax.shard_map(fn, mesh=part, in_specs=P("d"), out_specs=P("d")))
+
+        t_busy = _best(on_part(lambda x: x @ x), _made((busy * k, k), dtype, some), repeats)
+        busy_speedup[busy] = t_matmul / t_busy
+    alone_speedup = min(float(n), max(1.0, busy_speedup.get(1, 1.0)))
 
     words = max(1, copy_bytes // 4)
     big = _made((n * words,), jnp.float32, spread)
-    t_copy = after_launch(_best(on_each(lambda x: x * 2.0 + 1.0), big, repeats))
+    t_copy = _best(on_each(lambda x: x * 2.0 + 1.0), big, repeats)
     bandwidth = 2 * words * 4 / t_copy  # read once, written once
 
     def summed(x: jax.Array) -> jax.Array:
@@ -125,10 +135,10 @@ def calibrate(devices: Sequence[Any] | None = None, *, matmul_size: int = 512, c
     t_tiny = after_launch(_best(on_each(summed), tiny, repeats))
     words = max(1, collective_bytes // 4)
     large = _made((n * words,), jnp.float32, spread)
-    t_large = after_launch(_best(on_each(summed), large, repeats))
+    t_large = _best(on_each(summed), large, repeats)
     steps = 2 * (n - 1) if n > 1 else 1
     latency = t_tiny / steps
-    link = (2 * (n - 1) / n if n > 1 else 1.0) * words * 4 / max(t_large - t_tiny, 1e-9)
+    link = (2 * (n - 1) / n if n > 1 else 1.0) * words * 4 / max(t_large - launch - t_tiny, 1e-9)
 
     name = np.dtype(dtype).name
     peaks = {name: rate}
@@ -139,4 +149,5 @@ def calibrate(devices: Sequence[Any] | None = None, *, matmul_size: int = 512, c
         inter_node_bandwidth=link, inter_node_latency=latency, devices_per_node=n,
         source=f"measured by multimesh.estimate.calibrate on {n} {devices[0].device_kind} devices",
         notes=("measured with every device busy; one host: inter-node figures are the intra-node ones",),
-        launch_overhead=launch, alone_speedup=alone_speedup)
+        launch_overhead=launch, alone_speedup=alone_speedup,
+        busy_speedup=tuple(sorted(busy_speedup.items())))

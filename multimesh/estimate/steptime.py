@@ -11,14 +11,16 @@ a schedule run one after another.
 
 Devices that share compute (a `CalibratedProfile` whose ``alone_speedup`` is
 above 1: simulated CPU devices on one host's cores): a stage of ``k`` of the
-step's ``n`` devices computing while the others idle runs
-``min(alone_speedup, n / k)`` times faster than with all busy, so the
-schedule is simulated at those rates; and the step cannot take less than
-all its work at the all-busy rate spread over the host, the sum over program
-executions of their work times ``k / n``. The pipeline takes the larger of the
-two. With ``alone_speedup`` 1 (each device its own compute, every datasheet
-profile) the second is never the larger, and the model is the plain
-schedule simulation.
+step's ``n`` devices computing while the others idle runs faster than with
+all busy, by the speed-up `calibrate` measured with ``k`` devices busy
+(``busy_speedup``; where it has none for ``k``, ``min(alone_speedup, n / k)``:
+the host's throughput shared), so the schedule is simulated at those rates;
+and the step cannot take less than all its work done at the host's best
+measured throughput, the sum over program executions of their work times
+``k / n``, divided by the largest ``k * speed-up / n``. The pipeline takes
+the larger of the two. With ``alone_speedup`` 1 (each device its own
+compute, every datasheet profile) the second is never the larger, and the
+model is the plain schedule simulation.
 """
 
 from __future__ import annotations
@@ -62,6 +64,14 @@ def step_timing(plan: Any, programs: tuple[ProgramCost, ...], segment_program: d
     if schedule is None:
         return StepTiming(times, moved, sum(took.values()) + moved)
     shared = max(1.0, float(getattr(profile, "alone_speedup", 1.0)))
+    measured = dict(getattr(profile, "busy_speedup", ()))
+
+    def speedup(k: int) -> float:
+        """How much faster k devices compute with the step's other devices idle than with all busy."""
+        return measured.get(k, min(shared, n_devices / k))
+
+    # the host's best throughput over its all-busy throughput (1 when it is the same whoever is busy)
+    best = max([1.0, *(k * v / n_devices for k, v in measured.items() if k <= n_devices)])
     launch = launch_overhead(profile)
     forward: dict[int, float] = {}
     backward: dict[int, float] = {}
@@ -79,8 +89,8 @@ def step_timing(plan: Any, programs: tuple[ProgramCost, ...], segment_program: d
         k = len(seg.placement.devices)
         if seg.index in took:  # its work faster by the idle devices' share of the host; its launch as it is
             work = t - launch
-            host_work += work * k / n_devices
-            t = launch + work / min(shared, n_devices / k)
+            host_work += work * k / n_devices / best
+            t = launch + work / speedup(k)
         per[stage] = per.get(stage, 0.0) + t
     m = schedule.num_microbatches
     f = max(max(forward.values(), default=0.0) / m, _TINY)
