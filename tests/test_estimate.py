@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -13,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from multimesh.estimate import (
     PROFILES,
+    CalibratedProfile,
     Collective,
     MemoryLimitError,
     UnknownProfileError,
@@ -279,8 +281,60 @@ def test_a_profile_calibrated_here_prices_a_step(fsdp):
     for value in (here.peak_flops["float32"], here.memory_bandwidth, here.memory_bytes,
                   here.intra_node_bandwidth, here.intra_node_latency):
         assert np.isfinite(value) and value > 0
+    assert isinstance(here, CalibratedProfile) and here.launch_overhead > 0
+    # 8 simulated devices share this host's cores: one computing alone is faster than with all 8 busy
+    assert 1 < here.alone_speedup <= jax.device_count()
+    assert [k for k, _ in here.busy_speedup] == [1, 2, 4, 8] and dict(here.busy_speedup)[8] == 1.0
     est = fn.estimate(here)
     assert est.profile is here and est.time.total > 0 and est.time.dtype == "float32"
+    assert all(t.launch == here.launch_overhead for t in est.time.programs.values())
+
+
+def measured_like(base: str, **figures) -> CalibratedProfile:
+    """A datasheet profile's figures with a calibrated profile's extra ones."""
+    fields = {f.name: getattr(PROFILES[base], f.name) for f in dataclasses.fields(PROFILES[base])}
+    return CalibratedProfile(**fields, **figures)
+
+
+def busy_by_stage(est) -> dict[frozenset, int]:
+    runs: dict[frozenset, int] = {}
+    for p in est.programs:
+        runs[p.devices] = runs.get(p.devices, 0) + p.executions
+    return runs
+
+
+def test_every_program_execution_pays_the_launch_overhead(fsdp, pipeline):
+    launch = 1e-3  # far above the h100's time for these tiny programs: it dominates
+    slow = measured_like("h100-sxm", launch_overhead=launch)
+    spmd, plain = fsdp[0].estimate(slow), fsdp[0].estimate("h100-sxm")
+    assert spmd.time.total == pytest.approx(plain.time.total + launch)
+    est = pipeline[0].estimate(slow)
+    for name, t in est.time.programs.items():
+        assert t.launch == launch and t.total == pytest.approx(t.work + launch)
+    # each stage runs its programs one after another, each paying the overhead
+    assert est.time.total >= launch * max(busy_by_stage(est).values())
+    # a datasheet profile has no such overhead
+    assert all(t.launch == 0 for t in pipeline[0].estimate("h100-sxm").time.programs.values())
+
+
+def test_stages_sharing_a_host_are_timed_by_the_hosts_work(pipeline):
+    fn = pipeline[0]
+    own = fn.estimate(measured_like("h100-sxm", alone_speedup=1.0))
+    assert own.time == fn.estimate("h100-sxm").time  # each device its own compute: the plain schedule
+    shared = fn.estimate(measured_like("h100-sxm", alone_speedup=8.0))
+    # a host cannot do the step faster than all its devices' work at the rate they have when all are busy
+    work = sum(p.executions * shared.time.programs[p.name].work * len(p.devices) / 8 for p in shared.programs)
+    assert shared.time.total >= work * (1 - 1e-9)
+    # no bubble on a shared host: the idle stage's cores run the busy one, so it takes less than on own cores
+    assert shared.time.pipeline < own.time.pipeline
+    # measured: 4 busy devices of 8 each compute 3x faster than with all 8 busy, more than their share (2x):
+    # the host does more with fewer device threads, so the stages' step takes less, and at least all the
+    # work at that best throughput (1.5x the all-busy one)
+    even = fn.estimate(measured_like("h100-sxm", alone_speedup=8.0, busy_speedup=((4, 2.0), (8, 1.0))))
+    more = fn.estimate(measured_like("h100-sxm", alone_speedup=8.0, busy_speedup=((4, 3.0), (8, 1.0))))
+    assert even.time == shared.time  # 4 devices at twice the all-busy rate: the host's throughput shared
+    assert more.time.pipeline < even.time.pipeline
+    assert more.time.total >= work / 1.5 * (1 - 1e-9)
 
 
 def test_a_pipeline_is_timed_through_its_schedule(pipeline):

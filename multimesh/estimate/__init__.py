@@ -9,7 +9,7 @@ This layer reads the step's layouts, plan and runtime (``core``, ``plan``,
 """
 
 from .build import estimate, estimate_mjit
-from .calibrate import calibrate
+from .calibrate import CalibratedProfile, calibrate
 from .collectives import Collective, find_collectives
 from .held import DEFAULT_OPTIMIZER_PATHS, HeldBytes, held_bytes, shard_bytes
 from .profiles import PROFILES, HardwareProfile, UnknownProfileError, get_profile
@@ -20,6 +20,7 @@ from .timing import ProgramTime, collective_time
 __all__ = [
     "DEFAULT_OPTIMIZER_PATHS",
     "PROFILES",
+    "CalibratedProfile",
     "Collective",
     "DeviceMemory",
     "Estimate",

@@ -1,12 +1,21 @@
-"""A `HardwareProfile` of the devices at hand, measured with every device busy at once.
+"""A `CalibratedProfile` of the devices at hand, measured with every device busy at once.
 
-Four short measurements, each the best of ``repeats`` timed runs after one
-warm-up: a matrix product per device (flop/s), an elementwise pass over a
-large array per device (bytes read and written per second), and an
-all-reduce over all devices of a tiny and of a large array (latency, and
-bandwidth by the ring model of `timing.collective_time`). On one host every
+Short measurements, each the best of ``repeats`` timed runs after one
+warm-up: a program doing next to nothing on every device (the cost of one
+program execution whatever its work: dispatch, thread hand-offs), a matrix
+product per device (flop/s), the same product on 1, 2, ... of the devices while
+the others idle (how much faster they compute than with all busy: simulated
+CPU devices share the host's cores), an elementwise pass over a large array per device (bytes
+read and written per second), and an all-reduce over all devices of a tiny
+and of a large array (latency, and bandwidth by the ring model of
+`timing.collective_time`). The execution cost is taken out of the
+collectives' latency (a tiny all-reduce is mostly that cost), so that the
+time model counts it once per program; the other measurements are sized for
+their work to dominate it. On one host every
 link is the same, so the intra- and inter-node figures are equal and the
-node holds all the devices measured.
+node holds all the devices measured. The arrays are made by a program with
+the target sharding (not copied from the host), so devices of several
+processes calibrate together.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -24,7 +34,28 @@ from jax.sharding import PartitionSpec as P
 
 from .profiles import HardwareProfile
 
-__all__ = ["calibrate"]
+__all__ = ["CalibratedProfile", "calibrate"]
+
+
+@dataclass(frozen=True)
+class CalibratedProfile(HardwareProfile):
+    """A measured `HardwareProfile` with two figures datasheets do not give.
+
+    ``launch_overhead``: seconds one program execution costs whatever its
+    work (on a GPU a few microseconds, negligible; on simulated CPU devices a
+    synchronisation of the host's threads). ``alone_speedup``: one device's
+    compute rate while the others idle over its rate with all busy: 1 where
+    each device has its own compute, up to the device count where the devices
+    share a host's cores (then a pipeline stage running alone gets the idle
+    stages' share).
+    """
+
+    launch_overhead: float = 0.0
+    alone_speedup: float = 1.0
+    #: ``(k, speed-up)`` pairs: with ``k`` devices busy (the others idle), their per-device compute rate over
+    #: the rate with all busy, measured for each ``k`` dividing the device count; XLA:CPU gets more from a
+    #: host's cores with fewer device threads, so ``k * speed-up`` can exceed the device count
+    busy_speedup: tuple[tuple[int, float], ...] = ()
 
 
 def _best(fn: Callable, arg: Any, repeats: int) -> float:
@@ -38,16 +69,23 @@ def _best(fn: Callable, arg: Any, repeats: int) -> float:
 
 
 def _memory_bytes(devices: Sequence[Any]) -> int:
-    """The device's own limit where it reports one, else the host's memory shared by its local devices."""
-    stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
+    """A device's own limit where it reports one, else the host's memory shared by its local devices (only
+    this process's devices can be asked)."""
+    local = [d for d in devices if d.process_index == jax.process_index()] or list(devices[:1])
+    stats = local[0].memory_stats() if hasattr(local[0], "memory_stats") else None
     if stats and stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(host // max(1, len([d for d in devices if d.process_index == devices[0].process_index])))
+    return int(host // max(1, len(local)))
+
+
+def _made(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> jax.Array:
+    """Ones of ``shape`` made in place with ``sharding`` (works when the devices span processes)."""
+    return jax.jit(lambda: jnp.ones(shape, dtype), out_shardings=sharding)()
 
 
 def calibrate(devices: Sequence[Any] | None = None, *, matmul_size: int = 512, copy_bytes: int = 16 << 20,
-              collective_bytes: int = 4 << 20, repeats: int = 5, dtype: Any = jnp.float32) -> HardwareProfile:
+              collective_bytes: int = 4 << 20, repeats: int = 5, dtype: Any = jnp.float32) -> CalibratedProfile:
     """Measure the ``devices`` (default: all) and return their profile, named ``calibrated-<platform>``.
 
     ``matmul_size``: the side of each device's square matrices; ``copy_bytes``
@@ -63,34 +101,53 @@ def calibrate(devices: Sequence[Any] | None = None, *, matmul_size: int = 512, c
     def on_each(fn: Callable) -> Callable:
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
 
+    tiny = _made((n,), jnp.float32, spread)
+    launch = _best(on_each(lambda x: x + 1.0), tiny, repeats)
+
+    def after_launch(seconds: float) -> float:
+        return max(seconds - launch, 0.0)
+
     k = matmul_size
-    mats = jax.device_put(jnp.ones((n * k, k), dtype), spread)
+    mats = _made((n * k, k), dtype, spread)
     t_matmul = _best(on_each(lambda x: x @ x), mats, repeats)  # each device: (k, k) @ (k, k)
     rate = 2 * k ** 3 / t_matmul
+    busy_speedup: dict[int, float] = {n: 1.0}
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    for busy in (b for b in range(1, n) if n % b == 0 and b <= len(local)):
+        part = Mesh(np.array(local[:busy]), ("d",))  # the same product on `busy` devices, the others idle
+        some = NamedSharding(part, P("d"))
+
+        def on_part(fn: Callable, part: Mesh = part) -> Callable:
+            return jax.jit(jax.shard_map(fn, mesh=part, in_specs=P("d"), out_specs=P("d")))
+
+        t_busy = _best(on_part(lambda x: x @ x), _made((busy * k, k), dtype, some), repeats)
+        busy_speedup[busy] = t_matmul / t_busy
+    alone_speedup = min(float(n), max(1.0, busy_speedup.get(1, 1.0)))
 
     words = max(1, copy_bytes // 4)
-    big = jax.device_put(jnp.ones((n * words,), jnp.float32), spread)
+    big = _made((n * words,), jnp.float32, spread)
     t_copy = _best(on_each(lambda x: x * 2.0 + 1.0), big, repeats)
     bandwidth = 2 * words * 4 / t_copy  # read once, written once
 
     def summed(x: jax.Array) -> jax.Array:
         return jax.lax.psum(x, "d")
 
-    tiny = jax.device_put(jnp.ones((n,), jnp.float32), spread)
-    t_tiny = _best(on_each(summed), tiny, repeats)
+    t_tiny = after_launch(_best(on_each(summed), tiny, repeats))
     words = max(1, collective_bytes // 4)
-    large = jax.device_put(jnp.ones((n * words,), jnp.float32), spread)
+    large = _made((n * words,), jnp.float32, spread)
     t_large = _best(on_each(summed), large, repeats)
     steps = 2 * (n - 1) if n > 1 else 1
     latency = t_tiny / steps
-    link = (2 * (n - 1) / n if n > 1 else 1.0) * words * 4 / max(t_large - t_tiny, 1e-9)
+    link = (2 * (n - 1) / n if n > 1 else 1.0) * words * 4 / max(t_large - launch - t_tiny, 1e-9)
 
     name = np.dtype(dtype).name
     peaks = {name: rate}
     peaks.setdefault("float32", rate)
-    return HardwareProfile(
+    return CalibratedProfile(
         name=f"calibrated-{devices[0].platform}", peak_flops=peaks, memory_bandwidth=bandwidth,
         memory_bytes=_memory_bytes(devices), intra_node_bandwidth=link, intra_node_latency=latency,
         inter_node_bandwidth=link, inter_node_latency=latency, devices_per_node=n,
         source=f"measured by multimesh.estimate.calibrate on {n} {devices[0].device_kind} devices",
-        notes=("measured with every device busy; one host: inter-node figures are the intra-node ones",))
+        notes=("measured with every device busy; one host: inter-node figures are the intra-node ones",),
+        launch_overhead=launch, alone_speedup=alone_speedup,
+        busy_speedup=tuple(sorted(busy_speedup.items())))

@@ -1,7 +1,9 @@
 """Step time from a hardware profile: a roofline per program and an alpha-beta model per collective.
 
 A program takes ``max(flops / peak, bytes accessed / memory bandwidth)`` plus
-its collectives, which are not assumed to overlap with compute. A collective
+its collectives, which are not assumed to overlap with compute, plus the
+profile's ``launch_overhead`` (a `CalibratedProfile`'s measured cost of one
+execution whatever its work; 0 for a datasheet profile). A collective
 over ``n`` devices moving ``B`` bytes (ring algorithms) takes
 ``steps * latency + factor * B / bandwidth``:
 
@@ -27,7 +29,7 @@ from .collectives import Collective
 from .profiles import HardwareProfile
 from .programs import ProgramCost
 
-__all__ = ["ProgramTime", "collective_time", "program_time", "transfer_time"]
+__all__ = ["ProgramTime", "collective_time", "launch_overhead", "program_time", "transfer_time"]
 
 
 def collective_time(c: Collective, profile: HardwareProfile) -> float:
@@ -50,21 +52,33 @@ def collective_time(c: Collective, profile: HardwareProfile) -> float:
 @dataclass(frozen=True)
 class ProgramTime:
     """One execution of a program, in seconds: ``compute`` (flops at peak), ``memory`` (bytes at the memory
-    bandwidth), ``communication`` (its collectives); ``total`` = max(compute, memory) + communication."""
+    bandwidth), ``communication`` (its collectives), ``launch`` (the execution's fixed cost);
+    ``total`` = launch + work, ``work`` = max(compute, memory) + communication."""
 
     compute: float
     memory: float
     communication: float
+    launch: float = 0.0
+
+    @property
+    def work(self) -> float:
+        return max(self.compute, self.memory) + self.communication
 
     @property
     def total(self) -> float:
-        return max(self.compute, self.memory) + self.communication
+        return self.launch + self.work
+
+
+def launch_overhead(profile: HardwareProfile) -> float:
+    """Seconds one program execution costs whatever its work: measured by `calibrate`, else 0."""
+    return float(getattr(profile, "launch_overhead", 0.0))
 
 
 def program_time(p: ProgramCost, profile: HardwareProfile, dtype: str) -> ProgramTime:
     return ProgramTime(compute=p.flops / profile.flops_rate(dtype),
                        memory=p.bytes_accessed / profile.memory_bandwidth,
-                       communication=sum(collective_time(c, profile) for c in p.collectives))
+                       communication=sum(collective_time(c, profile) for c in p.collectives),
+                       launch=launch_overhead(profile))
 
 
 def transfer_time(nbytes: int, profile: HardwareProfile, *, inside_node: bool) -> float:
