@@ -353,7 +353,8 @@ def _stacked_kernel(params) -> jax.Array:
 
 
 @pytest.mark.filterwarnings("error:split scan stack")  # nothing is gathered whole
-@pytest.mark.parametrize("api", ["linen", pytest.param("nnx", marks=pytest.mark.slow)])  # nnx: -m slow (time)
+@pytest.mark.slow  # half a minute per api; the split stack's own tests stay in the default suite
+@pytest.mark.parametrize("api", ["linen", "nnx"])
 def test_trainer_pipeline_splits_the_scanned_stack(tmp_path, api):
     """``model.scan_layers`` on the 2-stage pipeline: the stack lives split, the losses follow one device.
     The NNX model (``nnx.vmap`` + ``nnx.scan``, no scope of its own) is split by the same registration."""

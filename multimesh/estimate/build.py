@@ -110,9 +110,8 @@ def estimate_mjit(fn: Any, args: tuple, profile: str | HardwareProfile | None = 
     compiled, abstract = fn.compiled_for(*abstract)
     if compiled.runtime is None:
         def spmd() -> ProgramCost:
-            lowered = compiled.jitted.lower(*jax.tree.leaves(abstract))
-            return analyse_compiled(fn.__name__, lowered.compile(), compiled.plan.placements[0].mesh,
-                                    lowered=lowered)
+            program = compiled.jitted.lower(*jax.tree.leaves(abstract)).compile()
+            return analyse_compiled(fn.__name__, program, compiled.plan.placements[0].mesh)
     else:
         spmd = None
     return _estimate(fn.__name__, compiled.plan, compiled.runtime, spmd, compiled.plan.placements, leaves, (),

@@ -47,29 +47,15 @@ class ProgramCost:
         return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
 
 
-def _cost(stage: Any) -> dict:
-    """XLA's cost analysis of a `jax.stages.Lowered` or `Compiled` (empty where the backend has none)."""
-    cost = stage.cost_analysis()
+def _cost(compiled: Any) -> dict:
+    cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):  # older jaxlibs: one dict per program
         cost = cost[0] if cost else {}
     return cost or {}
 
 
-def _flops(compiled: Any, lowered: Any, n_devices: int) -> float:
-    """Flops per device: the compiled program's count, but at least the program's count before it was
-    partitioned and optimised, over its devices. XLA's GPU analysis of the compiled program leaves out the
-    work of library calls (cuBLAS matrix products are custom calls to it): measured on an H200, a
-    transformer step counted 6.5e11 flops compiled where 6 x parameters x tokens alone is 3.3e12."""
-    compiled_flops = float(_cost(compiled).get("flops", 0.0))
-    if lowered is None:
-        return compiled_flops
-    return max(compiled_flops, float(_cost(lowered).get("flops", 0.0)) / n_devices)
-
-
-def analyse_compiled(name: str, compiled: Any, mesh: Mesh, executions: int = 1,
-                     lowered: Any = None) -> ProgramCost:
-    """A `ProgramCost` from a `jax.stages.Compiled` of a program on ``mesh`` (and the `jax.stages.Lowered`
-    it was compiled from, for the flops that the compiled program's analysis can leave out)."""
+def analyse_compiled(name: str, compiled: Any, mesh: Mesh, executions: int = 1) -> ProgramCost:
+    """A `ProgramCost` from a `jax.stages.Compiled` of a program on ``mesh``."""
     memory = compiled.memory_analysis()
     cost = _cost(compiled)
     collectives = find_collectives(compiled.as_text(), list(mesh.axis_names), [int(s) for s in mesh.devices.shape])
@@ -77,7 +63,7 @@ def analyse_compiled(name: str, compiled: Any, mesh: Mesh, executions: int = 1,
         name=name, devices=frozenset(d.id for d in mesh.devices.flat),
         argument_bytes=int(memory.argument_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
-        flops=_flops(compiled, lowered, mesh.devices.size), bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        flops=float(cost.get("flops", 0.0)), bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         collectives=tuple(collectives), executions=executions)
 
 
@@ -90,9 +76,8 @@ def spmd_program(step_fn: Any, args: tuple = ()) -> ProgramCost:
     further arguments, arrays or `jax.ShapeDtypeStruct`s)."""
     batch = _abstract(step_fn._abstract_batch, step_fn.batch_shardings)
     with mesh_context(step_fn.mesh):
-        lowered = step_fn.lower(step_fn.abstract_params, batch, *args)
-        compiled = lowered.compile()
-    return analyse_compiled(getattr(step_fn.fun, "__name__", "step"), compiled, step_fn.mesh, lowered=lowered)
+        compiled = step_fn.lower(step_fn.abstract_params, batch, *args).compile()
+    return analyse_compiled(getattr(step_fn.fun, "__name__", "step"), compiled, step_fn.mesh)
 
 
 @dataclass(frozen=True)
@@ -140,20 +125,19 @@ def mpmd_programs(runtime: Any) -> MPMDPrograms:
             args = [held[k] for k in step.args]
             key = (id(step.fn), tuple(getattr(a, "sharding", None) for a in args))
             if key not in compiled:
-                lowered = step.fn.lower(*args, *step.literals)
-                compiled[key] = (lowered.compile(), program_of[seg.index], mesh, lowered)
+                compiled[key] = (step.fn.lower(*args, *step.literals).compile(), program_of[seg.index], mesh)
             calls[key] = calls.get(key, 0) + 1
             runs[seg.index] = key
             outs = jax.tree.leaves(compiled[key][0].output_shardings)
             for (v, _), k, s in zip([(o[0], None) for o in step.outs], step.outs, outs):
                 held[k] = jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=s)
     programs, position = [], {}
-    for key, (c, program, mesh, lowered) in compiled.items():
+    for key, (c, program, mesh) in compiled.items():
         name = f"{program.placement.name or 'default'}_program{program.index}"
         if any(p.name == name for p in programs):  # one program compiled for two sets of input shardings
             name += f".{sum(p.name.startswith(name) for p in programs)}"
         position[key] = len(programs)
-        programs.append(analyse_compiled(name, c, mesh, executions=calls[key], lowered=lowered))
+        programs.append(analyse_compiled(name, c, mesh, executions=calls[key]))
     stash = tuple((stage, label, slice_bytes(tuple(held[k].shape), held[k].dtype.itemsize, held[k].sharding)) for k, (stage, label) in runtime.stashed().items()
                   if k in held)
     return MPMDPrograms(tuple(programs), stash, {k: position[key] for k, key in runs.items()})
