@@ -10,6 +10,7 @@ import numpy as np
 from ..core.fmt import keypath_str
 from ..core.layout import LeafLayout
 from .held import DEFAULT_OPTIMIZER_PATHS, held_bytes, is_optimizer_path
+from .matmuls import matmul_flops
 from .profiles import HardwareProfile, get_profile
 from .programs import ProgramCost, analyse_compiled, mpmd_programs, spmd_program
 from .report import DeviceMemory, Estimate, StepTime
@@ -20,7 +21,8 @@ __all__ = ["estimate", "estimate_mjit"]
 _NOTES = (
     "params, optimizer and batch are exact (the layouts' shards); outputs and temp are XLA's analysis of the "
     "programs compiled for this backend, which can differ on another (CPU compilation's temporaries are not a GPU's)",
-    "a loop body (scan) counts once, not once per iteration: its flops, bytes and collectives",
+    "a loop body (scan) counts once in bytes accessed and collectives; flops count its matrix products per "
+    "iteration (from the traced program)",
 )
 
 
@@ -110,8 +112,9 @@ def estimate_mjit(fn: Any, args: tuple, profile: str | HardwareProfile | None = 
     compiled, abstract = fn.compiled_for(*abstract)
     if compiled.runtime is None:
         def spmd() -> ProgramCost:
-            program = compiled.jitted.lower(*jax.tree.leaves(abstract)).compile()
-            return analyse_compiled(fn.__name__, program, compiled.plan.placements[0].mesh)
+            traced = compiled.jitted.trace(*jax.tree.leaves(abstract))
+            return analyse_compiled(fn.__name__, traced.lower().compile(), compiled.plan.placements[0].mesh,
+                                    matmuls=matmul_flops(traced.jaxpr))
     else:
         spmd = None
     return _estimate(fn.__name__, compiled.plan, compiled.runtime, spmd, compiled.plan.placements, leaves, (),

@@ -20,6 +20,7 @@ from ..core.meshes import mesh_context, no_mesh_context
 from ..core.transfer import target_on
 from .collectives import Collective, find_collectives
 from .held import slice_bytes
+from .matmuls import matmul_flops
 
 __all__ = ["MPMDPrograms", "ProgramCost", "analyse_compiled", "mpmd_programs", "spmd_program"]
 
@@ -54,8 +55,10 @@ def _cost(compiled: Any) -> dict:
     return cost or {}
 
 
-def analyse_compiled(name: str, compiled: Any, mesh: Mesh, executions: int = 1) -> ProgramCost:
-    """A `ProgramCost` from a `jax.stages.Compiled` of a program on ``mesh``."""
+def analyse_compiled(name: str, compiled: Any, mesh: Mesh, executions: int = 1, matmuls: float = 0.0) -> ProgramCost:
+    """A `ProgramCost` from a `jax.stages.Compiled` of a program on ``mesh``. ``matmuls``: the flops of its
+    matrix products counted from its jaxpr (`matmul_flops`, global arrays): the flops per device are at least
+    those over the devices, where XLA's count misses some (a loop body counted once, GPU library calls)."""
     memory = compiled.memory_analysis()
     cost = _cost(compiled)
     collectives = find_collectives(compiled.as_text(), list(mesh.axis_names), [int(s) for s in mesh.devices.shape])
@@ -63,7 +66,7 @@ def analyse_compiled(name: str, compiled: Any, mesh: Mesh, executions: int = 1) 
         name=name, devices=frozenset(d.id for d in mesh.devices.flat),
         argument_bytes=int(memory.argument_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
-        flops=float(cost.get("flops", 0.0)), bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+        flops=max(float(cost.get("flops", 0.0)), matmuls / mesh.devices.size), bytes_accessed=float(cost.get("bytes accessed", 0.0)),
         collectives=tuple(collectives), executions=executions)
 
 
@@ -76,8 +79,10 @@ def spmd_program(step_fn: Any, args: tuple = ()) -> ProgramCost:
     further arguments, arrays or `jax.ShapeDtypeStruct`s)."""
     batch = _abstract(step_fn._abstract_batch, step_fn.batch_shardings)
     with mesh_context(step_fn.mesh):
-        compiled = step_fn.lower(step_fn.abstract_params, batch, *args).compile()
-    return analyse_compiled(getattr(step_fn.fun, "__name__", "step"), compiled, step_fn.mesh)
+        traced = step_fn.trace(step_fn.abstract_params, batch, *args)
+        compiled = traced.lower().compile()
+    return analyse_compiled(getattr(step_fn.fun, "__name__", "step"), compiled, step_fn.mesh,
+                            matmuls=matmul_flops(traced.jaxpr))
 
 
 @dataclass(frozen=True)
@@ -125,19 +130,20 @@ def mpmd_programs(runtime: Any) -> MPMDPrograms:
             args = [held[k] for k in step.args]
             key = (id(step.fn), tuple(getattr(a, "sharding", None) for a in args))
             if key not in compiled:
-                compiled[key] = (step.fn.lower(*args, *step.literals).compile(), program_of[seg.index], mesh)
+                traced = step.fn.trace(*args, *step.literals)
+                compiled[key] = (traced.lower().compile(), program_of[seg.index], mesh, matmul_flops(traced.jaxpr))
             calls[key] = calls.get(key, 0) + 1
             runs[seg.index] = key
             outs = jax.tree.leaves(compiled[key][0].output_shardings)
             for (v, _), k, s in zip([(o[0], None) for o in step.outs], step.outs, outs):
                 held[k] = jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=s)
     programs, position = [], {}
-    for key, (c, program, mesh) in compiled.items():
+    for key, (c, program, mesh, matmuls) in compiled.items():
         name = f"{program.placement.name or 'default'}_program{program.index}"
         if any(p.name == name for p in programs):  # one program compiled for two sets of input shardings
             name += f".{sum(p.name.startswith(name) for p in programs)}"
         position[key] = len(programs)
-        programs.append(analyse_compiled(name, c, mesh, executions=calls[key]))
+        programs.append(analyse_compiled(name, c, mesh, executions=calls[key], matmuls=matmuls))
     stash = tuple((stage, label, slice_bytes(tuple(held[k].shape), held[k].dtype.itemsize, held[k].sharding)) for k, (stage, label) in runtime.stashed().items()
                   if k in held)
     return MPMDPrograms(tuple(programs), stash, {k: position[key] for k, key in runs.items()})

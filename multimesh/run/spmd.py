@@ -209,6 +209,10 @@ class ShardedFunction(Parallelized):
     def lower(self, params: Any, batch: Any, *args: Any):
         return self._jit(len(args), jax.tree.structure(params), jax.tree.structure(batch)).lower(params, batch, *args)
 
+    def trace(self, params: Any, batch: Any, *args: Any):
+        """The step traced for these (abstract) arguments: a `jax.stages.Traced` (``.jaxpr``, ``.lower()``)."""
+        return self._jit(len(args), jax.tree.structure(params), jax.tree.structure(batch)).trace(params, batch, *args)
+
     def __repr__(self) -> str:
         name = getattr(self.fun, "__name__", "fun")
         return f"ShardedFunction({name}, mesh={dict(self.mesh.shape)}, {len(self.param_layout.leaves)} params)"
