@@ -146,7 +146,9 @@ def _nnx_config(name: str, tmp_path: Path, *extra: str) -> Config:
     return load_config(name, [*SMALL, *depth, "model.api=nnx", f"train.out_dir={tmp_path}", *extra])
 
 
-@pytest.mark.parametrize("name", ["dp", "fsdp", "tp", "pipeline"])
+# tp in the default suite; the others (10 to 20 s each) with -m slow, for the default suite's 15 minutes
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n != "tp" else n
+                                  for n in ("dp", "fsdp", "tp", "pipeline")])
 def test_nnx_layout_matches_one_device(name, tmp_path, nnx_reference):
     cfg = _nnx_config(name, tmp_path)
     got, state = _curve(cfg, NNX_STEPS)

@@ -424,6 +424,7 @@ def test_a_stack_no_registration_places_is_named_in_a_warning():
         parallelize(make_step(model, microbatches=None), init_params=init_for(model), get_input_batch=get_batch)
 
 
+@pytest.mark.slow  # a quarter of a minute: with -m slow, for the default suite's 15 minutes
 def test_trainer_spmd_layout_runs_the_scanned_stack(tmp_path):
     """``model.scan_layers`` on an SPMD layout (tensor parallel): the stack runs whole, as on one device."""
     from trainers.config import load_config
