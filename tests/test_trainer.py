@@ -600,7 +600,9 @@ def _two_processes_follow_one_and_resume_in_one(name: str, over: list[str], step
                                [from_one.losses[s] for s in (steps + 1, steps + 2)], rtol=RTOL)
 
 
-@pytest.mark.parametrize("name", ["dp_tp", pytest.param("tp", marks=pytest.mark.slow)])  # batch split / replicated
+# -m slow (20 s each; the default suite's 15 minutes): a 2-process trainer run stays in test_newcomer_output
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dp_tp", "tp"])  # batch split / replicated
 def test_two_processes_follow_one_process_and_resume_in_one(name, tmp_path):
     """Two processes of 4 devices each (data read per process, global arrays, checkpoints written by both)
     give one process's losses, and their checkpoint resumes in one process."""
