@@ -7,7 +7,7 @@ product per device (flop/s), the same product on 1, 2, ... of the devices while
 the others idle (how much faster they compute than with all busy: simulated
 CPU devices share the host's cores), an elementwise pass over a large array per device (bytes
 read and written per second), and an all-reduce over all devices of a tiny
-and of a large array (latency, and bandwidth by the ring model of
+(a chain of them in one program: latency) and of a large array (bandwidth by the ring model of
 `timing.collective_time`). The execution cost is taken out of the
 collectives' latency (a tiny all-reduce is mostly that cost), so that the
 time model counts it once per program; the other measurements are sized for
@@ -56,6 +56,10 @@ class CalibratedProfile(HardwareProfile):
     #: the rate with all busy, measured for each ``k`` dividing the device count; XLA:CPU gets more from a
     #: host's cores with fewer device threads, so ``k * speed-up`` can exceed the device count
     busy_speedup: tuple[tuple[int, float], ...] = ()
+
+
+_CHAIN = 16  # tiny all-reduces per latency measurement
+_RESOLUTION = time.get_clock_info("perf_counter").resolution
 
 
 def _best(fn: Callable, arg: Any, repeats: int) -> float:
@@ -132,7 +136,13 @@ def calibrate(devices: Sequence[Any] | None = None, *, matmul_size: int = 512, c
     def summed(x: jax.Array) -> jax.Array:
         return jax.lax.psum(x, "d")
 
-    t_tiny = after_launch(_best(on_each(summed), tiny, repeats))
+    def chained(x: jax.Array) -> jax.Array:  # dependent all-reduces: one execution's cost spread over them
+        for _ in range(_CHAIN):
+            x = jax.lax.psum(x, "d") * 0.5
+        return x
+
+    # one tiny all-reduce's own time; at least the timer's resolution, for a host where it is within noise
+    t_tiny = max(after_launch(_best(on_each(chained), tiny, repeats)) / _CHAIN, _RESOLUTION)
     words = max(1, collective_bytes // 4)
     large = _made((n * words,), jnp.float32, spread)
     t_large = _best(on_each(summed), large, repeats)
