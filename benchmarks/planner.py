@@ -268,6 +268,13 @@ def report(name: str, rows: list[Row]) -> dict:
     before = [r.before for r in ok]
     print(f"Spearman rank correlation (predicted vs measured): {rho:.3f} (goal >= 0.8); the model before: "
           f"{spearman(before, measured):.3f}")
+    rounds = min(len(r.measured) for r in ok)
+    if rounds > 1:  # how well the measurements rank the layouts alike from one round to the next
+        agree = [spearman([r.measured[a] for r in ok], [r.measured[b] for r in ok])
+                 for a, b in itertools.combinations(range(rounds), 2)]
+        print(f"the measurements' own rounds, ranked against each other: Spearman {min(agree):.3f} to "
+              f"{max(agree):.3f}, median {statistics.median(agree):.3f} (what any prediction can reach against "
+              f"one round)")
     print(f"lowest predicted: {pick.layout.describe()} measured {pick.median * 1e3:.2f} ms; best measured: "
           f"{best.layout.describe()} {best.median * 1e3:.2f} ms; ratio {pick.median / best.median:.3f} "
           f"(goal <= 1.10)", flush=True)
@@ -391,7 +398,8 @@ def main() -> None:
     here = calibrate()
     print(f"calibrated: {here.peak_flops['float32']:.3g} flop/s, {here.memory_bandwidth:.3g} B/s memory, "
           f"{here.intra_node_bandwidth:.3g} B/s link, {here.intra_node_latency * 1e6:.1f} us latency, "
-          f"{here.launch_overhead * 1e6:.1f} us per program execution, one device alone {here.alone_speedup:.2f}x "
+          f"{here.launch_overhead * 1e6:.1f} us per program execution, {here.copy_latency * 1e6:.1f} us per copy "
+          f"between devices, one device alone {here.alone_speedup:.2f}x "
           f"faster than with all busy; per-device speed-up with k busy: "
           f"{', '.join(f'{k}: {v:.2f}' for k, v in here.busy_speedup)}", flush=True)
     summary = {}

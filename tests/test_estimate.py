@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from pathlib import Path
 
 import jax
@@ -281,7 +282,7 @@ def test_a_profile_calibrated_here_prices_a_step(fsdp):
     for value in (here.peak_flops["float32"], here.memory_bandwidth, here.memory_bytes,
                   here.intra_node_bandwidth, here.intra_node_latency):
         assert np.isfinite(value) and value > 0
-    assert isinstance(here, CalibratedProfile) and here.launch_overhead > 0
+    assert isinstance(here, CalibratedProfile) and here.launch_overhead > 0 and here.copy_latency > 0
     # 8 simulated devices share this host's cores: one computing alone is faster than with all 8 busy
     assert 1 < here.alone_speedup <= jax.device_count()
     assert [k for k, _ in here.busy_speedup] == [1, 2, 4, 8] and dict(here.busy_speedup)[8] == 1.0
@@ -293,7 +294,7 @@ def test_a_profile_calibrated_here_prices_a_step(fsdp):
 def measured_like(base: str, **figures) -> CalibratedProfile:
     """A datasheet profile's figures with a calibrated profile's extra ones."""
     fields = {f.name: getattr(PROFILES[base], f.name) for f in dataclasses.fields(PROFILES[base])}
-    return CalibratedProfile(**fields, **figures)
+    return CalibratedProfile(**{**fields, **figures})
 
 
 def busy_by_stage(est) -> dict[frozenset, int]:
@@ -317,24 +318,81 @@ def test_every_program_execution_pays_the_launch_overhead(fsdp, pipeline):
     assert all(t.launch == 0 for t in pipeline[0].estimate("h100-sxm").time.programs.values())
 
 
+def host_sum(est, speedup) -> float:
+    """Every program execution (at ``speedup(k)`` for its ``k`` devices) and every copy, one after another."""
+    t = est.time.programs
+    return est.time.transfers + sum(p.executions * (t[p.name].launch + t[p.name].work / speedup(len(p.devices)))
+                                    for p in est.programs)
+
+
 def test_stages_sharing_a_host_are_timed_by_the_hosts_work(pipeline):
     fn = pipeline[0]
     own = fn.estimate(measured_like("h100-sxm", alone_speedup=1.0))
     assert own.time == fn.estimate("h100-sxm").time  # each device its own compute: the plain schedule
-    shared = fn.estimate(measured_like("h100-sxm", alone_speedup=8.0))
-    # a host cannot do the step faster than all its devices' work at the rate they have when all are busy
-    work = sum(p.executions * shared.time.programs[p.name].work * len(p.devices) / 8 for p in shared.programs)
-    assert shared.time.total >= work * (1 - 1e-9)
+    # a slow memory: the programs' work, not the links' latencies, sets the step's time
+    slow = {"memory_bandwidth": 1e6, "launch_overhead": 1e-6}
+    own = fn.estimate(measured_like("h100-sxm", alone_speedup=1.0, **slow))
+    shared = fn.estimate(measured_like("h100-sxm", alone_speedup=8.0, **slow))
+    # the host runs one program at a time: the step is every execution and copy in turn, a stage of k of
+    # the 8 devices at 8 / k times the all-busy rate (the host's throughput shared)
+    assert {len(p.devices) for p in shared.programs} == {4}
+    assert shared.time.total == pytest.approx(host_sum(shared, lambda k: 8 / k))
     # no bubble on a shared host: the idle stage's cores run the busy one, so it takes less than on own cores
-    assert shared.time.pipeline < own.time.pipeline
+    assert shared.time.total < own.time.total
     # measured: 4 busy devices of 8 each compute 3x faster than with all 8 busy, more than their share (2x):
-    # the host does more with fewer device threads, so the stages' step takes less, and at least all the
-    # work at that best throughput (1.5x the all-busy one)
-    even = fn.estimate(measured_like("h100-sxm", alone_speedup=8.0, busy_speedup=((4, 2.0), (8, 1.0))))
-    more = fn.estimate(measured_like("h100-sxm", alone_speedup=8.0, busy_speedup=((4, 3.0), (8, 1.0))))
+    # the host does more with fewer device threads, so the step takes less
+    even = fn.estimate(measured_like("h100-sxm", alone_speedup=8.0, busy_speedup=((4, 2.0), (8, 1.0)), **slow))
+    more = fn.estimate(measured_like("h100-sxm", alone_speedup=8.0, busy_speedup=((4, 3.0), (8, 1.0)), **slow))
     assert even.time == shared.time  # 4 devices at twice the all-busy rate: the host's throughput shared
-    assert more.time.pipeline < even.time.pipeline
-    assert more.time.total >= work / 1.5 * (1 - 1e-9)
+    assert more.time.total == pytest.approx(host_sum(more, lambda k: 3.0))
+    assert more.time.total < even.time.total
+
+
+def test_a_copy_between_stages_costs_the_measured_copy_latency(pipeline):
+    fn = pipeline[0]
+    plain = fn.estimate("h100-sxm")
+    copy = 1e-3  # far above the link's latency (5 us) and these copies' bytes over it
+    slow = fn.estimate(measured_like("h100-sxm", copy_latency=copy))
+    n = len(slow.transfers)
+    assert n > 0
+    assert slow.time.transfers == pytest.approx(plain.time.transfers + n * (copy - PROFILES["h100-sxm"].intra_node_latency))
+    assert slow.time.total > plain.time.total
+    # never below the link's own latency
+    assert fn.estimate(measured_like("h100-sxm", copy_latency=1e-9)).time == plain.time
+
+
+def four_stages():
+    """Four stages of 2 devices, each one `layer`: the middle two stages' programs are alike."""
+    devices = np.array(jax.devices())
+    stages = [task(layer, f"stage{i}", mesh=build_mesh({"data": 2}, devices[2 * i:2 * i + 2])) for i in range(4)]
+
+    def step(state, b):
+        value, grads = jax.value_and_grad(microbatch(chain(stages), 0, B // 4, argnum=1, schedule="1f1b"))(
+            state["params"], b)
+        updates, opt = TX.update(grads, state["opt_state"], state["params"])
+        return value, {"params": optax.apply_updates(state["params"], updates), "opt_state": opt}
+
+    fn, _, _ = parallelize(step, init_params=init_state(4), get_input_batch=make_batch, rules=[("batch", "data")])
+    return fn
+
+
+def test_a_stage_like_another_is_compiled_once_and_estimated_the_same(monkeypatch):
+    import itertools
+
+    programs_module = importlib.import_module("multimesh.estimate.programs")
+    fn = four_stages()
+    compiles = []
+    compile_ = jax.stages.Lowered.compile
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self, *a, **k: compiles.append(1) or compile_(self, *a, **k))
+    shared = fn.estimate("h100-sxm")
+    reused = len(compiles)
+    # the reference: every program compiled for itself
+    unique = itertools.count()
+    monkeypatch.setattr(programs_module, "_unnamed", lambda text: f"{text}{next(unique)}")
+    alone = fn.estimate("h100-sxm")
+    assert len(compiles) - reused == len(alone.programs)
+    assert reused < len(shared.programs)  # the two stages' like programs compiled once
+    assert shared.programs == alone.programs and shared.time == alone.time and shared.memory == alone.memory
 
 
 def test_a_pipeline_is_timed_through_its_schedule(pipeline):

@@ -8,7 +8,7 @@ the others idle (how much faster they compute than with all busy: simulated
 CPU devices share the host's cores), an elementwise pass over a large array per device (bytes
 read and written per second), and an all-reduce over all devices of a tiny
 (a chain of them in one program: latency) and of a large array (bandwidth by the ring model of
-`timing.collective_time`). The execution cost is taken out of the
+`timing.collective_time`), and a copy of a tiny array between two devices. The execution cost is taken out of the
 collectives' latency (a tiny all-reduce is mostly that cost), so that the
 time model counts it once per program; the other measurements are sized for
 their work to dominate it. On one host every
@@ -39,23 +39,18 @@ __all__ = ["CalibratedProfile", "calibrate"]
 
 @dataclass(frozen=True)
 class CalibratedProfile(HardwareProfile):
-    """A measured `HardwareProfile` with two figures datasheets do not give.
+    """A `HardwareProfile` measured by `calibrate`, with the figures datasheets do not give.
 
     ``launch_overhead``: seconds one program execution costs whatever its
     work (on a GPU a few microseconds, negligible; on simulated CPU devices a
-    synchronisation of the host's threads). ``alone_speedup``: one device's
-    compute rate while the others idle over its rate with all busy: 1 where
-    each device has its own compute, up to the device count where the devices
-    share a host's cores (then a pipeline stage running alone gets the idle
-    stages' share).
+    synchronisation of the host's threads). ``copy_latency``: one copy of a
+    tiny array between two devices (the dispatch of a transfer). ``alone_speedup``
+    and ``busy_speedup``: how much faster devices compute while others idle:
+    1 where each device has its own compute, up to the device count where the
+    devices share a host's cores (then a pipeline stage running alone gets the
+    idle stages' share). XLA:CPU gets more from a host's cores with fewer
+    device threads, so ``k * speed-up`` can exceed the device count.
     """
-
-    launch_overhead: float = 0.0
-    alone_speedup: float = 1.0
-    #: ``(k, speed-up)`` pairs: with ``k`` devices busy (the others idle), their per-device compute rate over
-    #: the rate with all busy, measured for each ``k`` dividing the device count; XLA:CPU gets more from a
-    #: host's cores with fewer device threads, so ``k * speed-up`` can exceed the device count
-    busy_speedup: tuple[tuple[int, float], ...] = ()
 
 
 _CHAIN = 16  # tiny all-reduces per latency measurement
@@ -81,6 +76,20 @@ def _memory_bytes(devices: Sequence[Any]) -> int:
         return int(stats["bytes_limit"])
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return int(host // max(1, len(local)))
+
+
+def _copy_latency(local: Sequence[Any], repeats: int) -> float:
+    """The best time of one copy of a tiny array from one of this process's devices to another (0 with one)."""
+    if len(local) < 2:
+        return 0.0
+    tiny = jax.device_put(np.zeros((16,), np.float32), local[0])
+    jax.block_until_ready(jax.device_put(tiny, local[1]))
+    best = float("inf")
+    for _ in range(max(repeats, 5)):
+        start = time.perf_counter()
+        jax.block_until_ready(jax.device_put(tiny, local[1]))
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def _made(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> jax.Array:
@@ -150,6 +159,7 @@ def calibrate(devices: Sequence[Any] | None = None, *, matmul_size: int = 512, c
     latency = t_tiny / steps
     link = (2 * (n - 1) / n if n > 1 else 1.0) * words * 4 / max(t_large - launch - t_tiny, 1e-9)
 
+    copy = _copy_latency(local, repeats)
     name = np.dtype(dtype).name
     peaks = {name: rate}
     peaks.setdefault("float32", rate)
@@ -159,5 +169,5 @@ def calibrate(devices: Sequence[Any] | None = None, *, matmul_size: int = 512, c
         inter_node_bandwidth=link, inter_node_latency=latency, devices_per_node=n,
         source=f"measured by multimesh.estimate.calibrate on {n} {devices[0].device_kind} devices",
         notes=("measured with every device busy; one host: inter-node figures are the intra-node ones",),
-        launch_overhead=launch, alone_speedup=alone_speedup,
+        launch_overhead=launch, copy_latency=copy, alone_speedup=alone_speedup,
         busy_speedup=tuple(sorted(busy_speedup.items())))

@@ -54,6 +54,18 @@ class HardwareProfile:
     devices_per_node: int = 8
     source: str = ""
     notes: tuple[str, ...] = field(default=())
+    #: Figures only a measurement gives (`calibrate`); a datasheet profile keeps these neutral defaults.
+    #: ``launch_overhead``: seconds one program execution costs whatever its work.
+    launch_overhead: float = 0.0
+    #: ``copy_latency``: seconds one copy between submeshes costs whatever its size (dispatch included);
+    #: 0: the link's latency.
+    copy_latency: float = 0.0
+    #: ``alone_speedup``: one device's compute rate while the others idle over its rate with all busy (1:
+    #: each device its own compute; above 1: devices sharing a host's cores).
+    alone_speedup: float = 1.0
+    #: ``(k, speed-up)`` pairs: with ``k`` devices busy (the others idle), their per-device compute rate over
+    #: the rate with all busy, for each ``k`` measured.
+    busy_speedup: tuple[tuple[int, float], ...] = ()
 
     def flops_rate(self, dtype: str) -> float:
         """The peak for ``dtype``; float32 work is taken at the float32 (non-Tensor-Core) rate."""

@@ -5,11 +5,14 @@ the parameter and batch shardings. MPMD: the runtime's programs, compiled in
 the runtime's order with the shardings their inputs would have when run (step
 inputs: their layouts' shardings, moved as the runtime moves them; values from
 another program: that program's output shardings, on the reader's submesh as
-`core.transfer.target_on` puts them). Nothing is allocated or executed.
+`core.transfer.target_on` puts them). A program whose module another stage
+already compiled for a mesh of the same shape is not compiled again. Nothing
+is allocated or executed.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +103,18 @@ def _placed(x: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
+def _unnamed(module: str) -> str:
+    """A module's text without its name (``module @jit_stage1_program1``): the one line like stages differ in."""
+    return re.sub(r"^module @\S+", "module", module, count=1)
+
+
+def _moved_to(sharding: Any, mesh: Mesh) -> Any:
+    """A program's output sharding on ``mesh``: the same spec, where it was compiled for a like mesh."""
+    if isinstance(sharding, NamedSharding) and sharding.mesh.devices.shape == mesh.devices.shape:
+        return NamedSharding(mesh, sharding.spec)
+    return sharding
+
+
 def mpmd_programs(runtime: Any) -> MPMDPrograms:
     """Compile every program of an MPMD runtime from abstract inputs, walking its steps in order."""
     plan = runtime.plan
@@ -109,6 +124,9 @@ def mpmd_programs(runtime: Any) -> MPMDPrograms:
     held.update(((v, None), x) for v, x in plan.consts.items())
     program_of = {k: p for p in runtime.programs for k in p.segments}
     compiled: dict[tuple, Any] = {}
+    # a program whose module and mesh shape another already has (a stage like another, on its own devices)
+    # is compiled once: XLA's analyses are per device and the same
+    by_module: dict[tuple, Any] = {}
     calls: dict[tuple, int] = {}
     runs: dict[int, tuple] = {}  # segment index -> key of its compiled program
     with no_mesh_context():
@@ -131,10 +149,14 @@ def mpmd_programs(runtime: Any) -> MPMDPrograms:
             key = (id(step.fn), tuple(getattr(a, "sharding", None) for a in args))
             if key not in compiled:
                 traced = step.fn.trace(*args, *step.literals)
-                compiled[key] = (traced.lower().compile(), program_of[seg.index], mesh, matmul_flops(traced.jaxpr))
+                lowered = traced.lower()
+                same = (_unnamed(lowered.as_text()), mesh.devices.shape, mesh.axis_names)
+                if same not in by_module:
+                    by_module[same] = lowered.compile()
+                compiled[key] = (by_module[same], program_of[seg.index], mesh, matmul_flops(traced.jaxpr))
             calls[key] = calls.get(key, 0) + 1
             runs[seg.index] = key
-            outs = jax.tree.leaves(compiled[key][0].output_shardings)
+            outs = [_moved_to(s, mesh) for s in jax.tree.leaves(compiled[key][0].output_shardings)]
             for (v, _), k, s in zip([(o[0], None) for o in step.outs], step.outs, outs):
                 held[k] = jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=s)
     programs, position = [], {}

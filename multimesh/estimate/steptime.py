@@ -9,18 +9,19 @@ an action. Segments outside the schedule (the optimizer update, glue) are
 added per stage after it, the busiest stage's. Tasks without a schedule run
 one after another.
 
-Devices that share compute (a `CalibratedProfile` whose ``alone_speedup`` is
-above 1: simulated CPU devices on one host's cores): a stage of ``k`` of the
-step's ``n`` devices computing while the others idle runs faster than with
-all busy, by the speed-up `calibrate` measured with ``k`` devices busy
+Devices that share compute (a profile whose ``alone_speedup`` is above 1:
+simulated CPU devices on one host's cores): a stage of ``k`` of the step's
+``n`` devices computing while the others idle runs faster than with all
+busy, by the speed-up `calibrate` measured with ``k`` devices busy
 (``busy_speedup``; where it has none for ``k``, ``min(alone_speedup, n / k)``:
-the host's throughput shared), so the schedule is simulated at those rates;
-and the step cannot take less than all its work done at the host's best
-measured throughput, the sum over program executions of their work times
-``k / n``, divided by the largest ``k * speed-up / n``. The pipeline takes
-the larger of the two. With ``alone_speedup`` 1 (each device its own
-compute, every datasheet profile) the second is never the larger, and the
-model is the plain schedule simulation.
+the host's throughput shared), so the schedule is simulated at those rates.
+But the host's cores do not run two stages' programs at once any faster
+than one after the other (measured on XLA:CPU: two programs on disjoint
+halves of the devices dispatched together take the sum of their times), so
+the step cannot take less than every program execution and copy one after
+another, each at its own rate; the pipeline takes the larger of the two.
+With ``alone_speedup`` 1 (each device its own compute, every datasheet
+profile) the model is the plain schedule simulation.
 """
 
 from __future__ import annotations
@@ -63,41 +64,37 @@ def step_timing(plan: Any, programs: tuple[ProgramCost, ...], segment_program: d
     schedule = plan.schedule
     if schedule is None:
         return StepTiming(times, moved, sum(took.values()) + moved)
-    shared = max(1.0, float(getattr(profile, "alone_speedup", 1.0)))
-    measured = dict(getattr(profile, "busy_speedup", ()))
+    shared = max(1.0, profile.alone_speedup)
+    measured = dict(profile.busy_speedup)
 
     def speedup(k: int) -> float:
         """How much faster k devices compute with the step's other devices idle than with all busy."""
         return measured.get(k, min(shared, n_devices / k))
 
-    # the host's best throughput over its all-busy throughput (1 when it is the same whoever is busy)
-    best = max([1.0, *(k * v / n_devices for k, v in measured.items() if k <= n_devices)])
     launch = launch_overhead(profile)
     forward: dict[int, float] = {}
     backward: dict[int, float] = {}
     outside: dict[frozenset, float] = {}
     into_actions = []
-    host_work = 0.0  # the actions' work at the all-busy rate, spread over the step's devices
+    host = moved  # on a shared host: every execution and copy one after another, each at its own rate
     for seg in plan.segments:
         t = took.get(seg.index, 0.0)
+        if seg.index in took:  # its work faster by the idle devices' share of the host; its launch as it is
+            t = launch + (t - launch) / speedup(len(seg.placement.devices))
+            host += t
         if seg.action is None:
             outside[seg.placement.devices] = outside.get(seg.placement.devices, 0.0) + t + copies.get(seg.index, 0)
             continue
         into_actions.append(copies.get(seg.index, 0.0))
         stage = schedule.physical_stage(seg.action)
         per = forward if seg.action.kind == "F" else backward
-        k = len(seg.placement.devices)
-        if seg.index in took:  # its work faster by the idle devices' share of the host; its launch as it is
-            work = t - launch
-            host_work += work * k / n_devices / best
-            t = launch + work / speedup(k)
         per[stage] = per.get(stage, 0.0) + t
     m = schedule.num_microbatches
     per_stage = {s: (max(forward.get(s, 0.0) / m, _TINY), max(backward.get(s, 0.0) / m, _TINY))
                  for s in set(forward) | set(backward)}
     comm = sum(into_actions) / len(into_actions) if into_actions else 0.0
     makespan = schedule.simulate(comm_time=comm, stage_times=per_stage).makespan
-    if shared > 1.0:
-        makespan = max(makespan, host_work)
     rest = max(outside.values(), default=0.0)
+    if shared > 1.0 and host > makespan + rest:
+        return StepTiming(times, moved, host, pipeline=host - rest, outside=rest)
     return StepTiming(times, moved, makespan + rest, pipeline=makespan, outside=rest)

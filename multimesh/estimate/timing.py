@@ -3,7 +3,8 @@
 A program takes ``max(flops / peak, bytes accessed / memory bandwidth)`` plus
 its collectives, which are not assumed to overlap with compute, plus the
 profile's ``launch_overhead`` (a `CalibratedProfile`'s measured cost of one
-execution whatever its work; 0 for a datasheet profile). A collective
+execution whatever its work; 0 for a datasheet profile). A copy between
+submeshes costs its fixed cost (``transfer_time``) and its bytes over the link. A collective
 over ``n`` devices moving ``B`` bytes (ring algorithms) takes
 ``steps * latency + factor * B / bandwidth``:
 
@@ -71,7 +72,7 @@ class ProgramTime:
 
 def launch_overhead(profile: HardwareProfile) -> float:
     """Seconds one program execution costs whatever its work: measured by `calibrate`, else 0."""
-    return float(getattr(profile, "launch_overhead", 0.0))
+    return profile.launch_overhead
 
 
 def program_time(p: ProgramCost, profile: HardwareProfile, dtype: str) -> ProgramTime:
@@ -82,7 +83,8 @@ def program_time(p: ProgramCost, profile: HardwareProfile, dtype: str) -> Progra
 
 
 def transfer_time(nbytes: int, profile: HardwareProfile, *, inside_node: bool) -> float:
-    """One copy between submeshes: latency + bytes / link bandwidth."""
+    """One copy between submeshes: its fixed cost (the link's latency, or the profile's measured
+    ``copy_latency`` where that is more) + bytes / link bandwidth."""
     if inside_node:
-        return profile.intra_node_latency + nbytes / profile.intra_node_bandwidth
-    return profile.inter_node_latency + nbytes / profile.inter_node_bandwidth
+        return max(profile.copy_latency, profile.intra_node_latency) + nbytes / profile.intra_node_bandwidth
+    return max(profile.copy_latency, profile.inter_node_latency) + nbytes / profile.inter_node_bandwidth
