@@ -243,9 +243,10 @@ def measure_size(name: str, layouts: Sequence[Layout], profile, steps: int, roun
 
 
 def plain(profile):
-    """``profile`` as the time model saw it before: no launch overhead, devices not sharing compute."""
+    """``profile`` as the time model saw it before: no launch or copy overhead, devices not sharing compute."""
     fields = {f.name: getattr(profile, f.name) for f in dataclasses.fields(HardwareProfile)}
-    return HardwareProfile(**fields)
+    return HardwareProfile(**{**fields, "launch_overhead": 0.0, "copy_latency": 0.0, "alone_speedup": 1.0,
+                              "busy_speedup": ()})
 
 
 def report(name: str, rows: list[Row]) -> dict:

@@ -224,6 +224,69 @@ def test_collectives_are_read_in_every_group_form():
     assert found[-1].axes_label == "unknown axes"
 
 
+def test_a_collective_in_a_loop_counts_once_per_iteration():
+    hlo = "\n".join([
+        "HloModule jit_step, entry_computation_layout={(f32[8]{0})->f32[8]{0}}",
+        "%add (a: f32[], b: f32[]) -> f32[] {",
+        "  ROOT %s = f32[] add(%a, %b)",
+        "}",
+        "%inner (p: (s32[], f32[8])) -> (s32[], f32[8]) {",
+        "  %ar = f32[8]{0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add",
+        "}",
+        "%outer (p: (s32[], f32[8])) -> (s32[], f32[8]) {",
+        "  %ag = f32[8]{0} all-gather(%y), replica_groups={{0,1}}, dimensions={0}",
+        '  %w2 = (s32[], f32[8]) while(%t), condition=%cond, body=%inner, '
+        'backend_config={"known_trip_count":{"n":"3"}}',
+        "}",
+        "%cond (p: (s32[], f32[8])) -> pred[] {",
+        "  ROOT %lt = pred[] compare(%i, %n), direction=LT",
+        "}",
+        "%unknown (p: (s32[], f32[8])) -> (s32[], f32[8]) {",
+        "  %cp = f32[8]{0} collective-permute(%z), source_target_pairs={{0,1},{1,0}}",
+        "}",
+        "ENTRY %main (x: f32[8]) -> f32[8] {",
+        "  %top = f32[8]{0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%add",
+        '  %w1 = (s32[], f32[8]) while(%t0), condition=%cond, body=%outer, '
+        'backend_config={"known_trip_count":{"n":"4"}}',
+        "  %w3 = (s32[], f32[8]) while(%t1), condition=%cond, body=%unknown",
+        "}",
+    ])
+    found = {c.name: c.count for c in find_collectives(hlo, ["data"], [2])}
+    # the outer loop runs 4 times, the inner 3 times per outer iteration; a loop of unknown length counts once
+    assert found == {"ar": 12, "ag": 4, "cp": 1, "top": 1}
+
+
+def test_a_scanned_stack_moves_the_bytes_of_the_same_stack_unrolled():
+    """XLA reduces a scanned stack's gradients once per iteration, the unrolled stack's at once: the bytes
+    per step agree only when a loop body's collectives count once per iteration."""
+    layers = 4
+
+    def init():
+        k = jax.random.split(jax.random.key(0), 2)
+        return {"a": jax.random.normal(k[0], (layers, D, H)), "b": jax.random.normal(k[1], (layers, H, D))}
+
+    def scanned(p, b):
+        h, _ = jax.lax.scan(lambda x, w: (layer(w, x), None), b["x"], p)
+        return jnp.mean(h ** 2)
+
+    def unrolled(p, b):
+        h = b["x"]
+        for i in range(layers):
+            h = layer(jax.tree.map(lambda a: a[i], p), h)
+        return jnp.mean(h ** 2)
+
+    moved = {}
+    for name, loss in (("scanned", scanned), ("unrolled", unrolled)):
+        fn, _, _ = parallelize(lambda p, b, loss=loss: jax.grad(loss)(p, b), init_params=init,
+                               get_input_batch=make_batch, mesh=build_mesh({"fsdp": 8}), rules=[("batch", "fsdp")],
+                               param_rules=[(r"/(a|b)$", P(None, "fsdp"))])
+        est = fn.estimate("h100-sxm")
+        moved[name] = sum(b for _, b in est.collectives().values())
+        if name == "scanned":
+            assert any(c.count == layers for p in est.programs for c in p.collectives)
+    assert moved["scanned"] == moved["unrolled"] > 0
+
+
 def test_collective_time_is_the_ring_model():
     h100 = PROFILES["h100-sxm"]
     one_mib = 1 << 20

@@ -4,8 +4,11 @@ Each collective instruction (``all-reduce``, ``all-gather``, ``reduce-scatter``,
 ``all-to-all``, ``collective-permute``; an asynchronous ``-start``/``-done``
 pair counts once, with the ``-done``'s shape) is one `Collective`. Its bytes
 are those of its result on one device (an all-gather's gathered array, a
-reduce-scatter's scattered piece). An instruction inside a loop body is
-counted once, not once per iteration.
+reduce-scatter's scattered piece). Its ``count`` is how often one run of
+the program executes it: 1, or for an instruction inside a loop body (a
+``scan``), the loop's trip count where XLA knows it (``known_trip_count``),
+times that of every loop around it; a branch of a conditional counts as if
+taken.
 
 Device groups are read in the three forms XLA prints (explicit
 ``{{0,1},{2,3}}``, iota ``[2,4]<=[4,2]T(1,0)``, and mesh axes
@@ -18,6 +21,7 @@ collective whose groups match no set of axes has axes ``None`` (shown as
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from collections.abc import Sequence
@@ -38,13 +42,15 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape
 @dataclass(frozen=True)
 class Collective:
     """One collective instruction: ``bytes`` of its result per device, ``group_size`` devices per group,
-    ``axes`` the mesh axes its groups span (None: not matched to mesh axes)."""
+    ``axes`` the mesh axes its groups span (None: not matched to mesh axes), ``count`` its executions."""
 
     kind: str
     bytes: int
     group_size: int
     axes: tuple[str, ...] | None
     name: str
+    #: executions per run of its program (a loop body's: the trip count)
+    count: int = 1
 
     @property
     def axes_label(self) -> str:
@@ -145,12 +151,59 @@ def _axes_of_pairs(pairs: Sequence[Sequence[int]], names: Sequence[str], sizes: 
     return tuple(names[i] for i in sorted(differ))
 
 
+_COMPUTATION = re.compile(r"^\s*(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s+\(.*\{\s*$")
+_CALLED = re.compile(r"\b(?:to_apply|calls|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+_TRIPS = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+def _runs(calls: dict[str, list[tuple[str, int]]], entry: str | None) -> dict[str, int]:
+    """Computation -> how often one run of ``entry`` runs it, along every chain of calls (a DAG)."""
+    if entry is None:
+        return {}
+    runs: dict[str, int] = {}
+    order: list[str] = []  # computations after every one that calls them
+    seen: set[str] = set()
+
+    def visit(name: str) -> None:
+        seen.add(name)
+        for callee, _ in calls.get(name, ()):
+            if callee not in seen:
+                visit(callee)
+        order.append(name)
+
+    visit(entry)
+    runs[entry] = 1
+    for name in reversed(order):
+        for callee, times in calls.get(name, ()):
+            runs[callee] = runs.get(callee, 0) + runs.get(name, 0) * times
+    return runs
+
+
 def find_collectives(hlo_text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]) -> list[Collective]:
     """Every collective of a compiled program's HLO (``compiled.as_text()``), in text order."""
     n_devices = int(np.prod(axis_sizes, dtype=np.int64))
     started: dict[str, tuple[str, str]] = {}  # name of a -start -> (kind, its attributes)
     out = []
+    where: list[str | None] = []  # the computation of each collective found
+    calls: dict[str, list[tuple[str, int]]] = {}  # computation -> (computation it calls, times per run)
+    current, entry = None, None
     for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line) if " = " not in line else None
+        if header is not None:
+            current = header.group("name")
+            entry = current if header.group("entry") else entry
+            continue
+        if current is not None and " = " in line:
+            edges = calls.setdefault(current, [])
+            body = _BODY.search(line)
+            if body is not None:
+                trips = _TRIPS.search(line)
+                edges.append((body.group(1), int(trips.group(1)) if trips else 1))
+            edges.extend((c, 1) for c in _CALLED.findall(line))
+            branches = re.search(r"\bbranch_computations=\{([^}]*)\}", line)
+            if branches is not None:
+                edges.extend((c.strip().lstrip("%"), 1) for c in branches.group(1).split(",") if c.strip())
         m = _INSTRUCTION.match(line)
         if m is None:
             continue
@@ -172,4 +225,6 @@ def find_collectives(hlo_text: str, axis_names: Sequence[str], axis_sizes: Seque
             axes = _axes_of_groups(groups, axis_names, axis_sizes)
             size = max(len(g) for g in groups)
         out.append(Collective(kind, shape_bytes(m.group("shape")), size, axes, m.group("name")))
-    return out
+        where.append(current)
+    runs = _runs(calls, entry)
+    return [dataclasses.replace(c, count=runs.get(w, 1)) if runs.get(w, 1) != 1 else c for c, w in zip(out, where)]

@@ -109,7 +109,7 @@ class Estimate:
         for p in self.programs:
             for c in p.collectives:
                 n, b = out.get((c.kind, c.axes_label), (0, 0))
-                out[(c.kind, c.axes_label)] = (n + p.executions, b + c.bytes * p.executions)
+                out[(c.kind, c.axes_label)] = (n + c.count * p.executions, b + c.bytes * c.count * p.executions)
         return out
 
     def __repr__(self) -> str:

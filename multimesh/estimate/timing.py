@@ -78,7 +78,7 @@ def launch_overhead(profile: HardwareProfile) -> float:
 def program_time(p: ProgramCost, profile: HardwareProfile, dtype: str) -> ProgramTime:
     return ProgramTime(compute=p.flops / profile.flops_rate(dtype),
                        memory=p.bytes_accessed / profile.memory_bandwidth,
-                       communication=sum(collective_time(c, profile) for c in p.collectives),
+                       communication=sum(c.count * collective_time(c, profile) for c in p.collectives),
                        launch=launch_overhead(profile))
 
 
