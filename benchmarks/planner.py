@@ -306,11 +306,11 @@ def mp_worker(args: argparse.Namespace) -> None:
                                   "microbatches": args.microbatches, "steps": args.steps, "rounds": args.rounds})
     init, step = mpp.model(margs, stages)
     fn, init_p, get_b = parallelize(step, init_params=init, get_input_batch=lambda: mpp.batch(margs))
-    seconds, _ = mpp.timed(fn, init_p(), get_b(), margs.steps, margs.rounds)
+    seconds, _, _ = mpp.timed(fn, init_p(), get_b(), margs.steps, margs.rounds)
     est = fn.estimate(here)
     print(json.dumps({"seconds": seconds, "predicted": est.time.total, "before": fn.estimate(plain(here)).time.total, "flops": here.peak_flops["float32"],
                       "bandwidth": here.memory_bandwidth, "link": here.intra_node_bandwidth,
-                      "latency": here.intra_node_latency}))
+                      "latency": here.intra_node_latency, "alone_speedup": here.alone_speedup}))
     jax.distributed.shutdown()
 
 
@@ -356,7 +356,8 @@ def multiprocess_rows(schedules: Sequence[str], microbatches: int, steps: int, r
                   before=max(r["before"] for r in results))
         print(f"  {schedule:12s} predicted {row.predicted * 1e3:8.2f} ms measured {row.median * 1e3:8.2f} ms; "
               f"profile: {results[0]['flops']:.3g} flop/s, {results[0]['bandwidth']:.3g} B/s, link "
-              f"{results[0]['link']:.3g} B/s, latency {results[0]['latency'] * 1e6:.0f} us", flush=True)
+              f"{results[0]['link']:.3g} B/s, latency {results[0]['latency'] * 1e6:.0f} us, one device alone "
+              f"{results[0]['alone_speedup']:.2f}x", flush=True)
         rows.append(row)
     return rows
 
