@@ -9,6 +9,12 @@ the devices, each group alone one after the other, against all groups
 dispatched together before waiting. A ratio (together / in turn) near 1 says
 the host's cores run them no faster together; well below 1, that they overlap.
 Best of ``--rounds`` timings each.
+
+Then what an all-reduce costs while the devices are busy: a chain of 16
+matrix products per device with an all-reduce after each (over all the
+devices, or a group of 4 or 2) against the same chain without them; the
+extra time per all-reduce, and per step of the ring model (``2 (n - 1)``
+steps), to set beside the latency `calibrate` measures on idle devices.
 """
 
 from __future__ import annotations
@@ -68,6 +74,35 @@ def main() -> None:
 
             a, b = best(in_turn, args.rounds), best(together, args.rounds)
             print(f"{size:6d} {groups:3d} of {per:3d} {a * 1e3:10.2f} {b * 1e3:11.2f} {b / a:6.2f}", flush=True)
+    collectives_while_busy(args.rounds)
+
+
+def collectives_while_busy(rounds: int, chain: int = 16) -> None:
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices).reshape(len(devices) // 2, 2), ("a", "b"))
+    print(f"\nan all-reduce after each of {chain} matrix products per device (extra time per all-reduce):")
+    print(f"{'matrix':>6s} {'over':>8s} {'alone ms':>9s} {'per all-reduce us':>17s} {'per ring step us':>16s}")
+    for size in (64, 128):
+        x = jax.jit(lambda: jnp.ones((len(devices) * size, size)),
+                    out_shardings=NamedSharding(mesh, P(("a", "b"))))()
+
+        def program(axes):
+            def body(x):
+                for _ in range(chain):
+                    x = jnp.tanh(x @ x) * 0.5
+                    if axes:
+                        x = jax.lax.psum(x, axes) * 0.1
+                return x
+            fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("a", "b")), out_specs=P(("a", "b"))))
+            jax.block_until_ready(fn(x))
+            return lambda: jax.block_until_ready(fn(x))
+
+        alone = best(program(()), rounds)
+        for axes in (("a", "b"), ("a",), ("b",)):
+            n = int(np.prod([mesh.shape[a] for a in axes]))
+            extra = (best(program(axes), rounds) - alone) / chain
+            print(f"{size:6d} {n:4d} dev {alone * 1e3:9.2f} {extra * 1e6:17.0f} {extra / (2 * (n - 1)) * 1e6:16.0f}",
+                  flush=True)
 
 
 if __name__ == "__main__":
