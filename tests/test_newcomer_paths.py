@@ -15,9 +15,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
-from multimesh.checkpoint import CheckpointManager
+from multimesh.checkpoint import CheckpointManager, CheckpointMismatchError
 from multimesh.checkpoint import inspect as ckpt_inspect
 from multimesh.jax import parallelize
 
@@ -118,3 +119,32 @@ def test_a_dictionary_key_named_value_keeps_its_name(tmp_path, capsys):
     with CheckpointManager(tmp_path / "c") as mgr:
         mgr.save(1, {"counter": {"value": jax.device_put(np.arange(4.0))}, "w": jax.device_put(np.ones(2))})
     assert _inspected_paths(tmp_path / "c", capsys) == ["counter/value", "w"]
+
+
+class WiderLinenMlp(nn.Module):
+    """`LinenMlp` with a wider hidden layer and a renamed output layer: a restore target that does not match."""
+
+    @nn.compact
+    def __call__(self, x):
+        up = nn.Dense(32, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp")))
+        return nn.Dense(1, name="out")(nn.relu(up(x)))
+
+
+def test_a_mismatched_restore_names_leaves_as_the_report_does(tmp_path):
+    step_fn, init = _linen_step()
+    with CheckpointManager(tmp_path / "c") as mgr:
+        mgr.save(1, init())
+    model = WiderLinenMlp()
+    wider, _ = parallelize(lambda p, b: jnp.sum(model.apply(p, b["x"])),
+                           init_params=lambda: model.init(jax.random.key(0), BATCH["x"]),
+                           initial_batch=BATCH, mesh=MESH, rules=RULES)
+    reported = {row[0] for row in wider.report().rows()} | {row[0] for row in step_fn.report().rows()}
+    with CheckpointManager(tmp_path / "c", read_only=True) as mgr, pytest.raises(CheckpointMismatchError) as err:
+        mgr.restore(target=wider)
+    e = err.value
+    assert sorted(m[:2] for m in e.mismatched) == [("params/Dense_0/bias", "shape"), ("params/Dense_0/kernel", "shape")]
+    assert sorted(p.split()[0] for p in e.unexpected) == ["params/out/bias", "params/out/kernel"]
+    assert "nearest saved: params/Dense_1/" in str(e)
+    # every leaf the message names is a row of a report, none spelled through the box's ``value``
+    named = [m[0] for m in e.mismatched] + [p.split()[0] for p in e.unexpected + e.missing]
+    assert set(named) <= reported and "/value" not in str(e)

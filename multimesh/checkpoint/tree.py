@@ -326,8 +326,15 @@ def compare(saved: list[LeafRecord], target: PyTree, *, step: int, directory: st
         near = nearest_paths(prefix, subtree_paths(every))
         raise CheckpointMismatchError(step, directory, [], [
             f"{prefix} (no saved leaf at or under this path; nearest saved: {', '.join(near) or 'none'})"], [])
-    missing = [] if partial else [f"{p} {list(r.shape)} {r.dtype}" for p, r in have.items() if p not in want]
-    unexpected = [f"{p} {list(x.shape)} {x.dtype} (nearest saved: {', '.join(nearest_paths(p, have)) or 'none'})"
+
+    def name(p: str) -> str:  # as the sharding report and the inspector spell it (no Flax box's ``value``)
+        return every[p].name if p in every else name_of_unnamed(p)
+
+    def nearest(p: str) -> str:
+        return ", ".join(map(name, nearest_paths(p, have))) or "none"
+
+    missing = [] if partial else [f"{name(p)} {list(r.shape)} {r.dtype}" for p, r in have.items() if p not in want]
+    unexpected = [f"{name(p)} {list(x.shape)} {x.dtype} (nearest saved: {nearest(p)})"
                   for p, x in want.items() if p not in have]
     mismatched = []
     for p, x in want.items():
@@ -335,11 +342,11 @@ def compare(saved: list[LeafRecord], target: PyTree, *, step: int, directory: st
             continue
         r = have[p]
         if tuple(x.shape) != r.shape:
-            mismatched.append((p, "shape", str(r.shape), str(tuple(x.shape))))
+            mismatched.append((name(p), "shape", str(r.shape), str(tuple(x.shape))))
         if str(x.dtype) != r.dtype:
-            mismatched.append((p, "dtype", r.dtype, str(x.dtype)))
+            mismatched.append((name(p), "dtype", r.dtype, str(x.dtype)))
         if tuple(x.shape) == r.shape and (why := _indivisible(x)):
-            mismatched.append((p, "sharding", f"shape {r.shape}",
+            mismatched.append((name(p), "sharding", f"shape {r.shape}",
                                (f"{x.sharding} does not divide it ({why}); pick mesh axes "
                                 "whose sizes divide the dimensions they shard")))
     if missing or unexpected or mismatched:
