@@ -32,8 +32,7 @@ import numpy as np
 
 from multimesh.estimate import calibrate, get_profile
 from trainers.config import load_config
-from trainers.layout import build_layout
-from trainers.step import build_program
+from trainers.step import program_for
 
 DATASHEET = {"H200": "h200", "H100": "h100-sxm", "A100": "a100-80gb"}
 
@@ -53,10 +52,8 @@ def measure(name: str, steps: int, rounds: int, overrides: list[str]) -> dict:
     measured state bytes, peak and step time, then ``calibrate()`` and the estimate with its profile."""
     device = jax.devices()[0]
     cfg = load_config(name, ["layout.mesh={data: 1}", *overrides])
-    layout = build_layout(cfg.layout, [device])
     batch = synthetic_batch(cfg)
-    with layout.tasks(cfg.model.num_layers, cfg.model.scan_layers):
-        program = build_program(cfg, layout, batch, batch)
+    program = program_for(cfg, [device], batch)
     dtype = np.dtype(cfg.model.dtype).name
     sheet = datasheet_profile(device)
     t0 = time.perf_counter()

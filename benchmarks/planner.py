@@ -8,8 +8,8 @@ layout (`candidates`: all meshes of the 8 devices over data/fsdp/tensor with
 the standard rules, and 2- and 4-stage pipelines of 1f1b/zb-h2 at 4/8
 microbatches; for the large size by default only the SPMD meshes and the
 1f1b pipelines at 8 microbatches without an fsdp axis, `large_subset`, to
-keep a run near 15 minutes) is built with the trainer (`load_config`, `build_layout`,
-`build_program`), its predicted step time taken from
+keep a run near 15 minutes) is built with the trainer (`load_config`, `program_for`),
+its predicted step time taken from
 ``program.step.estimate(profile)``, and its step measured: after two warm-up
 steps (compilation), ``--rounds`` rounds of ``--steps`` steps, the rounds of
 all candidates interleaved (so that load drifting on a shared machine hits
@@ -183,16 +183,15 @@ class Built:
         import jax
 
         from trainers.config import load_config
-        from trainers.layout import build_layout
-        from trainers.step import build_program
+        from trainers.step import program_for
 
         start = time.perf_counter()
         cfg = load_config("tiny", [*size, *QUIET, *layout.overrides(), f"train.out_dir={out}"])
-        self.run_layout = build_layout(cfg.layout)
         tokens = np.random.default_rng(0).integers(0, 256, (cfg.data.batch_size, cfg.data.seq_len + 1), np.int32)
         batch = {"tokens": tokens}
+        self.program = program_for(cfg, batch=batch)
+        self.run_layout = self.program.layout
         with self.run_layout.tasks(cfg.model.num_layers, cfg.model.scan_layers):
-            self.program = build_program(cfg, self.run_layout, batch, batch)
             self.estimates = {k: self.program.step.estimate(p) for k, p in profiles.items()}
             # the same initial state for every layout, placed with this layout's shardings (its own init
             # program would cost a compilation per candidate and measure nothing)

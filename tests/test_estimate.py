@@ -304,16 +304,13 @@ def test_collective_time_is_the_ring_model():
 ], ids=["fsdp", "pipeline-split-stack"])
 def test_the_example_transformer_bytes_per_device_equal_the_built_shards(config, overrides):
     from trainers.config import load_config
-    from trainers.layout import build_layout
-    from trainers.step import build_program
+    from trainers.step import program_for, zeros_batch
 
     cfg = load_config(str(_CONFIGS / f"{config}.yaml"),
                       ["model.num_layers=2", "model.d_model=32", "model.num_heads=2", "data.seq_len=16",
                        "model.max_len=16", *overrides])
-    layout = build_layout(cfg.layout)
-    batch = {"tokens": np.zeros((cfg.data.batch_size, cfg.data.seq_len + 1), np.int32)}
-    with layout.tasks(cfg.model.num_layers, cfg.model.scan_layers):
-        program = build_program(cfg, layout, batch, batch)
+    program = program_for(cfg)
+    batch = zeros_batch(cfg)
     est = program.step.estimate()
     state = program.init()
     placed = jax.device_put(batch, program.step.batch_shardings)

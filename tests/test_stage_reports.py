@@ -18,9 +18,8 @@ from test_trainer import SMALL, small
 from multimesh.core.fmt import device_span
 from trainers.cli import main
 from trainers.config import load_config
-from trainers.layout import build_layout
 from trainers.stage_plan import stage_plans
-from trainers.step import build_program
+from trainers.step import program_for
 from trainers.train import sharding_text, train
 
 TWO_BLOCKS = "model.num_layers=2"
@@ -29,10 +28,7 @@ TWO_BLOCKS = "model.num_layers=2"
 def traced(name: str, *overrides: str):
     """Config ``name`` shrunk (2 blocks), its program built (traced, not run)."""
     cfg = load_config(name, [*SMALL, TWO_BLOCKS, *overrides])
-    layout = build_layout(cfg.layout)
-    batch = {"tokens": np.zeros((cfg.data.batch_size, cfg.data.seq_len + 1), np.int32)}
-    with layout.tasks(cfg.model.num_layers, cfg.model.scan_layers):
-        return build_program(cfg, layout, batch, batch)
+    return program_for(cfg)
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ from trainers.config import Config, ConfigError, load_config
 from trainers.continuation import saved_decay_steps
 from trainers.layout import build_layout, sharding_rows, sharding_table
 from trainers.optim import cut_warmup_note
-from trainers.step import build_program
+from trainers.step import build_program, program_for
 from trainers.train import train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -272,11 +272,7 @@ def test_pipeline_schedule_matches_one_device(schedule, tmp_path, reference_curv
 @functools.cache
 def traced_program(name: str):
     """Config ``name`` as shipped, built (traced, not run)."""
-    cfg = load_config(name)
-    layout = build_layout(cfg.layout)
-    batch = {"tokens": np.zeros((cfg.data.batch_size, cfg.data.seq_len + 1), np.int32)}
-    with layout.tasks(cfg.model.num_layers):
-        return build_program(cfg, layout, batch, batch)
+    return program_for(load_config(name))
 
 
 def golden_table(name: str) -> str:

@@ -18,8 +18,6 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from trainers.config import Config
 
 __all__ = ["SIMULATED", "estimate_config", "needs_other_devices", "print_estimate", "replan_on_simulated_devices",
@@ -62,13 +60,9 @@ def estimate_config(cfg: Config, profile: Any = None, devices: Sequence[Any] | N
     """The `Estimate` of ``cfg``'s train step on its layout over ``devices`` (default: all), priced on
     ``profile`` (a name or `HardwareProfile`; None: memory and work only) at the peak of the config's
     compute dtype (``model.dtype``: parameters may be stored wider). Nothing is allocated."""
-    from trainers.layout import build_layout
-    from trainers.step import build_program
+    from trainers.step import program_for
 
-    layout = build_layout(cfg.layout, devices)
-    batch = {"tokens": np.zeros((cfg.data.batch_size, cfg.data.seq_len + 1), np.int32)}
-    with layout.tasks(cfg.model.num_layers, cfg.model.scan_layers):
-        program = build_program(cfg, layout, batch, batch)
+    program = program_for(cfg, devices)
     return program.step.estimate(profile=profile, dtype=cfg.model.dtype if profile is not None else None)
 
 

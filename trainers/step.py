@@ -26,7 +26,7 @@ import optax
 from models.nnx_transformer import FunctionalModel
 from models.transformer import Transformer, TransformerConfig, next_token_loss
 from trainers.config import Config
-from trainers.layout import RunLayout
+from trainers.layout import RunLayout, build_layout
 from trainers.nonfinite import count_nonfinite
 from trainers.optim import learning_rate_schedule, make_optimizer, schedule_length
 
@@ -140,3 +140,17 @@ def build_program(cfg: Config, layout: RunLayout, train_batch: dict[str, np.ndar
     step, init = layout.parallelize(f.train_step, f.init_state, train_batch, donate=True)
     evaluate, _ = layout.parallelize(f.eval_step, f.init_params, val_batch, donate=False)
     return Program(cfg, layout, f.model, f.optimizer, f.lr_schedule, step, init, evaluate)
+
+
+def zeros_batch(cfg: Config) -> dict[str, np.ndarray]:
+    """A batch of the config's shape (token 0 everywhere): enough to trace and plan a step."""
+    return {"tokens": np.zeros((cfg.data.batch_size, cfg.data.seq_len + 1), np.int32)}
+
+
+def program_for(cfg: Config, devices: Any = None, batch: dict[str, np.ndarray] | None = None) -> Program:
+    """``cfg``'s program on its layout over ``devices`` (default: all), traced for ``batch`` (default:
+    `zeros_batch`) as its train and its eval batch; nothing is run: for planning, benchmarks and tests."""
+    layout = build_layout(cfg.layout, devices)
+    batch = zeros_batch(cfg) if batch is None else batch
+    with layout.tasks(cfg.model.num_layers, cfg.model.scan_layers):
+        return build_program(cfg, layout, batch, batch)
