@@ -337,7 +337,7 @@ def test_bad_inputs_are_named():
 
 def test_a_profile_calibrated_here_prices_a_step(fsdp):
     fn, _, _ = fsdp
-    here = calibrate(matmul_size=64, copy_bytes=1 << 18, collective_bytes=1 << 18, repeats=2)
+    here = calibrate(matmul_size=128, copy_bytes=1 << 18, collective_bytes=1 << 18, repeats=3)
     assert here.name == "calibrated-cpu" and here.devices_per_node == jax.device_count()
     for value in (here.peak_flops["float32"], here.memory_bandwidth, here.memory_bytes,
                   here.intra_node_bandwidth, here.intra_node_latency):
