@@ -455,6 +455,21 @@ def test_a_stage_like_another_is_compiled_once_and_estimated_the_same(monkeypatc
     assert shared.programs == alone.programs and shared.time == alone.time and shared.memory == alone.memory
 
 
+def test_a_step_estimated_again_on_another_profile_compiles_nothing(fsdp, pipeline, monkeypatch):
+    compiles = []
+    compile_ = jax.stages.Lowered.compile
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self, *a, **k: compiles.append(1) or compile_(self, *a, **k))
+    programs = 0
+    for fn in (fsdp[0], pipeline[0]):
+        first = fn.estimate("h100-sxm")
+        again = fn.estimate("a100-80gb")
+        assert again.programs == first.programs and again.memory == first.memory
+        assert again.time.total != first.time.total  # priced anew on the other profile
+        programs += len(first.programs)
+    # each program compiled at most once (earlier tests may have compiled them already)
+    assert len(compiles) <= programs
+
+
 def test_a_pipeline_is_timed_through_its_schedule(pipeline):
     fn, _, _ = pipeline
     est = fn.estimate("h100-sxm")

@@ -5,14 +5,17 @@ the parameter and batch shardings. MPMD: the runtime's programs, compiled in
 the runtime's order with the shardings their inputs would have when run (step
 inputs: their layouts' shardings, moved as the runtime moves them; values from
 another program: that program's output shardings, on the reader's submesh as
-`core.transfer.target_on` puts them). A program whose module another stage
-already compiled for a mesh of the same shape is not compiled again. Nothing
-is allocated or executed.
+`core.transfer.target_on` puts them). A program whose module was compiled
+before for a mesh of the same shape (another stage's, or an earlier
+estimate's: `compiled_once`) is not compiled again. Nothing is allocated or
+executed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,7 +86,7 @@ def spmd_program(step_fn: Any, args: tuple = ()) -> ProgramCost:
     batch = _abstract(step_fn._abstract_batch, step_fn.batch_shardings)
     with mesh_context(step_fn.mesh):
         traced = step_fn.trace(step_fn.abstract_params, batch, *args)
-        compiled = traced.lower().compile()
+        compiled = compiled_once(traced.lower(), step_fn.mesh)
     return analyse_compiled(getattr(step_fn.fun, "__name__", "step"), compiled, step_fn.mesh,
                             matmuls=matmul_flops(traced.jaxpr))
 
@@ -108,6 +111,28 @@ def _unnamed(module: str) -> str:
     return re.sub(r"^module @\S+", "module", module, count=1)
 
 
+#: Programs compiled for estimates, the most recently used last: (module digest, platform, device kind, mesh
+#: shape, axis names) -> compiled. Kept across estimates, so that a stage like another, the same step on
+#: another profile and a layout a search tried before are compiled once.
+_COMPILED: OrderedDict[tuple, Any] = OrderedDict()
+_KEPT = 64
+
+
+def compiled_once(lowered: Any, mesh: Mesh) -> Any:
+    """``lowered`` compiled, or the program compiled before from the same module (but for its name) for a mesh
+    of the same shape and kind of device: XLA's analyses of it, per device, are the same."""
+    device = mesh.devices.flat[0]
+    key = (hashlib.sha256(_unnamed(lowered.as_text()).encode()).digest(), device.platform, device.device_kind,
+           mesh.devices.shape, mesh.axis_names)
+    compiled = _COMPILED.pop(key, None)
+    if compiled is None:
+        compiled = lowered.compile()
+    _COMPILED[key] = compiled
+    while len(_COMPILED) > _KEPT:
+        _COMPILED.popitem(last=False)
+    return compiled
+
+
 def _moved_to(sharding: Any, mesh: Mesh) -> Any:
     """A program's output sharding on ``mesh``: the same spec, where it was compiled for a like mesh."""
     if isinstance(sharding, NamedSharding) and sharding.mesh.devices.shape == mesh.devices.shape:
@@ -124,9 +149,6 @@ def mpmd_programs(runtime: Any) -> MPMDPrograms:
     held.update(((v, None), x) for v, x in plan.consts.items())
     program_of = {k: p for p in runtime.programs for k in p.segments}
     compiled: dict[tuple, Any] = {}
-    # a program whose module and mesh shape another already has (a stage like another, on its own devices)
-    # is compiled once: XLA's analyses are per device and the same
-    by_module: dict[tuple, Any] = {}
     calls: dict[tuple, int] = {}
     runs: dict[int, tuple] = {}  # segment index -> key of its compiled program
     with no_mesh_context():
@@ -149,11 +171,8 @@ def mpmd_programs(runtime: Any) -> MPMDPrograms:
             key = (id(step.fn), tuple(getattr(a, "sharding", None) for a in args))
             if key not in compiled:
                 traced = step.fn.trace(*args, *step.literals)
-                lowered = traced.lower()
-                same = (_unnamed(lowered.as_text()), mesh.devices.shape, mesh.axis_names)
-                if same not in by_module:
-                    by_module[same] = lowered.compile()
-                compiled[key] = (by_module[same], program_of[seg.index], mesh, matmul_flops(traced.jaxpr))
+                compiled[key] = (compiled_once(traced.lower(), mesh), program_of[seg.index], mesh,
+                                 matmul_flops(traced.jaxpr))
             calls[key] = calls.get(key, 0) + 1
             runs[seg.index] = key
             outs = [_moved_to(s, mesh) for s in jax.tree.leaves(compiled[key][0].output_shardings)]
