@@ -3,19 +3,19 @@
 Short measurements, each the best of ``repeats`` timed runs after one
 warm-up: a program doing next to nothing on every device (the cost of one
 program execution whatever its work: dispatch, thread hand-offs), a matrix
-product per device (flop/s), the same product on 1, 2, ... of the devices while
-the others idle (how much faster they compute than with all busy: simulated
-CPU devices share the host's cores), an elementwise pass over a large array per device (bytes
-read and written per second), and an all-reduce over all devices of a tiny
-(a chain of them in one program: latency) and of a large array (bandwidth by the ring model of
-`timing.collective_time`), and a copy of a tiny array between two devices. The execution cost is taken out of the
+product per device (flop/s), the same product on 1, 2, ... of the devices
+while the others idle (how much faster they compute than with all busy:
+simulated CPU devices share the host's cores), an elementwise pass over a
+large array per device (bytes read and written per second), all-reduces over
+all devices (a chain of tiny ones in one program: latency; a large one:
+bandwidth by the ring model of `timing.collective_time`), and a copy of a
+tiny array between two devices. The execution cost is taken out of the
 collectives' latency (a tiny all-reduce is mostly that cost), so that the
 time model counts it once per program; the other measurements are sized for
-their work to dominate it. On one host every
-link is the same, so the intra- and inter-node figures are equal and the
-node holds all the devices measured. The arrays are made by a program with
-the target sharding (not copied from the host), so devices of several
-processes calibrate together.
+their work to dominate it. On one host every link is the same, so the
+intra- and inter-node figures are equal and the node holds all the devices
+measured. The arrays are made by a program with the target sharding (not
+copied from the host), so devices of several processes calibrate together.
 """
 
 from __future__ import annotations

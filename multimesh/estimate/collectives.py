@@ -155,6 +155,7 @@ _COMPUTATION = re.compile(r"^\s*(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s+\(.*\
 _CALLED = re.compile(r"\b(?:to_apply|calls|condition|true_computation|false_computation)=%?([\w.\-]+)")
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 _TRIPS = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
 
 
 def _runs(calls: dict[str, list[tuple[str, int]]], entry: str | None) -> dict[str, int]:
@@ -162,7 +163,7 @@ def _runs(calls: dict[str, list[tuple[str, int]]], entry: str | None) -> dict[st
     if entry is None:
         return {}
     runs: dict[str, int] = {}
-    order: list[str] = []  # computations after every one that calls them
+    order: list[str] = []  # each computation after every one it calls (walked in reverse: callers first)
     seen: set[str] = set()
 
     def visit(name: str) -> None:
@@ -201,7 +202,7 @@ def find_collectives(hlo_text: str, axis_names: Sequence[str], axis_sizes: Seque
                 trips = _TRIPS.search(line)
                 edges.append((body.group(1), int(trips.group(1)) if trips else 1))
             edges.extend((c, 1) for c in _CALLED.findall(line))
-            branches = re.search(r"\bbranch_computations=\{([^}]*)\}", line)
+            branches = _BRANCHES.search(line)
             if branches is not None:
                 edges.extend((c.strip().lstrip("%"), 1) for c in branches.group(1).split(",") if c.strip())
         m = _INSTRUCTION.match(line)

@@ -16,8 +16,9 @@ busy, by the speed-up `calibrate` measured with ``k`` devices busy
 (``busy_speedup``; where it has none for ``k``, ``min(alone_speedup, n / k)``:
 the host's throughput shared), so the schedule is simulated at those rates.
 But the host's cores do not run two stages' programs at once any faster
-than one after the other (measured on XLA:CPU: two programs on disjoint
-halves of the devices dispatched together take the sum of their times), so
+than one after the other (measured on XLA:CPU, `benchmarks/host_sharing.py`:
+programs on disjoint groups of the devices dispatched together take the sum
+of their times), so
 the step cannot take less than every program execution and copy one after
 another, each at its own rate; the pipeline takes the larger of the two.
 With ``alone_speedup`` 1 (each device its own compute, every datasheet

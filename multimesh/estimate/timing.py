@@ -4,8 +4,8 @@ A program takes ``max(flops / peak, bytes accessed / memory bandwidth)`` plus
 its collectives, which are not assumed to overlap with compute, plus the
 profile's ``launch_overhead`` (a `CalibratedProfile`'s measured cost of one
 execution whatever its work; 0 for a datasheet profile). A copy between
-submeshes costs its fixed cost (``transfer_time``) and its bytes over the link. A collective
-over ``n`` devices moving ``B`` bytes (ring algorithms) takes
+submeshes costs its fixed cost (``transfer_time``) and its bytes over the
+link. A collective over ``n`` devices moving ``B`` bytes (ring algorithms) takes
 ``steps * latency + factor * B / bandwidth``:
 
 =====================  =========  ===========================
