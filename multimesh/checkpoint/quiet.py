@@ -17,7 +17,7 @@ only (what the caller asked for).
 
 ``install()`` adds four narrow filters, for the life of the process: reports of
 exceptions in dropped coroutines of Orbax's or TensorStore's code,
-"exception was never retrieved" logs that mention Orbax or TensorStore,
+"exception was never retrieved" logs that mention Orbax, TensorStore or an OCDBT database,
 Orbax's reports of failed save threads (whose error the manager raises), and
 Orbax's read-only notice. Every other report goes through unchanged. (TensorStore may also print "Event loop
 is closed" from its own thread when it calls back into Orbax's closed loop;
@@ -36,8 +36,10 @@ _lock = threading.Lock()
 
 
 def _mentions_orbax(text: str) -> bool:
+    """Whether a report is about Orbax's reads: it names Orbax, TensorStore or TensorStore's OCDBT driver
+    (a read's error raised from TensorStore's own thread has no Python frame to name the others)."""
     text = text.lower()
-    return "orbax" in text or "tensorstore" in text
+    return "orbax" in text or "tensorstore" in text or "ocdbt database" in text
 
 
 class _DropNeverRetrieved(logging.Filter):
