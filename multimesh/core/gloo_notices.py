@@ -42,8 +42,9 @@ class NoticeFilter:
     The stream is passed on line by line (an unfinished line waits for its newline, or `flush`). A
     notice whose counts agree is dropped, also where it ends a line that other output began; one whose
     counts differ is kept. Notices that threads wrote at the same time come interleaved piece by piece:
-    lines made of nothing but their pieces are dropped, and so are as many empty lines as those lines
-    began notices beyond their own newline (the other notices' newlines).
+    lines made of nothing but their pieces are dropped, and so are as many of the lines after them as
+    they began notices beyond their own newline, where such a line is empty or holds only the rest of a
+    notice (its last count, say).
     """
 
     def __init__(self) -> None:
@@ -66,8 +67,8 @@ class NoticeFilter:
 
     def _filtered(self, line: bytes) -> bytes:
         """``line`` and its newline, without a notice in it (and then without the newline)."""
-        if not line and self._owed:
-            self._owed -= 1  # the newline of a notice interleaved into an earlier line
+        if self._owed and (not line or (_HEAD not in line and _PIECES.fullmatch(line))):
+            self._owed -= 1  # the rest of a notice interleaved into an earlier line, up to its newline
             return b""
         start = line.find(_HEAD)
         start = 0 if start < 0 else start  # a line of pieces may have lost its head to an earlier line
