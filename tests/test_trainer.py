@@ -196,10 +196,11 @@ def reference_curve(tmp_path_factory):
     return get
 
 
-# dp, pipeline, pipeline4 with -m slow (10 to 35 s each). In the default suite the pipeline config meets one
-# device in test_stage_reports (resumed from fsdp) and, with its other schedules, below; dp's data axis in dp_tp
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("pipeline") or n == "dp"
-                                  else n for n in LAYOUTS])
+# dp, fsdp, pipeline, pipeline4 with -m slow (10 to 35 s each). In the default suite the fsdp and pipeline
+# configs meet one device in test_stage_reports (trained on fsdp, resumed on the pipeline), the pipeline with
+# its other schedules below; dp's data axis in dp_tp
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
+                                  if n.startswith("pipeline") or n in ("dp", "fsdp") else n for n in LAYOUTS])
 def test_layout_matches_one_device(name, tmp_path, reference_curve):
     cfg = small(name, tmp_path, f"train.steps={CURVE_STEPS}")
     assert cfg.layout.num_devices == 8
@@ -247,8 +248,9 @@ def test_pipeline_layout_runs_on_the_devices_it_is_given(tmp_path):
     assert {rows[f"params/params/layers_{i}/mlp/wo/kernel"] for i in range(4)} == {"6-7", "4-5"}
 
 
-# interleaved (20 s) with -m slow; it meets one device across processes in test_multiprocess
-@pytest.mark.parametrize("schedule", [pytest.param("interleaved", marks=pytest.mark.slow), "zb-h1", "zb-h2"])
+# interleaved (20 s) and zb-h1 (15 s) with -m slow; they meet one device across processes in test_multiprocess
+@pytest.mark.parametrize("schedule", [pytest.param(s, marks=pytest.mark.slow) for s in ("interleaved", "zb-h1")]
+                         + ["zb-h2"])
 def test_pipeline_schedule_matches_one_device(schedule, tmp_path, reference_curve):
     """The library's other schedules in the trainer, 2 steps on 2 stages of one device each, 2 microbatches,
     against the one-device curve of the pipeline layouts' model (shared with test_layout_matches_one_device);
