@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from ..core.meshes import spec_names
 from .layouts import STAGE_AXIS, Layout
 
-__all__ = ["batch_misfit", "idle_axis", "pipeline_misfit", "shapes_of", "spec_axes"]
+__all__ = ["batch_misfit", "idle_axis", "pipeline_misfit", "shapes_of"]
 
 #: The axes `standard_rules` splits the batch over, in order.
 _BATCH_AXES = ("data", "fsdp")
@@ -41,22 +42,11 @@ def batch_misfit(layout: Layout, batch_shapes: Sequence[tuple[int, ...]]) -> str
     return None
 
 
-def spec_axes(spec: Any) -> set[str]:
-    """The mesh axes a `PartitionSpec` names."""
-    out: set[str] = set()
-    for entry in spec:
-        if isinstance(entry, str):
-            out.add(entry)
-        elif isinstance(entry, (tuple, list)):
-            out.update(a for a in entry if isinstance(a, str))
-    return out
-
-
 def idle_axis(layout: Layout, step_fn: Any) -> str | None:
     """A mesh axis of size > 1 that shards no parameter and no batch array of the built step."""
     used: set[str] = set()
     for leaf in (*step_fn.param_layout.leaves, *step_fn.batch_layout.leaves):
-        used |= spec_axes(leaf.spec)
+        used |= spec_names(leaf.spec)
     for axis, size in layout.mesh.items():
         if size > 1 and axis != STAGE_AXIS and axis not in used:
             return (f"mesh axis {axis}={size} shards no parameter or batch array (no dimension its rules name is "

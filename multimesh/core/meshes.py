@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -13,7 +13,7 @@ from jax._src import core as jcore
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 __all__ = ["abstract_mesh_context", "build_mesh", "constrain", "drop_axes", "explicit_axes", "mesh_context",
-           "mesh_devices", "no_mesh_context", "place_mesh", "slice_mesh"]
+           "mesh_devices", "no_mesh_context", "place_mesh", "slice_mesh", "spec_names"]
 
 MeshLike = Mesh | Mapping[str, int] | None
 
@@ -194,6 +194,17 @@ def explicit_axes(mesh: Any) -> frozenset[str]:
     """The axes of ``mesh`` (concrete or abstract) whose type is Explicit."""
     types = getattr(mesh, "axis_types", None) or ()
     return frozenset(n for n, t in zip(mesh.axis_names, types) if t == AxisType.Explicit)
+
+
+def spec_names(spec: Iterable[Any] | None) -> set[str]:
+    """The names a `PartitionSpec` (or a tuple of logical names) uses: mesh axes, or logical names."""
+    out: set[str] = set()
+    for entry in spec or ():
+        if isinstance(entry, str):
+            out.add(entry)
+        elif isinstance(entry, (tuple, list)):
+            out.update(n for n in entry if isinstance(n, str))
+    return out
 
 
 def drop_axes(spec: PartitionSpec, drop: frozenset[str]) -> PartitionSpec:

@@ -17,19 +17,10 @@ from typing import Any
 
 from ..core.jaxprs import subjaxprs
 from ..core.layout import Layout
+from ..core.meshes import spec_names
 from ..core.placement import Placement
 
 __all__ = ["constraint_names", "rule_coverage", "warn_rule_coverage"]
-
-
-def _names(spec: Iterable[Any] | None) -> set[str]:
-    out: set[str] = set()
-    for entry in spec or ():
-        if isinstance(entry, str):
-            out.add(entry)
-        elif isinstance(entry, (tuple, list)):
-            out.update(n for n in entry if isinstance(n, str))
-    return out
 
 
 def constraint_names(jaxpr: Any) -> tuple[set[str], set[str]]:
@@ -41,7 +32,7 @@ def constraint_names(jaxpr: Any) -> tuple[set[str], set[str]]:
     while todo:
         for eqn in todo.pop().eqns:
             if eqn.primitive.name == "logical_constraint":
-                (hinted if eqn.params.get("hint") is not None else own).update(_names(eqn.params["spec"]))
+                (hinted if eqn.params.get("hint") is not None else own).update(spec_names(eqn.params["spec"]))
             todo.extend(subjaxprs(eqn))
     return own, hinted
 
@@ -64,7 +55,7 @@ def rule_coverage(layouts: Iterable[tuple[Layout, Callable[[int], Placement]]], 
     used: set[str] = set()
     for layout, placement_for in layouts:
         for i, leaf in enumerate(layout.leaves):
-            names = _names(leaf.logical)
+            names = spec_names(leaf.logical)
             used |= names
             placement = placement_for(i)
             if not placement.own_rules or leaf.source == "default":
