@@ -12,7 +12,7 @@ from ..core.layout import LeafLayout
 from .held import DEFAULT_OPTIMIZER_PATHS, held_bytes, is_optimizer_path
 from .matmuls import matmul_flops
 from .profiles import HardwareProfile, get_profile
-from .programs import ProgramCost, analyse_compiled, mpmd_programs, spmd_program
+from .programs import ProgramCost, analyse_compiled, compiled_once, mpmd_programs, spmd_program
 from .report import DeviceMemory, Estimate, StepTime
 from .steptime import step_timing
 
@@ -113,7 +113,8 @@ def estimate_mjit(fn: Any, args: tuple, profile: str | HardwareProfile | None = 
     if compiled.runtime is None:
         def spmd() -> ProgramCost:
             traced = compiled.jitted.trace(*jax.tree.leaves(abstract))
-            return analyse_compiled(fn.__name__, traced.lower().compile(), compiled.plan.placements[0].mesh,
+            mesh = compiled.plan.placements[0].mesh
+            return analyse_compiled(fn.__name__, compiled_once(traced.lower(), mesh), mesh,
                                     matmuls=matmul_flops(traced.jaxpr))
     else:
         spmd = None
