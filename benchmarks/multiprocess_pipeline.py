@@ -167,11 +167,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args: argparse.Namespace, role: list[str], core: int) -> subprocess.Popen:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+def pinned(core: int) -> list[str]:
+    """The command prefix that keeps a process on its own core (``taskset -c CORE``, where there is one)."""
+    return ["taskset", "-c", str(core)] if shutil.which("taskset") else []
+
+
+def one_device_env(**extra: str) -> dict[str, str]:
+    """This environment for a process with one CPU device and no compilation cache (every run compiles:
+    the same for all), plus ``extra``."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu", **extra)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    pin = ["taskset", "-c", str(core)] if shutil.which("taskset") else []
-    cmd = [*pin, sys.executable, __file__, *role, "--steps", str(args.steps), "--layers", str(args.layers),
+    return env
+
+
+def launch(args: argparse.Namespace, role: list[str], core: int) -> subprocess.Popen:
+    env = one_device_env()
+    cmd = [*pinned(core), sys.executable, __file__, *role, "--steps", str(args.steps), "--layers", str(args.layers),
            "--width", str(args.width), "--batch", str(args.batch), "--seq", str(args.seq),
            "--microbatches", str(args.microbatches), "--schedule", args.schedule, "--interleave",
            str(args.interleave), "--rounds", str(args.rounds), *(["--profile"] if args.profile else [])]

@@ -321,21 +321,19 @@ def mpp_defaults() -> argparse.Namespace:
 
 def multiprocess_rows(schedules: Sequence[str], microbatches: int, steps: int, rounds: int,
                       timeout: float = 600) -> list[Row]:
-    import shutil
+    sys.path.insert(0, str(HERE))
+    from multiprocess_pipeline import one_device_env, pinned
 
     from multimesh.distributed import reserve_port
 
     rows = []
     for schedule in schedules:
         port = reserve_port()
-        env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+        env = one_device_env(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         procs = []
         for i in range(2):
-            pin = ["taskset", "-c", str(i)] if shutil.which("taskset") else []
             procs.append(subprocess.Popen(
-                [*pin, sys.executable, __file__, "--mp-worker", "--process", str(i), "--port", str(port),
+                [*pinned(i), sys.executable, __file__, "--mp-worker", "--process", str(i), "--port", str(port),
                  "--schedule", schedule, "--microbatches", str(microbatches), "--steps", str(steps),
                  "--rounds", str(rounds)], env=env, stdout=subprocess.PIPE, text=True))
         results = []

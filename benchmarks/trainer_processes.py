@@ -27,11 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from multiprocess_pipeline import one_device_env, pinned  # this script's folder is on sys.path
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
@@ -42,15 +43,12 @@ QUIET = ["train.eval_every=100000", "train.eval_batches=1", "train.checkpoint_ev
 
 
 def _command(core: int, overrides: list[str], out: Path, extra: list[str]) -> list[str]:
-    pin = ["taskset", "-c", str(core)] if shutil.which("taskset") else []
-    return [*pin, sys.executable, "-m", "trainers", "pipeline", *QUIET, *overrides, f"train.out_dir={out}", "-q", *extra]
+    return [*pinned(core), sys.executable, "-m", "trainers", "pipeline", *QUIET, *overrides, f"train.out_dir={out}",
+            "-q", *extra]
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # every run compiles: the same for all
-    return env
+    return one_device_env(PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
 
 
 def _finish(procs: list[subprocess.Popen], what: str, timeout: float) -> None:
