@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import jax
@@ -541,6 +542,40 @@ def test_a_full_disk_fails_the_save_at_the_next_call_and_keeps_the_previous_step
     # one error, not Orbax's pages of tracebacks for each of its threads (TensorStore may still
     # print "Event loop is closed" from its own thread: see multimesh/checkpoint/quiet.py)
     assert "RESOURCE_EXHAUSTED" not in proc.stderr and "absl" not in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_failed_saves_directory_is_removed_though_a_straggling_writer_still_adds_files(tmp_path):
+    """Orbax reports the first item's write error while other items may still
+    write into ``<step>.orbax-checkpoint-tmp`` (seen on CI after a full disk: the
+    directory survived one ``rmtree``). The failed save waits for its writer
+    threads (``release.join``), and ``remove_partial`` tries again while files appear."""
+    from multimesh.checkpoint import ondisk, release
+
+    tmp = tmp_path / f"3{ocp.step.TMP_DIR_SUFFIX}"
+    (tmp_path / "2").mkdir()
+    stop = time.monotonic() + 0.3
+
+    def straggler():
+        n = 0
+        while time.monotonic() < stop:
+            os.makedirs(tmp / "state" / str(n % 7), exist_ok=True)
+            (tmp / "state" / str(n % 7) / f"{n}").write_bytes(b"x")
+            n += 1
+
+    writer = threading.Thread(target=straggler)
+    writer.start()
+    while not tmp.exists():
+        time.sleep(0.001)
+    assert ondisk.remove_partial(str(tmp_path), 3)
+    writer.join()
+    assert ondisk.remove_partial(str(tmp_path), 3)  # nothing left to remove
+    assert sorted(os.listdir(tmp_path)) == ["2"]  # another step is never touched
+
+    done, waits = threading.Event(), threading.Thread(target=lambda: done.wait(5))
+    waits.start()
+    assert release.join({waits}, timeout=0.05) == [waits]  # still alive: returned, bounded
+    done.set()
+    assert release.join({waits}, timeout=5) == []
 
 
 def test_a_dropped_read_reported_from_tensorstores_thread_is_filtered_and_others_are_not():

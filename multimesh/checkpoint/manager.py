@@ -70,6 +70,8 @@ WRITER_LOCK = ".multimesh-writer.lock"
 _READABLE = {"multimesh-checkpoint/1": _checksum.ALGORITHM_V1, FORMAT: None}
 
 _log = logging.getLogger(__name__)
+#: how long a failed save waits for Orbax's other item writers before removing its directory
+_WRITERS_TIMEOUT_S = 60.0
 
 if not ocp.__version__.startswith("0.12."):  # pragma: no cover - depends on the install
     warnings.warn(
@@ -451,14 +453,20 @@ class CheckpointManager:
         """Cleans up after a failed save and returns the error to raise.
 
         Orbax's threads that wait for the step directory are released (else
-        the process waits ~300 s at exit), a partly written step directory is
-        removed, and the step is dropped from the list of steps. A storage
-        error (``OSError``, TensorStore's status) becomes ``CheckpointSaveError``.
+        the process waits ~300 s at exit), those still writing items are
+        waited for, the partly written step directory is then removed, and
+        the step is dropped from the list of steps. A storage error (``OSError``, TensorStore's status) becomes ``CheckpointSaveError``.
         """
         release.release(self._save_threads)
+        writing = release.join(self._save_threads, timeout=_WRITERS_TIMEOUT_S)
         self._save_threads = set()
+        if writing:
+            _log.warning("%s: %d of Orbax's writer threads of step %s still run %.0f s after the save failed",
+                         self._directory, len(writing), step, _WRITERS_TIMEOUT_S)
         if step is not None and "://" not in self._directory and jax.process_index() == 0:
-            ondisk.remove_partial(self._directory, step)
+            if not ondisk.remove_partial(self._directory, step):
+                _log.warning("%s: could not remove the unfinished save of step %s (restore ignores it)",
+                             self._directory, step)
         self._reload_quietly()
         return as_save_error(e, step, self._directory) or e
 

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import time
 
 import orbax.checkpoint as ocp
 
@@ -64,12 +65,21 @@ def scan(directory: str) -> list[StepEntry]:
     return sorted(out, key=lambda e: (e.step, not e.complete))
 
 
-def remove_partial(directory: str, step: int) -> None:
+def remove_partial(directory: str, step: int, attempts: int = 5) -> bool:
     """Removes what an unfinished save of ``step`` left (its temporary
-    directory); a committed step is never touched."""
-    for e in scan(directory):
-        if e.step == step and not e.complete and _TMP_RE.fullmatch(os.path.basename(e.path)):
-            shutil.rmtree(e.path, ignore_errors=True)
+    directory); a committed step is never touched. Tries again while a
+    straggling writer adds files (``rmtree`` then meets a non-empty directory);
+    returns whether nothing of the save is left."""
+    for attempt in range(attempts + 1):
+        left = [e.path for e in scan(directory)
+                if e.step == step and not e.complete and _TMP_RE.fullmatch(os.path.basename(e.path))]
+        if not left or attempt == attempts:
+            return not left
+        if attempt:
+            time.sleep(0.05 * 2**attempt)
+        for path in left:
+            shutil.rmtree(path, ignore_errors=True)
+    return False  # pragma: no cover - the loop returns
 
 
 def is_committed(step_path: str) -> bool:

@@ -8,12 +8,18 @@ signal is never sent, and these non-daemon threads wait out Orbax's
 coordination timeout (300 s) before the process can exit. After a failed save
 we cancel the threads that save started and send the signals they wait for:
 a cancelled thread returns as soon as it wakes, without running its work.
+
+The threads that did get their signal are writing the save's items: Orbax
+reports the first item's error while the others may still be writing into
+the step's temporary directory, so ``join`` waits for them before that
+directory is removed.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 _log = logging.getLogger(__name__)
 
@@ -55,3 +61,13 @@ def release(threads: set[threading.Thread]) -> int:
     except Exception as e:  # noqa: BLE001 - never mask the save error; pragma: no cover
         _log.warning("could not release Orbax's waiting threads after a failed save: %s", e)
     return released
+
+
+def join(threads: set[threading.Thread], timeout: float) -> list[threading.Thread]:
+    """Waits up to ``timeout`` seconds in all for ``threads`` to end; returns
+    those still alive then."""
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        # the plain join: Orbax's join re-raises the thread's error (the one being reported)
+        threading.Thread.join(t, max(0.0, deadline - time.monotonic()))
+    return [t for t in threads if t.is_alive()]
