@@ -3,12 +3,15 @@
 
 A two-layer MLP with Adam, its parameters named by logical axes (``embed``,
 ``mlp``) so that `standard_rules` shards them; meshes of 4 devices over data and
-tensor (3 layouts), so a search compiles at most 3 programs.
+tensor (3 layouts), so a search compiles at most 3 programs (the MLP names no
+``length``: its two ``sequence`` rule layouts are found the same as standard
+ones before compiling).
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 
 import jax
@@ -17,7 +20,7 @@ import numpy as np
 import optax
 import pytest
 
-from multimesh.autolayout import Layout, NoLayoutFitsError, NoValidLayoutError, factorizations
+from multimesh.autolayout import Layout, NoLayoutFitsError, NoValidLayoutError, enumerate_layouts, factorizations
 from multimesh.estimate import UnknownProfileError
 from multimesh.jax import auto_layout, build_mesh, microbatch, parallelize, register_task, stage_task, standard_rules
 
@@ -82,12 +85,22 @@ def test_factorizations_cover_every_mesh():
     layout = Layout({"data": 2, "tensor": 2}, stages=2, microbatches=4, schedule="1f1b")
     assert layout.describe() == "2 stages of data=2 x tensor=2, 1f1b, 4 microbatches"
     assert layout.whole_mesh == {"pipe": 2, "data": 2, "tensor": 2} and layout.num_devices == 8
+    # the sequence rules only where a tensor axis is: without one they are the standard rules
+    both = list(enumerate_layouts(4, ("data", "tensor"), (1,), (), (), ("standard", "sequence")))
+    assert [layout.describe() for layout in both if layout.rules == "sequence"] == \
+        ["tensor=4 (sequence rules)", "data=2 x tensor=2 (sequence rules)"]
+    assert len(both) == 5 and Layout({"tensor": 4}, "sequence").rule_set().rules[-1] == ("length", "tensor")
+    with pytest.raises(ValueError, match="rule_sets=.*'megatron'.*'standard', 'sequence'"):
+        list(enumerate_layouts(4, ("data",), (1,), (), (), ("megatron",)))
 
 
 def test_search_ranks_by_time_is_deterministic_and_rejects_what_overflows():
     first = search()
-    assert [c.layout.describe() for c in first.candidates if c.rejected is None] and len(first.candidates) == 3
-    times = [c.time for c in first.candidates]
+    assert len(first.fitting) == 3 and {c.layout.rules for c in first.fitting} == {"standard"}
+    same = [c for c in first.candidates if c.layout.rules == "sequence"]  # the MLP has no sequence to split
+    assert len(same) == 2 and all(not c.valid and c.estimate is None and "named 'length'" in c.rejected
+                                  for c in same)
+    times = [c.time for c in first.fitting]
     assert times == sorted(times) and first.best == first.candidates[0].layout
     again = search()  # estimates are deterministic: the same peaks and times, in the same order
     assert [(c.layout, c.peak_bytes, c.time) for c in again.candidates] == \
@@ -96,7 +109,7 @@ def test_search_ranks_by_time_is_deterministic_and_rejects_what_overflows():
 
     # data=4 replicates the parameters and Adam's state: held bytes, exact, from the shapes alone
     held_data4 = PARAM_BYTES + ADAM_BYTES + BATCH // 4 * BATCH_ROW_BYTES
-    smallest = min(c.peak_bytes for c in first.candidates)
+    smallest = min(c.peak_bytes for c in first.fitting)
     assert smallest < held_data4
     limited = search(memory_limit=smallest)
     by_mesh = {tuple(c.layout.mesh.items()): c for c in limited.candidates}
@@ -232,8 +245,10 @@ def test_auto_layout_config_is_checked():
                              (["layout.pipeline={stages: 2, microbatches: 4}"], "layout.pipeline=null"),
                              (["layout.mesh=automatic"], "auto"),
                              (["layout.profile=h100-pcie"], "h100-sxm"),
-                             (["layout.search.schedules=[1f2b]"], "1f2b")]:
-        with pytest.raises(ConfigError, match=words.replace(".", r"\.")):
+                             (["layout.search.schedules=[1f2b]"], "1f2b"),
+                             (["layout.search.rules=[megatron]"], "rules=['megatron']: give a list of named rule sets"),
+                             (["layout.rules=sequence"], "layout.search.rules")]:
+        with pytest.raises(ConfigError, match=re.escape(words)):
             load_config("tiny", [*AUTO, *overrides])
 
 
@@ -264,7 +279,8 @@ def test_plan_when_nothing_fits_names_the_memory_limit(tmp_path, capsys):
     assert main(["tiny", *AUTO, "layout.memory_limit=1000", f"train.out_dir={tmp_path}", "--plan"]) == 2
     captured = capsys.readouterr()
     assert "layout.memory_limit=1000" in captured.err and "Raise memory_limit= to at least" in captured.err
-    assert "auto_layout: 4 layouts" in captured.out  # the table, every layout rejected
+    assert "auto_layout: 7 layouts" in captured.out  # the table, every layout rejected (4 meshes; 3 with a
+    # tensor axis, also with the sequence rules)
     assert time.perf_counter() - start < 30
 
 

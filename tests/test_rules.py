@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from multimesh.core.placement import Placement, current_placement, use_placement
 from multimesh.core.rules import (
+    RULE_SETS,
     Dropped,
     PathRules,
     Resolution,
@@ -32,6 +33,7 @@ from multimesh.core.rules import (
     Rules,
     check_physical,
     identity_rules,
+    named_rules,
     resolution,
     resolve,
     standard_rules,
@@ -684,6 +686,34 @@ class TestStandardRules:
         assert standard_rules(["data"], strict=True).strict
         assert not standard_rules(iter(["data"])).strict
         assert standard_rules(x for x in ["fsdp"]).mesh_axes == {"fsdp"}
+
+
+class TestSequenceRules:
+    """``named_rules("sequence", ...)``: the standard rules, and activations' ``length`` over the tensor axis
+    where nothing else of the array takes it (Megatron's sequence parallelism)."""
+
+    MESH: ClassVar = {"data": 2, "fsdp": 2, "tensor": 2}
+
+    def test_the_residual_stream_splits_its_sequence_and_the_megatron_dimensions_keep_the_tensor_axis(self):
+        r = named_rules("sequence", tuple(self.MESH))
+        assert r.rules[:-1] == standard_rules(tuple(self.MESH)).rules and r.rules[-1] == ("length", "tensor")
+        shape = (8, 16, 32)
+        assert resolve(("batch", "length", "embed"), r, self.MESH, shape) == P(("data", "fsdp"), "tensor", None)
+        # heads, mlp and vocab come first: an array with both keeps its sequence whole
+        assert resolve(("batch", "length", "heads", "kv"), r, self.MESH, (8, 16, 4, 8)) == \
+            P(("data", "fsdp"), None, "tensor", None)
+        assert resolve(("batch", "length", "mlp"), r, self.MESH, (8, 16, 64)) == P(("data", "fsdp"), None, "tensor")
+        assert resolve(("embed", "mlp"), r, self.MESH, (32, 64)) == P("fsdp", "tensor")  # parameters as standard
+        assert ("length", "model") in named_rules("sequence", ("data", "model")).rules
+
+    def test_without_a_tensor_axis_they_are_the_standard_rules(self):
+        assert named_rules("sequence", ("data", "fsdp")).rules == standard_rules(("data", "fsdp")).rules
+        assert named_rules("standard", tuple(self.MESH)).rules == standard_rules(tuple(self.MESH)).rules
+
+    def test_an_unknown_name_lists_the_rule_sets(self):
+        assert RULE_SETS == ("standard", "sequence")
+        with pytest.raises(ValueError, match=r"'sequential' is not one of \['standard', 'sequence'\]"):
+            named_rules("sequential", ("data",))
 
 
 # ---------------------------------------------------------------------------

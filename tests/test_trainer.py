@@ -210,6 +210,25 @@ def test_layout_matches_one_device(name, tmp_path, reference_curve):
     assert want[-1] < want[0] - 1.0  # it learns, so the comparison means something
 
 
+def test_sequence_rules_split_the_sequence_and_train_like_one_device(tmp_path, reference_curve):
+    """``layout.rules: sequence`` (Megatron's sequence parallelism, a rule set the layout search tries):
+    the residual stream's sequence is split over the tensor axis, so the step gathers it there, which
+    the standard rules never do; the loss curve is still one device's."""
+    from collections import Counter
+
+    from trainers.step import program_for
+
+    cfg = small("dp_tp", tmp_path, f"train.steps={CURVE_STEPS}", "layout.rules=sequence")
+
+    def tensor_gathers(c: Config) -> int:
+        est = program_for(c).step.estimate()
+        kinds = Counter(x.kind for p in est.programs for x in p.collectives if x.axes == ("tensor",))
+        return kinds["all-gather"]
+
+    assert tensor_gathers(cfg) > 0 and tensor_gathers(cfg.replace(layout={"rules": "standard"})) == 0
+    np.testing.assert_allclose(curve(cfg), reference_curve(cfg), rtol=RTOL)
+
+
 @pytest.mark.slow  # ~5 min: the configs' full-size model, 6 layouts and 2 one-device references
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_shipped_layout_config_matches_one_device(name, tmp_path, reference_curve):

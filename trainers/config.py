@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from models.transformer import TransformerConfig
-from multimesh.core.rules import Rules, standard_rules
+from multimesh.core.rules import RULE_SETS, Rules, named_rules
 from trainers.data import DataConfig
 from trainers.errors import ConfigError
 from trainers.fit import batch_shards, check_batch, check_data
@@ -62,7 +62,6 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2")
 DEFAULT_INTERLEAVE = 2
 #: What ``train.on_nonfinite`` may say (see trainers/nonfinite.py).
 ON_NONFINITE = ("stop", "warn")
-RULE_SETS = ("standard",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,13 +152,15 @@ AUTO_AXES = ("data", "fsdp", "tensor")
 @dataclasses.dataclass(frozen=True)
 class SearchConfig:
     """What ``layout.mesh: auto`` tries (``multimesh.jax.auto_layout``): meshes over ``axes`` (every
-    factorization of the devices per stage), pipelines of each of ``stages`` (1: SPMD), each with every
+    factorization of the devices per stage), each with every named rule set of ``rules`` (``sequence``
+    where the mesh has a tensor axis), pipelines of each of ``stages`` (1: SPMD), each with every
     count of ``microbatches`` and every ``schedules`` entry."""
 
     axes: list = dataclasses.field(default_factory=lambda: list(AUTO_AXES))
     stages: list = dataclasses.field(default_factory=lambda: [1])
     microbatches: list = dataclasses.field(default_factory=lambda: [4, 8])
     schedules: list = dataclasses.field(default_factory=lambda: ["1f1b"])
+    rules: list = dataclasses.field(default_factory=lambda: list(RULE_SETS))
 
     def __post_init__(self) -> None:
         bad = [a for a in self.axes if a not in AUTO_AXES]
@@ -172,6 +173,9 @@ class SearchConfig:
         bad = [s for s in self.schedules if s not in SCHEDULES]
         if not self.schedules or bad:
             raise ValueError(f"schedules={self.schedules!r}: give a list of schedules among {list(SCHEDULES)}")
+        bad = [r for r in self.rules if r not in RULE_SETS]
+        if not self.rules or bad:
+            raise ValueError(f"rules={self.rules!r}: give a list of named rule sets among {list(RULE_SETS)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +184,8 @@ class LayoutConfig:
 
     ``mesh``: ``{axis: size}`` (the whole mesh; with a pipeline, each stage's
     mesh). ``rules``: a named rule set (``standard``:
-    ``multimesh.jax.standard_rules`` of the mesh axes) or a list of
+    ``multimesh.jax.standard_rules`` of the mesh axes; ``sequence``: the same
+    with activations' sequence split over the tensor axis) or a list of
     ``[logical_name, mesh_axis | [axes] | null]`` pairs. ``pipeline``:
     ``null`` (SPMD) or a :class:`PipelineConfig`. The layout runs on the first
     :attr:`num_devices` devices (``{data: 1}`` without a pipeline: one device).
@@ -190,7 +195,7 @@ class LayoutConfig:
     :class:`SearchConfig`), the fastest predicted on ``profile`` (a name of
     ``multimesh.estimate.PROFILES``) that fits ``memory_limit`` bytes per device
     (default: the profile's memory); ``pipeline`` must then be null and
-    ``rules`` standard. ``profile`` also lets ``--plan`` estimate a fixed layout.
+    ``rules`` standard (the search picks the rule set among ``search.rules``). ``profile`` also lets ``--plan`` estimate a fixed layout.
     """
 
     mesh: dict[str, int] | str = dataclasses.field(default_factory=lambda: {"data": 8})
@@ -237,8 +242,9 @@ class LayoutConfig:
             raise ValueError("mesh=auto chooses the pipeline too: set layout.pipeline=null and list the stage "
                              "counts to try in layout.search.stages (e.g. [1, 2])")
         if self.rules != "standard":
-            raise ValueError(f"mesh=auto lays meshes out with the standard rules, not rules={self.rules!r}: set "
-                             f"layout.rules=standard, or give a mesh of your own")
+            raise ValueError(f"mesh=auto chooses the rule set among layout.search.rules, so rules={self.rules!r} "
+                             f"has no say: set layout.rules=standard and list the sets to try in "
+                             f"layout.search.rules (among {list(RULE_SETS)}), or give a mesh of your own")
         if self.profile is None:
             from multimesh.estimate import PROFILES
 
@@ -260,7 +266,7 @@ class LayoutConfig:
         """The rules as ``(logical, mesh_axes)`` pairs (named sets resolved for this mesh: a `Rules`, which
         also knows the names it leaves whole on purpose)."""
         if isinstance(self.rules, str):
-            return standard_rules(() if self.is_auto else tuple(self.mesh))
+            return named_rules(self.rules, () if self.is_auto else tuple(self.mesh))
         return [(name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in self.rules]
 
 
@@ -656,5 +662,5 @@ def _check_consistency(cfg: Config) -> None:
         return
     check_batch(lay.mesh, lay.rule_pairs(), d.batch_size)
     check_data(d, batch_shards(lay.mesh, lay.rule_pairs())[1])
-    if lay.rules == "standard":
+    if isinstance(lay.rules, str):  # a named set: the user's own rules name their axes themselves
         warn_unused_axes(lay.mesh, lay.rule_pairs())

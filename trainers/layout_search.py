@@ -83,7 +83,8 @@ def search_layout(cfg: Config, devices: Any = None, progress: bool | None = None
                            devices=devices, profile=lay.profile, memory_limit=lay.memory_limit,
                            axes=tuple(lay.search.axes), pipeline=stage_registration(m.num_layers, m.scan_layers),
                            stage_counts=tuple(stages), microbatches=tuple(lay.search.microbatches),
-                           schedules=tuple(lay.search.schedules), progress=progress, donate=True)
+                           schedules=tuple(lay.search.schedules), rule_sets=tuple(lay.search.rules),
+                           progress=progress, donate=True)
     except UnknownProfileError as e:
         raise ConfigError(f"layout.profile={lay.profile!r}: {e}") from None
     except LayoutSearchError as e:
@@ -94,12 +95,12 @@ def search_layout(cfg: Config, devices: Any = None, progress: bool | None = None
 
 
 def chosen_config(cfg: Config, layout: Layout) -> Config:
-    """``cfg`` with ``layout.mesh`` and ``layout.pipeline`` set to ``layout`` (checked like any config)."""
+    """``cfg`` with ``layout.mesh``, ``rules`` and ``pipeline`` set to ``layout`` (checked like any config)."""
     pipeline = None
     if layout.is_pipeline:
         pipeline = {"stages": layout.stages, "microbatches": layout.microbatches, "schedule": layout.schedule,
                     "interleave": layout.chunks if layout.schedule == "interleaved" else None}
-    return cfg.replace(layout={"mesh": dict(layout.mesh), "pipeline": pipeline})
+    return cfg.replace(layout={"mesh": dict(layout.mesh), "rules": layout.rules, "pipeline": pipeline})
 
 
 def resolve_auto_layout(cfg: Config, devices: Any = None,

@@ -12,6 +12,7 @@ through `choose_pipeline`.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ContextManager
@@ -19,7 +20,7 @@ from typing import Any, ContextManager
 import numpy as np
 from jax.sharding import Mesh
 
-from ..core.rules import standard_rules
+from ..core.rules import Rules, standard_rules
 from ..run.parallelize import parallelize
 from ..trace.pipeline_choice import choose_pipeline
 from ..trace.taskspec import Task, current_global_mesh, use_global_mesh
@@ -30,11 +31,14 @@ __all__ = ["PipelineFactory", "build_on", "layout_mesh", "stage_task"]
 #: ``pipeline(stages, chunks)``: a context manager under which `parallelize` builds a pipeline of that many
 #: stages (each running ``chunks`` groups of layers).
 PipelineFactory = Callable[[int, int], ContextManager[Any]]
+#: The rules of the layout being built, for its stages (`stage_task`).
+_LAYOUT_RULES: contextvars.ContextVar[Rules | None] = contextvars.ContextVar("layout_rules", default=None)
 
 
 def stage_task(stage: int, name: str | None = None) -> Task:
     """Stage ``stage`` of the layout being built: the slice ``{"pipe": stage}`` of the mesh in force, with
-    `standard_rules` of its axes. For a ``pipeline=`` context given to `auto_layout`."""
+    the layout's rules (`standard_rules` of the mesh's axes outside a search). For a ``pipeline=`` context
+    given to `auto_layout`."""
     mesh = current_global_mesh()
     if mesh is None or STAGE_AXIS not in mesh.axis_names:
         raise ValueError(f"stage_task({stage}): no mesh with a {STAGE_AXIS!r} axis is in force; call it inside the "
@@ -42,8 +46,8 @@ def stage_task(stage: int, name: str | None = None) -> Task:
     stages = dict(mesh.shape)[STAGE_AXIS]
     if not 0 <= stage < stages:
         raise ValueError(f"stage_task({stage}): the layout being built has {stages} stages (0..{stages - 1})")
-    return Task(name=name or f"stage{stage}", mesh_slice={STAGE_AXIS: stage},
-                logical_axes=standard_rules(mesh.axis_names))
+    rules = _LAYOUT_RULES.get() or standard_rules(mesh.axis_names)
+    return Task(name=name or f"stage{stage}", mesh_slice={STAGE_AXIS: stage}, logical_axes=rules)
 
 
 def layout_mesh(layout: Layout, devices: Sequence[Any]) -> Mesh:
@@ -58,6 +62,8 @@ def layout_mesh(layout: Layout, devices: Sequence[Any]) -> Mesh:
 def _placed(layout: Layout, mesh: Mesh, pipeline: PipelineFactory | None) -> Iterator[None]:
     """The mesh in force for `stage_task`, and for a pipeline its registrations and chosen microbatches."""
     with use_global_mesh(mesh), contextlib.ExitStack() as stack:
+        token = _LAYOUT_RULES.set(layout.rule_set())
+        stack.callback(_LAYOUT_RULES.reset, token)
         if layout.is_pipeline:
             if pipeline is None:
                 raise ValueError(f"layout {layout.describe()!r} is a pipeline; building it needs pipeline= "

@@ -1,9 +1,11 @@
 """Why a layout cannot serve a step, found before compiling it (None: no reason).
 
-Two checks, cheapest first: `batch_misfit` reads only the batch's shapes (no
+Checks, cheapest first: `batch_misfit` reads only the batch's shapes (no
 trace), `idle_axis` the layouts of a built but not compiled step. A layout
 that fails them would run, but with devices holding the same rows or the same
-shards as their neighbours: not a layout worth compiling.
+shards as their neighbours: not a layout worth compiling. `idle_rules`: a
+rule set whose extra rules name nothing of the step builds the standard
+layout again.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from typing import Any
 import numpy as np
 
 from ..core.meshes import spec_names
+from ..core.rules import standard_rules
+from ..run.rule_coverage import constraint_names
 from .layouts import STAGE_AXIS, Layout
 
-__all__ = ["batch_misfit", "idle_axis", "pipeline_misfit", "shapes_of"]
+__all__ = ["batch_misfit", "idle_axis", "idle_rules", "pipeline_misfit", "shapes_of"]
 
 #: The axes `standard_rules` splits the batch over, in order.
 _BATCH_AXES = ("data", "fsdp")
@@ -52,6 +56,27 @@ def idle_axis(layout: Layout, step_fn: Any) -> str | None:
             return (f"mesh axis {axis}={size} shards no parameter or batch array (no dimension its rules name is "
                     f"divisible by {size}), so its {size} devices would hold the same")
     return None
+
+
+def idle_rules(layout: Layout, step_fn: Any) -> str | None:
+    """A rule set other than the standard one whose extra rules name nothing the built step holds or
+    constrains (e.g. the ``sequence`` rules for a step with no ``length`` dimension): the same layout as
+    the standard rules'."""
+    if layout.rules == "standard":
+        return None
+    axes = tuple(layout.whole_mesh)
+    extra = layout.rule_set().logical_names - standard_rules(axes).logical_names
+    named: set[str] = set()
+    for leaf in (*step_fn.param_layout.leaves, *step_fn.batch_layout.leaves):
+        named |= spec_names(leaf.logical)
+    if step_fn.plan is not None:
+        own, hinted = constraint_names(step_fn.plan.step_jaxpr or step_fn.plan.jaxpr)
+        named |= own | hinted
+    if extra & named:
+        return None
+    listed = ", ".join(repr(n) for n in sorted(extra))
+    return (f"the {layout.rules} rules are the standard rules here: nothing the step holds or constrains is "
+            f"named {listed}")
 
 
 def pipeline_misfit(layout: Layout, step_fn: Any) -> str | None:

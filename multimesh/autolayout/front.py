@@ -16,6 +16,7 @@ from ..estimate import HardwareProfile
 from ..run.parallelize import parallelize as parallelize_on_mesh
 from . import building
 from .building import PipelineFactory, build_on
+from .layouts import RULE_SETS
 from .search import auto_layout
 
 __all__ = ["parallelize"]
@@ -50,15 +51,15 @@ def parallelize(fun: Callable, *, layout: str | None = None, profile: str | Hard
                 num_devices: int | None = None, memory_limit: int | None = None,
                 axes: Sequence[str] = ("data", "fsdp", "tensor"), pipeline: PipelineFactory | None = None,
                 stage_counts: Sequence[int] = (1,), microbatches: Sequence[int] = (4, 8),
-                schedules: Sequence[str] = ("1f1b", "zb-h2"), progress: bool | None = None,
-                **kwargs: Any) -> Any:
+                schedules: Sequence[str] = ("1f1b", "zb-h2"), rule_sets: Sequence[str] = RULE_SETS,
+                progress: bool | None = None, **kwargs: Any) -> Any:
     """Compile ``fun(params, batch, *args)`` into a sharded function (see `multimesh.run.parallelize.parallelize`
     for every other argument).
 
     ``layout="auto"``: the mesh, rules and pipeline are chosen by `auto_layout` (``profile=`` required;
     ``devices=``/``num_devices=``, ``memory_limit=``, ``axes=``, ``pipeline=``, ``stage_counts=``,
-    ``microbatches=``, ``schedules=``, ``progress=`` as there), then built like any other layout with the
-    real ``init_params``. The returned step has ``.layout_search``, the `LayoutSearch`.
+    ``microbatches=``, ``schedules=``, ``rule_sets=``, ``progress=`` as there), then built like any other
+    layout with the real ``init_params``. The returned step has ``.layout_search``, the `LayoutSearch`.
     """
     auto_only = {"profile": profile, "num_devices": num_devices, "memory_limit": memory_limit,
                  "pipeline": pipeline}
@@ -83,7 +84,7 @@ def parallelize(fun: Callable, *, layout: str | None = None, profile: str | Hard
     devices = kwargs.pop("devices", None)
     search = auto_layout(fun, profile=profile, devices=devices, num_devices=num_devices, memory_limit=memory_limit,
                          axes=axes, pipeline=pipeline, stage_counts=stage_counts, microbatches=microbatches,
-                         schedules=schedules, progress=progress, **kwargs)
+                         schedules=schedules, rule_sets=rule_sets, progress=progress, **kwargs)
     pool = list(devices) if devices is not None else jax.devices()[:search.num_devices]
     made = _call(build_on, search.best, fun, pool, pipeline, **kwargs)
     made[0].layout_search = search

@@ -3,11 +3,13 @@
 A layout is a per-stage mesh ``{axis: size}`` over the axes `standard_rules`
 gives roles to (``data``: the batch; ``fsdp``: the batch and the parameters'
 ``embed`` dimension, gathered when used; ``tensor``: the Megatron dimensions
-``mlp``, ``heads``, ``kv_heads``, ``vocab``), the rule set (``"standard"``:
-`standard_rules` of the mesh's axes), and for a pipeline its number of stages,
-microbatches and schedule. The axes' sizes decide how much of each kind of
-parallelism a layout has, so the meshes tried are every factorization of the
-devices per stage over the axes.
+``mlp``, ``heads``, ``kv_heads``, ``vocab``), the rule set (`named_rules`:
+``"standard"``, or ``"sequence"``, which also splits activations' sequence
+over the tensor axis), and for a pipeline its number of stages, microbatches
+and schedule. The axes' sizes decide how much of each kind of parallelism a
+layout has, so the meshes tried are every factorization of the devices per
+stage over the axes; the sequence rules are tried on those with a tensor axis
+(without one they are the standard rules).
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from ..core.rules import Rules, standard_rules
+from ..core.rules import RULE_SETS, Rules, named_rules
 
 __all__ = ["AXES", "RULE_SETS", "STAGE_AXIS", "Layout", "enumerate_layouts", "factorizations"]
 
 #: The mesh axes a search may factorize the devices over (``model`` is `standard_rules`' other name for tensor).
 AXES = ("data", "fsdp", "tensor", "model")
-#: Named rule sets a layout may use; ``standard``: `multimesh.jax.standard_rules` of the mesh's axes.
-RULE_SETS = ("standard",)
+#: The axes the ``sequence`` rules split activations' length over (with the Megatron dimensions).
+_TENSOR_AXES = ("tensor", "model")
 #: The axis of the whole mesh along which a pipeline's stages lie (outermost: stage s is a contiguous block).
 #: Not ``stage``: a scanned stack split over the stages spans them on a union mesh with that axis.
 STAGE_AXIS = "pipe"
@@ -73,11 +75,13 @@ class Layout:
 
     def rule_set(self) -> Rules:
         """The rules of ``rules`` for the whole mesh's axes."""
-        return standard_rules(tuple(self.whole_mesh))
+        return named_rules(self.rules, tuple(self.whole_mesh))
 
     def describe(self) -> str:
         """One line: ``data=2 x tensor=4``, or ``2 stages of data=2 x tensor=2, 1f1b, 8 microbatches``."""
         mesh = " x ".join(f"{a}={n}" for a, n in self.mesh.items())
+        if self.rules != "standard":
+            mesh += f" ({self.rules} rules)"
         if not self.is_pipeline:
             return mesh
         groups = f" ({self.chunks} groups/stage)" if self.chunks > 1 else ""
@@ -94,17 +98,24 @@ def _mesh(axes: Sequence[str], sizes: Sequence[int]) -> dict[str, int]:
 
 
 def enumerate_layouts(num_devices: int, axes: Sequence[str], stage_counts: Sequence[int],
-                      microbatches: Sequence[int], schedules: Sequence[str]) -> Iterator[Layout]:
+                      microbatches: Sequence[int], schedules: Sequence[str],
+                      rule_sets: Sequence[str] = ("standard",)) -> Iterator[Layout]:
     """Every layout of ``num_devices``: per stage count dividing them, every mesh of the devices per stage
-    over ``axes``, and for a pipeline every microbatch count and schedule (duplicates left out)."""
+    over ``axes`` with each of ``rule_sets`` (``sequence`` only on a mesh with a tensor axis), and for a
+    pipeline every microbatch count and schedule (duplicates left out)."""
+    unknown = [r for r in rule_sets if r not in RULE_SETS]
+    if unknown or not rule_sets:
+        raise ValueError(f"rule_sets={tuple(rule_sets)!r}: give names among {RULE_SETS}")
     seen: set[Layout] = set()
     for stages in stage_counts:
         if num_devices % stages:
             continue
         meshes = [_mesh(axes, sizes) for sizes in factorizations(num_devices // stages, len(axes))]
         runs = itertools.product(microbatches, schedules) if stages > 1 else [(None, None)]
-        for (m, schedule), mesh in itertools.product(list(runs), meshes):
-            layout = Layout(mesh, "standard", stages, m, schedule, _CHUNKS.get(schedule, 1) if schedule else 1)
+        for (m, schedule), mesh, rules in itertools.product(list(runs), meshes, rule_sets):
+            if rules == "sequence" and not any(a in mesh for a in _TENSOR_AXES):
+                continue
+            layout = Layout(mesh, rules, stages, m, schedule, _CHUNKS.get(schedule, 1) if schedule else 1)
             if layout not in seen:
                 seen.add(layout)
                 yield layout

@@ -1,6 +1,6 @@
 """`auto_layout`: try every layout of the devices, keep those that fit, rank them by predicted step time.
 
-Each candidate (`layouts.enumerate_layouts`) goes through the cheapest test
+Each candidate (`layouts.enumerate_layouts`: meshes, rule sets, pipelines) goes through the cheapest test
 that can reject it first: the batch's shapes (read once, `jax.eval_shape`),
 then the step built on it by `parallelize` (traced and planned, not
 compiled): a mesh axis that shards nothing, or parameters, optimizer state
@@ -22,8 +22,8 @@ import jax
 from ..core.fmt import format_bytes
 from ..estimate import Estimate, HardwareProfile, get_profile, held_bytes
 from .building import PipelineFactory, build_on
-from .checks import batch_misfit, idle_axis, pipeline_misfit, shapes_of
-from .layouts import AXES, Layout, enumerate_layouts
+from .checks import batch_misfit, idle_axis, idle_rules, pipeline_misfit, shapes_of
+from .layouts import AXES, RULE_SETS, Layout, enumerate_layouts
 from .table import search_table
 
 __all__ = ["Candidate", "LayoutSearch", "LayoutSearchError", "NoLayoutFitsError", "NoValidLayoutError",
@@ -166,7 +166,8 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
                 num_devices: int | None = None, memory_limit: int | None = None,
                 axes: Sequence[str] = ("data", "fsdp", "tensor"), pipeline: PipelineFactory | None = None,
                 stage_counts: Sequence[int] = (1,), microbatches: Sequence[int] = (4, 8),
-                schedules: Sequence[str] = ("1f1b", "zb-h2"), progress: bool | None = None,
+                schedules: Sequence[str] = ("1f1b", "zb-h2"), rule_sets: Sequence[str] = RULE_SETS,
+                progress: bool | None = None,
                 **parallelize_kwargs: Any) -> LayoutSearch:
     """Search the layouts of ``step`` on the devices; return them ranked (`LayoutSearch`, print it).
 
@@ -180,6 +181,7 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
         stages (e.g. with ``register_task(..., callback=... stage_task(s))``); needed for stage counts > 1.
       stage_counts: pipeline stage counts to try (1: SPMD).
       microbatches, schedules: tried for every pipeline (the step must call `microbatch`).
+      rule_sets: `named_rules` tried on every mesh (``"sequence"`` only where it has a tensor axis).
       progress: a progress bar (default: when stderr is a terminal).
       parallelize_kwargs: passed on to `parallelize` (``param_rules=``, ``donate=``, ...).
 
@@ -206,7 +208,8 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
             raise TypeError(f"auto_layout chooses {key}=; leave it out")
     pool = _pick_devices(devices, num_devices)
     batch_shapes = shapes_of(jax.eval_shape(get_input_batch))  # once for every candidate
-    layouts = list(enumerate_layouts(len(pool), axes, stage_counts, tuple(microbatches), tuple(schedules)))
+    layouts = list(enumerate_layouts(len(pool), axes, stage_counts, tuple(microbatches), tuple(schedules),
+                                     tuple(rule_sets)))
     candidates = []
     with _progress(len(layouts), progress) as bar:
         for layout in layouts:
@@ -246,7 +249,7 @@ def _try(layout: Layout, step: Callable, pool: list, pipeline: PipelineFactory |
     except (ValueError, NotImplementedError) as e:  # the layout's own misfit, e.g. more stages than layers
         return Candidate(layout, rejected=f"{_INVALID}cannot be built: {type(e).__name__}: {e}")
     step_fn = built[0]
-    misfit = pipeline_misfit(layout, step_fn) or idle_axis(layout, step_fn)
+    misfit = pipeline_misfit(layout, step_fn) or idle_axis(layout, step_fn) or idle_rules(layout, step_fn)
     if misfit is not None:
         return Candidate(layout, rejected=_INVALID + misfit)
     held = held_bytes(step_fn.param_layout.leaves, step_fn.batch_layout.leaves)

@@ -60,6 +60,7 @@ from typing import Any, Union
 from jax.sharding import PartitionSpec
 
 __all__ = [
+    "RULE_SETS",
     "Dropped",
     "LogicalSpec",
     "MeshAxes",
@@ -68,6 +69,7 @@ __all__ = [
     "RuleError",
     "Rules",
     "resolution",
+    "named_rules",
     "resolve",
     "standard_rules",
 ]
@@ -429,7 +431,7 @@ def identity_rules(axis_names: Iterable[str]) -> Rules:
     return Rules([(a, a) for a in axis_names])
 
 
-def standard_rules(axis_names: Iterable[str], *, strict: bool = False) -> Rules:
+def standard_rules(axis_names: Iterable[str], *, strict: bool = False, sequence: bool = False) -> Rules:
     """Sensible rules for a transformer on a mesh with some of the axes
     ``data``, ``fsdp``, ``tensor``/``model``, ``stage``.
 
@@ -438,6 +440,13 @@ def standard_rules(axis_names: Iterable[str], *, strict: bool = False) -> Rules:
     tensor axis. Only axes the mesh has are named. These names, and
     ``length``, ``kv``, ``head_dim`` and ``norm`` (left whole), are the rules'
     ``generic`` names: no warning says they have no rule on a mesh.
+
+    ``sequence``: also split activations' ``length`` over the tensor axis
+    where nothing else of the array uses it (Megatron's sequence parallelism:
+    the residual stream and norms between blocks hold 1/tensor of the
+    sequence, and a block's all-reduce becomes a reduce-scatter and an
+    all-gather). The rule comes last, so the Megatron dimensions keep the
+    tensor axis where an array has both.
     """
     names = set(axis_names)
     tensor = "tensor" if "tensor" in names else ("model" if "model" in names else None)
@@ -451,8 +460,22 @@ def standard_rules(axis_names: Iterable[str], *, strict: bool = False) -> Rules:
         ("vocab", tensor),
         ("layers", "stage"),
     ]
+    if sequence:
+        wanted.append(("length", tensor))
     rules = [(n, a) for n, a in wanted if a is not None and a in names]
     # names a transformer uses that these rules leave whole on purpose: activations' sequence length,
     # the per-head feature dimension, norms' scales
     kept_whole = {"length", "kv", "head_dim", "norm"}
     return Rules(rules, strict=strict, generic={n for n, _ in wanted} | kept_whole)
+
+
+#: Named rule sets (`named_rules`): ``standard`` is `standard_rules`, ``sequence`` the same with sequence
+#: parallelism (``standard_rules(..., sequence=True)``).
+RULE_SETS = ("standard", "sequence")
+
+
+def named_rules(name: str, axis_names: Iterable[str], *, strict: bool = False) -> Rules:
+    """The rule set ``name`` (one of `RULE_SETS`) for a mesh with ``axis_names``."""
+    if name not in RULE_SETS:
+        raise ValueError(f"rule set {name!r} is not one of {list(RULE_SETS)}")
+    return standard_rules(axis_names, strict=strict, sequence=name == "sequence")

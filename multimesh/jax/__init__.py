@@ -6,7 +6,7 @@
 from .._version import __version__
 from ..core.meshes import build_mesh, place_mesh, slice_mesh
 from ..core.report import ShardingReport
-from ..core.rules import PathRules, RuleError, Rules, resolve, standard_rules
+from ..core.rules import PathRules, RuleError, Rules, named_rules, resolve, standard_rules
 from ..core.schedules import (
     GPipe,
     Interleaved1F1B,
@@ -90,6 +90,7 @@ __all__ = [
     "ignore_transforms",
     "microbatch",
     "mjit",
+    "named_rules",
     "only_fuse_loop_tasks",
     "parallelize",
     "place_mesh",
