@@ -5,7 +5,7 @@
 For each model size, on 8 simulated CPU devices: a profile is calibrated once
 (`multimesh.estimate.calibrate`, every device busy); then every candidate
 layout (`candidates`: all meshes of the 8 devices over data/fsdp/tensor with
-the standard rules, and 2- and 4-stage pipelines of 1f1b/zb-h2 at 4/8
+the standard rules (``--rule-sets``), and 2- and 4-stage pipelines of 1f1b/zb-h2 at 4/8
 microbatches; for the large size by default only the SPMD meshes and the
 1f1b pipelines at 8 microbatches without an fsdp axis, `large_subset`, to
 keep a run near 15 minutes) is built with the trainer (`load_config`, `program_for`),
@@ -24,9 +24,8 @@ schedule: each process calibrates a profile of the two one-core devices (all
 busy, the all-reduce across the processes), then its pipeline's estimate on
 that profile is compared with its measured step.
 
-`candidates` is the one place the layouts come from, with `auto_layout`'s
-arguments and its `Layout`'s field names (mesh, rules, stages, microbatches,
-schedule), so that it can be swapped for ``auto_layout(...).candidates``.
+`candidates` are `auto_layout`'s own (`multimesh.autolayout.enumerate_layouts`);
+``--rule-sets standard sequence`` adds the sequence rule set's layouts.
 """
 
 from __future__ import annotations
@@ -51,6 +50,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np
 
+from multimesh.autolayout import Layout, enumerate_layouts
 from multimesh.estimate import HardwareProfile
 
 HERE = Path(__file__).resolve().parent
@@ -76,56 +76,18 @@ def large_subset(layouts: Sequence[Layout]) -> list[Layout]:
 
 # -- the candidates -------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """One candidate: ``mesh`` (per stage), ``rules`` (a named rule set), ``stages`` (1: SPMD), and for a
-    pipeline its ``microbatches`` and ``schedule``. The field names are `auto_layout`'s `Layout`'s."""
-
-    mesh: dict
-    rules: str = "standard"
-    stages: int = 1
-    microbatches: int = 1
-    schedule: str | None = None
-
-    def describe(self) -> str:
-        mesh = "x".join(f"{k}={v}" for k, v in self.mesh.items())
-        if self.stages == 1:
-            return f"SPMD {mesh}"
-        return f"{self.stages} stages of {mesh}, {self.schedule} x{self.microbatches}"
-
-    def overrides(self) -> list[str]:
-        """The trainer config overrides that lay the model out this way."""
-        mesh = "{" + ", ".join(f"{k}: {v}" for k, v in self.mesh.items()) + "}"
-        pipeline = "null" if self.stages == 1 else (
-            f"{{stages: {self.stages}, microbatches: {self.microbatches}, schedule: {self.schedule}}}")
-        return [f"layout.mesh={mesh}", f"layout.rules={self.rules}", f"layout.pipeline={pipeline}"]
+def candidates(rule_sets: Sequence[str] = ("standard",)) -> list[Layout]:
+    """Every layout `auto_layout` tries on 8 devices over data/fsdp/tensor with 1, 2 and 4 stages (1f1b and
+    zb-h2 at 4 and 8 microbatches) and ``rule_sets``: its own `enumerate_layouts`."""
+    return list(enumerate_layouts(8, AXES, (1, 2, 4), (4, 8), ("1f1b", "zb-h2"), tuple(rule_sets)))
 
 
-def factorizations(n: int, axes: Sequence[str]) -> list[dict[str, int]]:
-    """Every mesh of ``n`` devices over ``axes`` (in that order; axes of size 1 left out)."""
-    sizes = [d for d in range(1, n + 1) if n % d == 0]
-    meshes = []
-    for shape in itertools.product(sizes, repeat=len(axes)):
-        if int(np.prod(shape)) == n:
-            mesh = {a: s for a, s in zip(axes, shape) if s > 1}
-            meshes.append(mesh or {axes[0]: 1})
-    return meshes
-
-
-def candidates(num_devices: int = 8, axes: Sequence[str] = AXES, stage_counts: Sequence[int] = (1, 2, 4),
-               microbatches: Sequence[int] = (4, 8), schedules: Sequence[str] = ("1f1b", "zb-h2")) -> list[Layout]:
-    """Every layout the search considers (`auto_layout`'s arguments): SPMD meshes, then pipelines."""
-    out = []
-    for stages in stage_counts:
-        if num_devices % stages:
-            continue
-        for mesh in factorizations(num_devices // stages, axes):
-            if stages == 1:
-                out.append(Layout(mesh))
-                continue
-            out.extend(Layout(mesh, stages=stages, microbatches=m, schedule=s)
-                       for s in schedules for m in microbatches)
-    return out
+def overrides(layout: Layout) -> list[str]:
+    """The trainer config overrides that lay the model out as ``layout``."""
+    mesh = "{" + ", ".join(f"{k}: {v}" for k, v in layout.mesh.items()) + "}"
+    pipeline = "null" if layout.stages == 1 else (
+        f"{{stages: {layout.stages}, microbatches: {layout.microbatches}, schedule: {layout.schedule}}}")
+    return [f"layout.mesh={mesh}", f"layout.rules={layout.rules}", f"layout.pipeline={pipeline}"]
 
 
 # -- measuring ------------------------------------------------------------------------------------------------
@@ -186,7 +148,7 @@ class Built:
         from trainers.step import program_for
 
         start = time.perf_counter()
-        cfg = load_config("tiny", [*size, *QUIET, *layout.overrides(), f"train.out_dir={out}"])
+        cfg = load_config("tiny", [*size, *QUIET, *overrides(layout), f"train.out_dir={out}"])
         tokens = np.random.default_rng(0).integers(0, 256, (cfg.data.batch_size, cfg.data.seq_len + 1), np.int32)
         batch = {"tokens": tokens}
         self.program = program_for(cfg, batch=batch)
@@ -230,7 +192,7 @@ def measure_size(name: str, layouts: Sequence[Layout], profile, steps: int, roun
                 continue
             rows.append(Row(layout, b.estimates["now"].time.total, [], before=b.estimates["before"].time.total))
             built.append((rows[-1], b))
-            print(f"  built {layout.describe():40s} in {b.seconds:5.1f} s, predicted "
+            print(f"  built {layout.describe():66s} in {b.seconds:5.1f} s, predicted "
                   f"{rows[-1].predicted * 1e3:8.2f} ms", flush=True)
         for r in range(rounds):
             order = built if r % 2 == 0 else built[::-1]  # alternate the order: no candidate always runs first
@@ -253,15 +215,15 @@ def report(name: str, rows: list[Row]) -> dict:
     predicted, measured = [r.predicted for r in ok], [r.median for r in ok]
     p_rank, m_rank = ranks(predicted), ranks(measured)
     print(f"\n{name}: {len(ok)} layouts measured, {len(rows) - len(ok)} refused")
-    print(f"{'layout':40s} {'predicted ms':>12s} {'measured ms':>11s} {'meas/pred':>9s} {'p.rank':>6s} "
+    print(f"{'layout':66s} {'predicted ms':>12s} {'measured ms':>11s} {'meas/pred':>9s} {'p.rank':>6s} "
           f"{'m.rank':>6s} {'before ms':>9s}")
     for i in np.argsort(predicted, kind="stable"):
         r = ok[i]
-        print(f"{r.layout.describe():40s} {r.predicted * 1e3:12.2f} {r.median * 1e3:11.2f} "
+        print(f"{r.layout.describe():66s} {r.predicted * 1e3:12.2f} {r.median * 1e3:11.2f} "
               f"{r.median / r.predicted:9.2f} {p_rank[i] + 1:6.1f} {m_rank[i] + 1:6.1f} {r.before * 1e3:9.2f}")
     for r in rows:
         if r.error is not None:
-            print(f"{r.layout.describe():40s} refused: {r.error}")
+            print(f"{r.layout.describe():66s} refused: {r.error}")
     rho = spearman(predicted, measured)
     pick = ok[int(np.argmin(predicted))]
     best = ok[int(np.argmin(measured))]
@@ -307,8 +269,8 @@ def mp_worker(args: argparse.Namespace) -> None:
     fn, init_p, get_b = parallelize(step, init_params=init, get_input_batch=lambda: mpp.batch(margs))
     seconds, _, _ = mpp.timed(fn, init_p(), get_b(), margs.steps, margs.rounds)
     est = fn.estimate(here)
-    print(json.dumps({"seconds": seconds, "predicted": est.time.total, "before": fn.estimate(plain(here)).time.total, "flops": here.peak_flops["float32"],
-                      "bandwidth": here.memory_bandwidth, "link": here.intra_node_bandwidth,
+    print(json.dumps({"seconds": seconds, "predicted": est.time.total, "before": fn.estimate(plain(here)).time.total,
+                      "flops": here.peak_flops["float32"], "bandwidth": here.memory_bandwidth, "link": here.intra_node_bandwidth,
                       "latency": here.intra_node_latency, "alone_speedup": here.alone_speedup}))
     jax.distributed.shutdown()
 
@@ -367,6 +329,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="steps per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--full-large", action="store_true", help="every candidate for the large size too")
+    parser.add_argument("--rule-sets", nargs="+", default=["standard"], choices=["standard", "sequence"],
+                        help="the rule sets of the layouts measured (auto_layout tries both)")
     parser.add_argument("--limit", type=int, default=None, help="measure only the first N candidates (a smoke test)")
     parser.add_argument("--multiprocess", action="store_true", help="also the 2-process, one-core-each pipeline")
     parser.add_argument("--cache", default=None, help="JAX compilation cache directory (default: a fresh one, "
@@ -403,7 +367,7 @@ def main() -> None:
           f"{', '.join(f'{k}: {v:.2f}' for k, v in here.busy_speedup)}", flush=True)
     summary = {}
     for name in args.sizes:
-        layouts = candidates()
+        layouts = candidates(args.rule_sets)
         if name == "large" and not args.full_large:
             layouts = large_subset(layouts)
         layouts = layouts[:args.limit]
