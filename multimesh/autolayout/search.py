@@ -1,12 +1,13 @@
 """`auto_layout`: try every layout of the devices, keep those that fit, rank them by predicted step time.
 
-Each candidate (`layouts.enumerate_layouts`: meshes, rule sets, pipelines) goes through the cheapest test
-that can reject it first: the batch's shapes (read once, `jax.eval_shape`),
-then the step built on it by `parallelize` (traced and planned, not
-compiled): a mesh axis that shards nothing, or parameters, optimizer state
-and batch that alone overflow the memory limit. Only the rest are compiled,
-from abstract inputs, and estimated (`multimesh.estimate`): their peak memory
-per device against the limit, and their predicted step time on the profile.
+Each candidate (`layouts.enumerate_layouts`: meshes, rule sets, pipelines)
+goes through the cheapest test that can reject it first: the batch's shapes
+(read once, `jax.eval_shape`), then the step built on it by `parallelize`
+(traced and planned, not compiled): a mesh axis that shards nothing, a rule
+set that changes nothing, or parameters, optimizer state and batch that alone
+overflow the memory limit. Only the rest are compiled, from abstract inputs,
+and estimated (`multimesh.estimate`): their peak memory per device against
+the limit, and their predicted step time on the profile.
 """
 
 from __future__ import annotations

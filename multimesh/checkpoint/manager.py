@@ -455,7 +455,8 @@ class CheckpointManager:
         Orbax's threads that wait for the step directory are released (else
         the process waits ~300 s at exit), those still writing items are
         waited for, the partly written step directory is then removed, and
-        the step is dropped from the list of steps. A storage error (``OSError``, TensorStore's status) becomes ``CheckpointSaveError``.
+        the step is dropped from the list of steps. A storage error
+        (``OSError``, TensorStore's status) becomes ``CheckpointSaveError``.
         """
         release.release(self._save_threads)
         writing = release.join(self._save_threads, timeout=_WRITERS_TIMEOUT_S)
