@@ -10,11 +10,14 @@ dispatched together before waiting. A ratio (together / in turn) near 1 says
 the host's cores run them no faster together; well below 1, that they overlap.
 Best of ``--rounds`` timings each.
 
-Then what an all-reduce costs while the devices are busy: a chain of 16
-matrix products per device with an all-reduce after each (over all the
+Then what an all-reduce costs while the devices are busy: a chain of 8
+matrix products per device with a tiny all-reduce after each (over all the
 devices, or a group of 4 or 2) against the same chain without them; the
-extra time per all-reduce, and per step of the ring model (``2 (n - 1)``
-steps), to set beside the latency `calibrate` measures on idle devices.
+extra time per all-reduce, for matrices of ``--lag-sizes`` (longer stretches
+of compute between), beside the same all-reduces back to back (what
+`calibrate`'s latency measures). Medians of ``--rounds``.
+
+    python benchmarks/host_sharing.py --lag-only --rounds 15
 """
 
 from __future__ import annotations
@@ -43,6 +46,15 @@ def on_group(devices: list, size: int):
     return fn, x
 
 
+def median(call, rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
 def best(call, rounds: int) -> float:
     times = []
     for _ in range(rounds):
@@ -55,12 +67,15 @@ def best(call, rounds: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--lag-sizes", type=int, nargs="+", default=[64, 128, 256, 384, 512],
+                        help="matrix sides for the all-reduce-after-compute table (longer compute between)")
+    parser.add_argument("--lag-only", action="store_true", help="only the all-reduce-after-compute table")
     args = parser.parse_args()
     devices = jax.devices()
     n = len(devices)
     print(f"{n} {devices[0].platform} devices, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
     print(f"{'matrix':>6s} {'groups':>10s} {'in turn ms':>10s} {'together ms':>11s} {'ratio':>6s}")
-    for size in (128, 256, 512):
+    for size in () if args.lag_only else (128, 256, 512):
         for groups in (2, 4):
             per = n // groups
             programs = [on_group(devices[g * per:(g + 1) * per], size) for g in range(groups)]
@@ -74,35 +89,42 @@ def main() -> None:
 
             a, b = best(in_turn, args.rounds), best(together, args.rounds)
             print(f"{size:6d} {groups:3d} of {per:3d} {a * 1e3:10.2f} {b * 1e3:11.2f} {b / a:6.2f}", flush=True)
-    collectives_while_busy(args.rounds)
+    collectives_while_busy(args.rounds, tuple(args.lag_sizes))
 
 
-def collectives_while_busy(rounds: int, chain: int = 16) -> None:
+def collectives_while_busy(rounds: int, sizes: tuple[int, ...], chain: int = 8) -> None:
+    """A tiny all-reduce after each of ``chain`` matrix products per device, against the chain alone: what
+    one costs after a stretch of compute (the last device thread's lag), beside a chain of tiny all-reduces
+    back to back (what `calibrate`'s latency sees). Medians of ``rounds``."""
     devices = jax.devices()
     mesh = Mesh(np.array(devices).reshape(len(devices) // 2, 2), ("a", "b"))
-    print(f"\nan all-reduce after each of {chain} matrix products per device (extra time per all-reduce):")
-    print(f"{'matrix':>6s} {'over':>8s} {'alone ms':>9s} {'per all-reduce us':>17s} {'per ring step us':>16s}")
-    for size in (64, 128):
-        x = jax.jit(lambda: jnp.ones((len(devices) * size, size)),
-                    out_shardings=NamedSharding(mesh, P(("a", "b"))))()
+    spec = P(("a", "b"))
+    print(f"\na tiny all-reduce after each of {chain} matrix products per device, all devices busy "
+          f"(median of {rounds}):")
+    print(f"{'matrix':>6s} {'over':>8s} {'compute between ms':>18s} {'per all-reduce us':>17s} "
+          f"{'back to back us':>15s} {'ratio':>6s}")
+    for size in sizes:
+        x = jax.jit(lambda: jnp.ones((len(devices) * size, size)), out_shardings=NamedSharding(mesh, spec))()
 
-        def program(axes):
+        def program(axes, compute=True):
             def body(x):
                 for _ in range(chain):
-                    x = jnp.tanh(x @ x) * 0.5
-                    if axes:
-                        x = jax.lax.psum(x, axes) * 0.1
+                    if compute:
+                        x = jnp.tanh(x @ x) * 0.5
+                    if axes:  # a tiny one: its bytes cost nothing, its synchronisation is what is timed
+                        x = x + jax.lax.psum(x[:1, :1], axes) * 0.0
                 return x
-            fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("a", "b")), out_specs=P(("a", "b"))))
+            fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
             jax.block_until_ready(fn(x))
             return lambda: jax.block_until_ready(fn(x))
 
-        alone = best(program(()), rounds)
+        alone = median(program(()), rounds)
         for axes in (("a", "b"), ("a",), ("b",)):
             n = int(np.prod([mesh.shape[a] for a in axes]))
-            extra = (best(program(axes), rounds) - alone) / chain
-            print(f"{size:6d} {n:4d} dev {alone * 1e3:9.2f} {extra * 1e6:17.0f} {extra / (2 * (n - 1)) * 1e6:16.0f}",
-                  flush=True)
+            extra = (median(program(axes), rounds) - alone) / chain
+            back_to_back = median(program(axes, compute=False), rounds) / chain
+            print(f"{size:6d} {n:4d} dev {alone / chain * 1e3:18.2f} {extra * 1e6:17.0f} {back_to_back * 1e6:15.0f} "
+                  f"{extra / back_to_back:6.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -76,10 +76,10 @@ def large_subset(layouts: Sequence[Layout]) -> list[Layout]:
 
 # -- the candidates -------------------------------------------------------------------------------------------
 
-def candidates(rule_sets: Sequence[str] = ("standard",)) -> list[Layout]:
-    """Every layout `auto_layout` tries on 8 devices over data/fsdp/tensor with 1, 2 and 4 stages (1f1b and
-    zb-h2 at 4 and 8 microbatches) and ``rule_sets``: its own `enumerate_layouts`."""
-    return list(enumerate_layouts(8, AXES, (1, 2, 4), (4, 8), ("1f1b", "zb-h2"), tuple(rule_sets)))
+def candidates(rule_sets: Sequence[str] = ("standard",), stages: Sequence[int] = (1, 2, 4)) -> list[Layout]:
+    """Every layout `auto_layout` tries on 8 devices over data/fsdp/tensor with ``stages`` (1f1b and zb-h2
+    at 4 and 8 microbatches) and ``rule_sets``: its own `enumerate_layouts`."""
+    return list(enumerate_layouts(8, AXES, tuple(stages), (4, 8), ("1f1b", "zb-h2"), tuple(rule_sets)))
 
 
 def overrides(layout: Layout) -> list[str]:
@@ -331,6 +331,9 @@ def main() -> None:
     parser.add_argument("--full-large", action="store_true", help="every candidate for the large size too")
     parser.add_argument("--rule-sets", nargs="+", default=["standard"], choices=["standard", "sequence"],
                         help="the rule sets of the layouts measured (auto_layout tries both)")
+    parser.add_argument("--stages", nargs="+", type=int, default=[1, 2, 4],
+                        help="the stage counts (1: SPMD); every built candidate is held in memory at once, "
+                             "and 68 (both rule sets, all stage counts) overflow 24 GiB")
     parser.add_argument("--limit", type=int, default=None, help="measure only the first N candidates (a smoke test)")
     parser.add_argument("--multiprocess", action="store_true", help="also the 2-process, one-core-each pipeline")
     parser.add_argument("--cache", default=None, help="JAX compilation cache directory (default: a fresh one, "
@@ -367,7 +370,7 @@ def main() -> None:
           f"{', '.join(f'{k}: {v:.2f}' for k, v in here.busy_speedup)}", flush=True)
     summary = {}
     for name in args.sizes:
-        layouts = candidates(args.rule_sets)
+        layouts = candidates(args.rule_sets, args.stages)
         if name == "large" and not args.full_large:
             layouts = large_subset(layouts)
         layouts = layouts[:args.limit]
