@@ -46,22 +46,21 @@ def on_group(devices: list, size: int):
     return fn, x
 
 
-def median(call, rounds: int) -> float:
+def timings(call, rounds: int) -> list[float]:
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return times
 
 
 def best(call, rounds: int) -> float:
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(timings(call, rounds))
+
+
+def median(call, rounds: int) -> float:
+    return float(np.median(timings(call, rounds)))
 
 
 def main() -> None:
