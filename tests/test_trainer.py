@@ -216,8 +216,6 @@ def test_sequence_rules_split_the_sequence_and_train_like_one_device(tmp_path, r
     the standard rules never do; the loss curve is still one device's."""
     from collections import Counter
 
-    from trainers.step import program_for
-
     cfg = small("dp_tp", tmp_path, f"train.steps={CURVE_STEPS}", "layout.rules=sequence")
 
     def tensor_gathers(c: Config) -> int:
@@ -226,6 +224,7 @@ def test_sequence_rules_split_the_sequence_and_train_like_one_device(tmp_path, r
         return kinds["all-gather"]
 
     assert tensor_gathers(cfg) > 0 and tensor_gathers(cfg.replace(layout={"rules": "standard"})) == 0
+    assert build_layout(cfg.layout).describe() == "SPMD on 8 devices, mesh data=4xtensor=2 (sequence rules)"
     np.testing.assert_allclose(curve(cfg), reference_curve(cfg), rtol=RTOL)
 
 

@@ -70,12 +70,14 @@ def stage_of_module(name: str, num_layers: int, stages: int, chunks: int = 1) ->
 
 @dataclasses.dataclass(frozen=True)
 class RunLayout:
-    """How a run is laid out: the devices it uses, the (per-stage) mesh shape, rules, pipeline."""
+    """How a run is laid out: the devices it uses, the (per-stage) mesh shape, rules (and the name of
+    their set: ``standard``, ``sequence``, or ``custom`` for a config's own list), pipeline."""
 
     devices: tuple
     mesh: dict[str, int]
     rules: Rules
     pipeline: PipelineConfig | None = None
+    rule_set: str = "standard"
 
     @property
     def is_pipeline(self) -> bool:
@@ -88,6 +90,8 @@ class RunLayout:
 
     def describe(self) -> str:
         mesh = "x".join(f"{k}={v}" for k, v in self.mesh.items())
+        if self.rule_set != "standard":
+            mesh += f" ({self.rule_set} rules)"
         if self.pipeline is None:
             return f"SPMD on {len(self.devices)} devices, mesh {mesh}"
         p = self.pipeline
@@ -166,7 +170,8 @@ def build_layout(cfg: LayoutConfig, devices: Any = None) -> RunLayout:
     devices = list(jax.devices() if devices is None else devices)
     check_devices(cfg.mesh, cfg.pipeline.stages if cfg.pipeline else None, len(devices), jax.process_count())
     need = cfg.num_devices
-    return RunLayout(tuple(devices[:need]), dict(cfg.mesh), Rules(cfg.rule_pairs()), cfg.pipeline)
+    return RunLayout(tuple(devices[:need]), dict(cfg.mesh), Rules(cfg.rule_pairs()), cfg.pipeline,
+                     cfg.rules if isinstance(cfg.rules, str) else "custom")
 
 
 def sharding_rows(step_fn: Any, prefix: str = "params/") -> list[tuple[str, str, str, str, str]]:
