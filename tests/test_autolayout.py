@@ -284,6 +284,21 @@ def test_plan_when_nothing_fits_names_the_memory_limit(tmp_path, capsys):
     assert time.perf_counter() - start < 30
 
 
+def test_trainer_search_keeps_the_sequence_layouts_of_a_model_with_a_sequence():
+    """The transformer names ``length`` on its activations: its sequence layouts are real candidates (held
+    bytes checked, not set aside as the standard ones), and the chosen config carries the rule set."""
+    from trainers.config import ConfigError, load_config
+    from trainers.layout_search import chosen_config, search_layout
+
+    cfg = load_config("tiny", [*AUTO, "layout.memory_limit=1000"])  # nothing fits: nothing is compiled
+    with pytest.raises(ConfigError) as caught:
+        search_layout(cfg, progress=False)
+    sequence = [c for c in caught.value.search.candidates if c.layout.rules == "sequence"]
+    assert len(sequence) == 3 and all(c.valid and "over the limit" in c.rejected for c in sequence)
+    chosen = chosen_config(load_config("tiny", AUTO), sequence[0].layout).layout
+    assert chosen.rules == "sequence" and chosen.mesh == sequence[0].layout.mesh
+
+
 @pytest.mark.slow
 def test_trainer_auto_layout_trains_as_the_chosen_layout_by_hand(tmp_path):
     from trainers.config import load_config

@@ -195,7 +195,8 @@ class LayoutConfig:
     :class:`SearchConfig`), the fastest predicted on ``profile`` (a name of
     ``multimesh.estimate.PROFILES``) that fits ``memory_limit`` bytes per device
     (default: the profile's memory); ``pipeline`` must then be null and
-    ``rules`` standard (the search picks the rule set among ``search.rules``). ``profile`` also lets ``--plan`` estimate a fixed layout.
+    ``rules`` standard (the search picks the rule set among ``search.rules``).
+    ``profile`` also lets ``--plan`` estimate a fixed layout.
     """
 
     mesh: dict[str, int] | str = dataclasses.field(default_factory=lambda: {"data": 8})

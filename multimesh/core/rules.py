@@ -68,8 +68,8 @@ __all__ = [
     "Resolution",
     "RuleError",
     "Rules",
-    "resolution",
     "named_rules",
+    "resolution",
     "resolve",
     "standard_rules",
 ]
@@ -444,9 +444,9 @@ def standard_rules(axis_names: Iterable[str], *, strict: bool = False, sequence:
     ``sequence``: also split activations' ``length`` over the tensor axis
     where nothing else of the array uses it (Megatron's sequence parallelism:
     the residual stream and norms between blocks hold 1/tensor of the
-    sequence, and a block's all-reduce becomes a reduce-scatter and an
-    all-gather). The rule comes last, so the Megatron dimensions keep the
-    tensor axis where an array has both.
+    sequence, which XLA gathers over the tensor axis where a block needs it
+    whole). The rule comes last, so the Megatron dimensions keep the tensor
+    axis where an array has both.
     """
     names = set(axis_names)
     tensor = "tensor" if "tensor" in names else ("model" if "model" in names else None)
