@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from multimesh.autolayout import Layout, LayoutSearch, LayoutSearchError, PipelineFactory, stage_task
 from multimesh.estimate import UnknownProfileError
@@ -67,19 +66,18 @@ def search_layout(cfg: Config, devices: Any = None, progress: bool | None = None
     Raises ``ConfigError`` naming the ``layout`` keys to change when no layout can be chosen (the search,
     with its table, is the error's ``search``).
     """
-    from trainers.step import train_functions  # pulls in the models and optax
+    from trainers.step import train_functions, zeros_batch  # pulls in the models and optax
 
     lay, d, m = cfg.layout, cfg.data, cfg.model
     devices = list(jax.devices() if devices is None else devices)
     f = train_functions(cfg, _microbatched, d.batch_size * d.seq_len)
-    shape = (d.batch_size, d.seq_len + 1)
     stages = [s for s in lay.search.stages if s <= max(1, m.num_layers)]
     if not stages:
         raise ConfigError(f"layout.search.stages={lay.search.stages}: every stage count exceeds model.num_layers="
                           f"{m.num_layers} (a stage runs at least one block); add 1 (SPMD) or smaller counts")
     try:
         return auto_layout(f.train_step, init_params=f.init_state,
-                           get_input_batch=lambda: {"tokens": jnp.zeros(shape, jnp.int32)},
+                           get_input_batch=lambda: zeros_batch(cfg),
                            devices=devices, profile=lay.profile, memory_limit=lay.memory_limit,
                            axes=tuple(lay.search.axes), pipeline=stage_registration(m.num_layers, m.scan_layers),
                            stage_counts=tuple(stages), microbatches=tuple(lay.search.microbatches),
