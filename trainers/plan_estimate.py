@@ -77,7 +77,3 @@ def print_estimate(cfg: Config, profile: str | None) -> None:
     priced = f", priced as {profile}" if profile else " (no --profile: memory and work only)"
     print(f"\nestimate of {cfg.name}'s train step on {where}{of}{priced}:")
     print(estimate_config(cfg, profile))
-    if cfg.model.scan_layers:  # XLA's cost analysis counts a while loop's body once
-        print(f"note: model.scan_layers=true: XLA counts the scanned stack's bytes accessed once, not once per "
-              f"layer ({cfg.model.num_layers} layers counted as 1; its flops and collectives are counted per "
-              f"layer); plan with model.scan_layers=false for the step's memory traffic and time")

@@ -21,8 +21,8 @@ __all__ = ["estimate", "estimate_mjit"]
 _NOTES = (
     "params, optimizer and batch are exact (the layouts' shards); outputs and temp are XLA's analysis of the "
     "programs compiled for this backend, which can differ on another (CPU compilation's temporaries are not a GPU's)",
-    "a loop body (scan) counts once in XLA's bytes accessed; its collectives count once per iteration (the "
-    "loop's known trip count), and flops its matrix products per iteration (from the traced program)",
+    "a loop body (scan) counts once per iteration (the loop's known trip count): its kernels' bytes, its "
+    "collectives, and its matrix products' flops",
 )
 
 

@@ -21,7 +21,6 @@ collective whose groups match no set of axes has axes ``None`` (shown as
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import re
 from collections.abc import Sequence
@@ -29,14 +28,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["KINDS", "Collective", "find_collectives", "shape_bytes"]
+from .hlo import Module, parse_module, shape_bytes
+
+__all__ = ["KINDS", "Collective", "find_collectives"]
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-             "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s+"
-                          r"(?P<kind>" + "|".join(KINDS) + r")(?P<phase>-start|-done)?\((?P<rest>.*)$")
 
 
 @dataclass(frozen=True)
@@ -57,17 +53,6 @@ class Collective:
         if self.axes is None:
             return "unknown axes"
         return ",".join(self.axes) if self.axes else "-"
-
-
-def shape_bytes(shape: str) -> int:
-    """Bytes of an HLO shape (``f32[16,8]{1,0}`` or a tuple of them); 8-bit float types count 1 byte."""
-    total = 0
-    for dtype, dims in re.findall(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]", shape):
-        size = _ITEMSIZE.get(dtype, 1 if dtype.startswith("f8") else None)
-        if size is None:
-            continue  # token[] and the like carry no data
-        total += int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) * size
-    return total
 
 
 def _braced(text: str, start: int) -> str:
@@ -151,81 +136,30 @@ def _axes_of_pairs(pairs: Sequence[Sequence[int]], names: Sequence[str], sizes: 
     return tuple(names[i] for i in sorted(differ))
 
 
-_COMPUTATION = re.compile(r"^\s*(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s+\(.*\{\s*$")
-_CALLED = re.compile(r"\b(?:to_apply|calls|condition|true_computation|false_computation)=%?([\w.\-]+)")
-_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
-_TRIPS = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
-_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
-
-
-def _runs(calls: dict[str, list[tuple[str, int]]], entry: str | None) -> dict[str, int]:
-    """Computation -> how often one run of ``entry`` runs it, along every chain of calls (a DAG)."""
-    if entry is None:
-        return {}
-    runs: dict[str, int] = {}
-    order: list[str] = []  # each computation after every one it calls (walked in reverse: callers first)
-    seen: set[str] = set()
-
-    def visit(name: str) -> None:
-        seen.add(name)
-        for callee, _ in calls.get(name, ()):
-            if callee not in seen:
-                visit(callee)
-        order.append(name)
-
-    visit(entry)
-    runs[entry] = 1
-    for name in reversed(order):
-        for callee, times in calls.get(name, ()):
-            runs[callee] = runs.get(callee, 0) + runs.get(name, 0) * times
-    return runs
-
-
-def find_collectives(hlo_text: str, axis_names: Sequence[str], axis_sizes: Sequence[int]) -> list[Collective]:
-    """Every collective of a compiled program's HLO (``compiled.as_text()``), in text order."""
+def find_collectives(hlo_text: str | Module, axis_names: Sequence[str], axis_sizes: Sequence[int]) -> list[Collective]:
+    """Every collective of a compiled program's HLO (``compiled.as_text()`` or its `parse_module`), in text
+    order."""
     n_devices = int(np.prod(axis_sizes, dtype=np.int64))
-    started: dict[str, tuple[str, str]] = {}  # name of a -start -> (kind, its attributes)
+    module = parse_module(hlo_text)
+    runs = module.runs()
     out = []
-    where: list[str | None] = []  # the computation of each collective found
-    calls: dict[str, list[tuple[str, int]]] = {}  # computation -> (computation it calls, times per run)
-    current, entry = None, None
-    for line in hlo_text.splitlines():
-        header = _COMPUTATION.match(line) if " = " not in line else None
-        if header is not None:
-            current = header.group("name")
-            entry = current if header.group("entry") else entry
-            continue
-        if current is not None and " = " in line:
-            edges = calls.setdefault(current, [])
-            body = _BODY.search(line)
-            if body is not None:
-                trips = _TRIPS.search(line)
-                edges.append((body.group(1), int(trips.group(1)) if trips else 1))
-            edges.extend((c, 1) for c in _CALLED.findall(line))
-            branches = _BRANCHES.search(line)
-            if branches is not None:
-                edges.extend((c.strip().lstrip("%"), 1) for c in branches.group(1).split(",") if c.strip())
-        m = _INSTRUCTION.match(line)
-        if m is None:
-            continue
-        kind, phase, rest = m.group("kind"), m.group("phase"), m.group("rest")
-        if phase == "-start":
-            started[m.group("name")] = (kind, rest)
-            continue
-        if phase == "-done":
-            operand = re.match(r"\s*%?([\w.\-]+)", rest)
-            kind, rest = started.pop(operand.group(1), (kind, rest)) if operand else (kind, rest)
-        if kind == "collective-permute":
-            pairs = _pairs(rest) or []
-            axes = _axes_of_pairs(pairs, axis_names, axis_sizes)
-            size = 2
-        else:
-            groups = _groups(rest, n_devices)
-            if groups is None:
-                groups = [list(range(n_devices))]
-            axes = _axes_of_groups(groups, axis_names, axis_sizes)
-            size = max(len(g) for g in groups)
-        out.append(Collective(kind, shape_bytes(m.group("shape")), size, axes, m.group("name")))
-        where.append(current)
-    runs = _runs(calls, entry)
-    return [dataclasses.replace(c, count=runs.get(w, 1)) if runs.get(w, 1) != 1 else c for c, w in zip(out, where)]
+    for computation, body in module.computations.items():
+        for ins in body:
+            if ins.opcode.endswith("-start"):  # an asynchronous pair counts once, at its -done
+                continue
+            kind = ins.opcode.removesuffix("-done")
+            if kind not in KINDS:
+                continue
+            rest = ins.attributes
+            if ins.opcode.endswith("-done") and ins.operands:  # the -done's shape, the -start's groups
+                started = module.instruction(ins.operands[0])
+                rest = started.attributes if started is not None else rest
+            if kind == "collective-permute":
+                axes = _axes_of_pairs(_pairs(rest) or [], axis_names, axis_sizes)
+                size = 2
+            else:
+                groups = _groups(rest, n_devices) or [list(range(n_devices))]
+                axes = _axes_of_groups(groups, axis_names, axis_sizes)
+                size = max(len(g) for g in groups)
+            out.append(Collective(kind, shape_bytes(ins.shape), size, axes, ins.name, count=runs.get(computation, 1)))
+    return out

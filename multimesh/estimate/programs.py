@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -26,6 +26,8 @@ from ..core.meshes import mesh_context, no_mesh_context
 from ..core.transfer import target_on
 from .collectives import Collective, find_collectives
 from .held import slice_bytes
+from .hlo import parse_module
+from .kernels import Kernel, find_kernels
 from .matmuls import matmul_flops
 
 __all__ = ["MPMDPrograms", "ProgramCost", "analyse_compiled", "mpmd_programs", "spmd_program"]
@@ -33,8 +35,10 @@ __all__ = ["MPMDPrograms", "ProgramCost", "analyse_compiled", "mpmd_programs", "
 
 @dataclass(frozen=True)
 class ProgramCost:
-    """One compiled program, per device of its mesh: XLA's memory analysis (bytes), cost analysis
-    (``flops``, ``bytes_accessed``), its collectives, and how often a step runs it (``executions``)."""
+    """One compiled program, per device of its mesh: XLA's memory analysis (bytes), its ``flops`` (XLA's
+    cost analysis, at least its matrix products'), ``bytes_accessed`` (its kernels' bytes, a loop body's once
+    per iteration; XLA's count where no kernel was read), its collectives, its ``kernels``, and how often a
+    step runs it (``executions``)."""
 
     name: str
     devices: frozenset[int]
@@ -46,6 +50,7 @@ class ProgramCost:
     bytes_accessed: float
     collectives: tuple[Collective, ...]
     executions: int = 1
+    kernels: tuple[Kernel, ...] = field(default=(), repr=False)
 
     @property
     def peak_bytes(self) -> int:
@@ -67,13 +72,16 @@ def analyse_compiled(name: str, compiled: Any, mesh: Mesh, executions: int = 1, 
     those over the devices, where XLA's count misses some (a loop body counted once, GPU library calls)."""
     memory = compiled.memory_analysis()
     cost = _cost(compiled)
-    collectives = find_collectives(compiled.as_text(), list(mesh.axis_names), [int(s) for s in mesh.devices.shape])
+    module = parse_module(compiled.as_text())
+    collectives = find_collectives(module, list(mesh.axis_names), [int(s) for s in mesh.devices.shape])
+    kernels = find_kernels(module)
+    moved = sum(k.bytes * k.count for k in kernels) if kernels else float(cost.get("bytes accessed", 0.0))
     return ProgramCost(
         name=name, devices=frozenset(d.id for d in mesh.devices.flat),
         argument_bytes=int(memory.argument_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
-        flops=max(float(cost.get("flops", 0.0)), matmuls / mesh.devices.size), bytes_accessed=float(cost.get("bytes accessed", 0.0)),
-        collectives=tuple(collectives), executions=executions)
+        flops=max(float(cost.get("flops", 0.0)), matmuls / mesh.devices.size), bytes_accessed=float(moved),
+        collectives=tuple(collectives), executions=executions, kernels=kernels)
 
 
 def _abstract(tree: Any, shardings: Any) -> Any:

@@ -132,8 +132,9 @@ class Estimate:
         lines.append("programs (per device, one execution):")
         for p in self.programs:
             t = f", {self.time.programs[p.name].total * 1e3:.3g} ms" if self.time is not None else ""
+            kernels = f"{sum(k.count for k in p.kernels)} kernels, " if p.kernels else ""
             lines.append(f"  {p.name} x{p.executions} on {len(p.devices)} devices: {p.flops:.4g} flops, "
-                         f"{b(p.bytes_accessed)} accessed, temp {b(p.temp_bytes)}, "
+                         f"{b(p.bytes_accessed)} accessed, temp {b(p.temp_bytes)}, {kernels}"
                          f"{len(p.collectives)} collectives{t}")
         coll = self.collectives()
         if coll:

@@ -1,9 +1,15 @@
-"""Step time from a hardware profile: a roofline per program and an alpha-beta model per collective.
+"""Step time from a hardware profile: a roofline per kernel and an alpha-beta model per collective.
 
-A program takes ``max(flops / peak, bytes accessed / memory bandwidth)`` plus
+A program's kernels run one after another, each bound by its compute or its
+memory traffic: a program takes the sum over its kernels (`kernels`) of
+``max(flops / peak, bytes / memory bandwidth)``, plus the flops no kernel
+shows (a library call whose dimensions its HLO does not print) at peak, plus
 its collectives, which are not assumed to overlap with compute, plus the
 profile's ``launch_overhead`` (a `CalibratedProfile`'s measured cost of one
-execution whatever its work; 0 for a datasheet profile). A copy between
+execution whatever its work; 0 for a datasheet profile). A program whose
+kernels were not read takes ``max(flops / peak, bytes accessed / memory
+bandwidth)``: a roofline of the whole program, which assumes every kernel's
+traffic hidden under another's compute. A copy between
 submeshes costs its fixed cost (``transfer_time``) and its bytes over the
 link. A collective over ``n`` devices moving ``B`` bytes (ring algorithms) takes
 ``steps * latency + factor * B / bandwidth``:
@@ -30,7 +36,7 @@ from .collectives import Collective
 from .profiles import HardwareProfile
 from .programs import ProgramCost
 
-__all__ = ["ProgramTime", "collective_time", "launch_overhead", "program_time", "transfer_time"]
+__all__ = ["ProgramTime", "collective_time", "kernels_time", "launch_overhead", "program_time", "transfer_time"]
 
 
 def collective_time(c: Collective, profile: HardwareProfile) -> float:
@@ -52,18 +58,21 @@ def collective_time(c: Collective, profile: HardwareProfile) -> float:
 
 @dataclass(frozen=True)
 class ProgramTime:
-    """One execution of a program, in seconds: ``compute`` (flops at peak), ``memory`` (bytes at the memory
-    bandwidth), ``communication`` (its collectives), ``launch`` (the execution's fixed cost);
-    ``total`` = launch + work, ``work`` = max(compute, memory) + communication."""
+    """One execution of a program, in seconds: ``compute`` (all its flops at peak), ``memory`` (all its bytes
+    at the memory bandwidth), ``kernels`` (the sum of its kernels' rooflines; None: not read),
+    ``communication`` (its collectives), ``launch`` (the execution's fixed cost); ``total`` = launch + work,
+    ``work`` = kernels (or, not read, max(compute, memory)) + communication."""
 
     compute: float
     memory: float
     communication: float
     launch: float = 0.0
+    kernels: float | None = None
 
     @property
     def work(self) -> float:
-        return max(self.compute, self.memory) + self.communication
+        bound = max(self.compute, self.memory) if self.kernels is None else self.kernels
+        return bound + self.communication
 
     @property
     def total(self) -> float:
@@ -75,11 +84,21 @@ def launch_overhead(profile: HardwareProfile) -> float:
     return profile.launch_overhead
 
 
+def kernels_time(p: ProgramCost, peak: float, bandwidth: float) -> float | None:
+    """The sum of ``p``'s kernels' rooflines, plus its flops that no kernel shows at ``peak`` (None: no
+    kernels read)."""
+    if not p.kernels:
+        return None
+    shown = sum(k.flops * k.count for k in p.kernels)
+    return (sum(k.count * max(k.flops / peak, k.bytes / bandwidth) for k in p.kernels)
+            + max(p.flops - shown, 0.0) / peak)
+
+
 def program_time(p: ProgramCost, profile: HardwareProfile, dtype: str) -> ProgramTime:
-    return ProgramTime(compute=p.flops / profile.flops_rate(dtype),
-                       memory=p.bytes_accessed / profile.memory_bandwidth,
+    peak, bandwidth = profile.flops_rate(dtype), profile.memory_bandwidth
+    return ProgramTime(compute=p.flops / peak, memory=p.bytes_accessed / bandwidth,
                        communication=sum(c.count * collective_time(c, profile) for c in p.collectives),
-                       launch=launch_overhead(profile))
+                       launch=launch_overhead(profile), kernels=kernels_time(p, peak, bandwidth))
 
 
 def transfer_time(nbytes: int, profile: HardwareProfile, *, inside_node: bool) -> float:

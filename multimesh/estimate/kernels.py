@@ -1,0 +1,133 @@
+"""The kernels of a compiled program, read from its HLO: each one's matrix flops, bytes moved, and executions.
+
+A kernel is an instruction of code that runs (the entry computation, loop
+bodies and conditions, branches, called computations; not the computations
+fused into a kernel) that does work: a fusion, a matrix product, a copy, a
+custom call, ... Parameters, constants, tuples, bitcasts, control flow and
+the collectives (timed on their own, `collectives`) are not kernels.
+
+Bytes are those a kernel reads and writes: its operands' and its result's,
+except where it touches part of an array, which is what a scanned stack does
+every iteration: a fused parameter read only through ``dynamic-slice`` (or
+``slice``) counts the slices' bytes, and a ``dynamic-update-slice`` into a
+buffer updated in place counts the update's bytes, not the buffer's. Flops
+are the matrix products' (``dot``, and a library call such as a cuBLAS gemm
+whose dimension numbers it prints): 2 x result elements x contracted size.
+Elementwise arithmetic is left to the program's total (its bytes dominate
+such a kernel's time). A kernel in a loop body counts once per iteration.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+from .hlo import Instruction, Module, parse_module, shape_bytes
+
+__all__ = ["Kernel", "find_kernels"]
+
+#: Instructions that are not kernels: no work of their own, control flow, or timed elsewhere (collectives).
+_NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id", "replica-id",
+                "while", "conditional", "call", "after-all", "opt-barrier", "add-dependency", "domain", "send",
+                "send-done", "recv", "recv-done", "all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                "collective-permute", "collective-broadcast", "ragged-all-to-all"}
+_RUNS_AS_CODE = ("body", "condition", "branch", "call")
+_SLICES = {"dynamic-slice", "slice"}
+_DIMS = re.compile(r"\[([\d,]*)\]")
+_CONTRACTING = re.compile(r'lhs_contracting_dim(?:s=\{|ensions"\s*:\s*\[)([^}\]]*)')
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """Kernels alike: ``flops`` and ``bytes`` of one execution, ``count`` executions per program run."""
+
+    flops: float
+    bytes: int
+    count: int = 1
+
+
+def _dims(shape: str) -> list[int]:
+    m = _DIMS.search(shape)
+    return [int(d) for d in m.group(1).split(",") if d] if m else []
+
+
+def _product_flops(ins: Instruction, module: Module) -> float:
+    """2 x result elements x contracted elements of a matrix product (0 if its dimensions are not printed)."""
+    contracting = _CONTRACTING.search(ins.attributes)
+    if contracting is None or not ins.operands:
+        return 0.0
+    lhs = _dims(module.shape(ins.operands[0]))
+    dims = [int(d.strip().strip('"')) for d in contracting.group(1).split(",") if d.strip().strip('"')]
+    if any(d >= len(lhs) for d in dims):
+        return 0.0
+    return 2.0 * math.prod(_dims(ins.shape)) * math.prod(lhs[d] for d in dims)
+
+
+def _fused(ins: Instruction, module: Module) -> tuple[Instruction, ...]:
+    m = re.search(r"\bcalls=%?([\w.\-]+)", ins.attributes)
+    return module.computations.get(m.group(1), ()) if m else ()
+
+
+def _fusion_bytes(ins: Instruction, module: Module, body: tuple[Instruction, ...]) -> int:
+    """A fusion's bytes: each operand whole, or the slices read of it; its result whole, or the updates
+    written into a buffer updated in place."""
+    params: dict[int, str] = {}
+    users: dict[str, list[Instruction]] = {}
+    for f in body:
+        if f.opcode == "parameter" and f.literal.isdigit():
+            params[int(f.literal)] = f.name
+        for o in f.operands:
+            users.setdefault(o, []).append(f)
+    root = next((f for f in body if f.root), None)
+    updated = set()  # fused parameters that are buffers updated in place
+    results = [root] if root is None or root.opcode != "tuple" else [module.instruction(o) for o in root.operands]
+    written = 0
+    for r in results:
+        if r is not None and r.opcode == "dynamic-update-slice" and len(r.operands) > 1:
+            updated.add(r.operands[0])
+            update = module.instruction(r.operands[1])
+            written += shape_bytes(update.shape) if update is not None else 0
+        elif r is not None:
+            written += shape_bytes(r.shape)
+    if root is None:
+        written = shape_bytes(ins.shape)
+    read = 0
+    for i, operand in enumerate(ins.operands):
+        p = params.get(i)
+        uses = users.get(p, []) if p is not None else []
+        if p in updated and all(u.opcode == "dynamic-update-slice" and u.operands[0] == p for u in uses):
+            continue
+        if uses and all(u.opcode in _SLICES and u.operands[0] == p for u in uses):
+            read += sum(shape_bytes(u.shape) for u in uses)
+        else:
+            read += shape_bytes(module.shape(operand))
+    return read + written
+
+
+def _kernel(ins: Instruction, module: Module) -> Kernel | None:
+    if ins.opcode in _NOT_KERNELS or ins.opcode.endswith(("-start", "-done", "-update")):
+        return None
+    if ins.opcode == "fusion":
+        body = _fused(ins, module)
+        return Kernel(sum(_product_flops(f, module) for f in body if f.opcode == "dot"),
+                      _fusion_bytes(ins, module, body))
+    if ins.opcode == "dynamic-update-slice" and len(ins.operands) > 1:
+        return Kernel(0.0, 2 * shape_bytes(module.shape(ins.operands[1])))
+    if ins.opcode in _SLICES:
+        return Kernel(0.0, 2 * shape_bytes(ins.shape))
+    flops = _product_flops(ins, module) if ins.opcode in ("dot", "custom-call") else 0.0
+    return Kernel(flops, shape_bytes(ins.shape) + sum(shape_bytes(module.shape(o)) for o in ins.operands))
+
+
+def find_kernels(hlo_text: str | Module) -> tuple[Kernel, ...]:
+    """The kernels of a compiled program's HLO (``compiled.as_text()`` or its `parse_module`), kernels with
+    the same flops and bytes merged (their counts summed), largest bytes first."""
+    module = parse_module(hlo_text)
+    counts: Counter[tuple[float, int]] = Counter()
+    for ins, times in module.executed(_RUNS_AS_CODE):
+        k = _kernel(ins, module)
+        if k is not None and (k.flops or k.bytes):
+            counts[(k.flops, k.bytes)] += times
+    return tuple(Kernel(f, b, n) for (f, b), n in sorted(counts.items(), key=lambda kv: (-kv[0][1], -kv[0][0])))

@@ -1,0 +1,152 @@
+"""Kernels read from compiled HLO (flops, bytes, loop counts) and a program timed as the sum of their rooflines."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from multimesh.estimate import get_profile
+from multimesh.estimate.kernels import Kernel, find_kernels
+from multimesh.estimate.programs import ProgramCost
+from multimesh.estimate.timing import program_time
+from multimesh.jax import build_mesh, parallelize
+
+pytestmark = pytest.mark.devices(8)
+
+HLO = "\n".join([
+    "HloModule jit_step, entry_computation_layout={(f32[64,32]{1,0})->f32[64,16]{1,0}}",
+    "%product (p0: f32[64,32], p1: f32[32,16]) -> f32[64,16] {",
+    "  %p0 = f32[64,32]{1,0} parameter(0)",
+    "  %p1 = f32[32,16]{1,0} parameter(1)",
+    "  ROOT %d = f32[64,16]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+    "}",
+    "%read_layer (q0: f32[5,32,16], q1: s32[]) -> f32[32,16] {",
+    "  %q0 = f32[5,32,16]{2,1,0} parameter(0)",
+    "  %q1 = s32[] parameter(1)",
+    "  %z = s32[] constant(0)",
+    "  ROOT %ds = f32[1,32,16]{2,1,0} dynamic-slice(%q0, %q1, %z, %z), dynamic_slice_sizes={1,32,16}",
+    "}",
+    "%write_layer (r0: f32[5,64,16], r1: f32[1,64,16], r2: s32[]) -> f32[5,64,16] {",
+    "  %r0 = f32[5,64,16]{2,1,0} parameter(0)",
+    "  %r1 = f32[1,64,16]{2,1,0} parameter(1)",
+    "  %r2 = s32[] parameter(2)",
+    "  %z2 = s32[] constant(0)",
+    "  ROOT %dus = f32[5,64,16]{2,1,0} dynamic-update-slice(%r0, %r1, %r2, %z2, %z2)",
+    "}",
+    "%add (a: f32[], b: f32[]) -> f32[] {",
+    "  ROOT %s = f32[] add(%a, %b)",
+    "}",
+    "%body (t: (s32[], f32[5,32,16], f32[5,64,16])) -> (s32[], f32[5,32,16], f32[5,64,16]) {",
+    "  %t = (s32[], f32[5,32,16], f32[5,64,16]) parameter(0)",
+    "  %i = s32[] get-tuple-element(%t), index=0",
+    "  %stack = f32[5,32,16]{2,1,0} get-tuple-element(%t), index=1",
+    "  %acts = f32[5,64,16]{2,1,0} get-tuple-element(%t), index=2",
+    "  %w = f32[1,32,16]{2,1,0} fusion(%stack, %i), kind=kLoop, calls=%read_layer",
+    "  %h = f32[1,64,16]{2,1,0} custom-call(%x, %w), custom_call_target=\"__cublas$gemm\", "
+    'backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],'
+    '"rhs_contracting_dimensions":["1"]}}}',
+    "  %ar = f32[1,64,16]{2,1,0} all-reduce(%h), replica_groups={{0,1}}, to_apply=%add",
+    "  %acts2 = f32[5,64,16]{2,1,0} fusion(%acts, %ar, %i), kind=kLoop, calls=%write_layer",
+    "  ROOT %out = (s32[], f32[5,32,16], f32[5,64,16]) tuple(%i, %stack, %acts2)",
+    "}",
+    "%cond (c: (s32[], f32[5,32,16], f32[5,64,16])) -> pred[] {",
+    "  %c = (s32[], f32[5,32,16], f32[5,64,16]) parameter(0)",
+    "  %ci = s32[] get-tuple-element(%c), index=0",
+    "  %n = s32[] constant(5)",
+    "  ROOT %lt = pred[] compare(%ci, %n), direction=LT",
+    "}",
+    "ENTRY %main (x: f32[64,32], y: f32[32,16]) -> f32[64,16] {",
+    "  %x = f32[64,32]{1,0} parameter(0)",
+    "  %y = f32[32,16]{1,0} parameter(1)",
+    "  %prod = f32[64,16]{1,0} fusion(%x, %y), kind=kOutput, calls=%product",
+    "  %init = (s32[], f32[5,32,16], f32[5,64,16]) tuple(%x, %y, %x)",
+    '  %loop = (s32[], f32[5,32,16], f32[5,64,16]) while(%init), condition=%cond, body=%body, '
+    'backend_config={"known_trip_count":{"n":"5"}}',
+    "  ROOT %copy = f32[64,16]{1,0} copy(%prod)",
+    "}",
+])
+
+
+def test_kernels_are_read_with_their_products_bytes_and_loop_counts():
+    kernels = find_kernels(HLO)
+    f32 = 4
+    expected = {
+        # the fused product once (2 x 64 x 16 x 32 flops; both operands read, its result written) and, per
+        # iteration, the gemm library call from its printed dimension numbers (x is 64 x 32: contracts 32),
+        # which moves as many bytes: kernels alike are merged, their counts summed
+        (2 * 64 * 16 * 32, (64 * 32 + 32 * 16 + 64 * 16) * f32, 1 + 5),
+        # the entry's copy reads and writes 64 x 16
+        (0, 2 * 64 * 16 * f32, 1),
+        # per iteration: one layer's slice of the stack (not the whole stack) read and written, and the index
+        (0, 2 * 32 * 16 * f32 + 4, 5),
+        # per iteration: one layer's activations written into the stack in place (the update, read and
+        # written, and the index), not the whole stack
+        (0, 2 * 64 * 16 * f32 + 4, 5),
+        # the loop condition's compare (a kernel of next to nothing), once per iteration
+        (0, 1 + 4 + 4, 5),
+    }
+    assert {(k.flops, k.bytes, k.count) for k in kernels} == expected
+    # parameters, tuples, get-tuple-element, constants, the while and the all-reduce are not kernels
+    assert sum(k.count for k in kernels) == 1 + 1 + 5 + 5 + 5 + 5
+
+
+def test_a_program_takes_the_sum_of_its_kernels_rooflines():
+    h100 = get_profile("h100-sxm")
+    peak, bw = h100.peak_flops["bfloat16"], h100.memory_bandwidth
+    compute_bound = Kernel(flops=1e12, bytes=10**6, count=2)  # 1e12 flops: ~1 ms; 1 MB: ~0.3 us
+    memory_bound = Kernel(flops=1e6, bytes=10**10, count=1)  # 10 GB: ~3 ms
+    p = ProgramCost("p", frozenset({0}), 0, 0, 0, 0, flops=2e12 + 1e6 + 5e11, bytes_accessed=2e6 + 1e10,
+                    collectives=(), kernels=(compute_bound, memory_bound))
+    t = program_time(p, h100, "bfloat16")
+    # 5e11 flops no kernel shows (a library call whose dimensions are not printed) count at peak
+    assert t.kernels == pytest.approx(2 * 1e12 / peak + 1e10 / bw + 5e11 / peak)
+    assert t.work == pytest.approx(t.kernels)
+    # the whole program's roofline would hide the memory-bound kernel under the compute-bound ones
+    assert t.work > max(t.compute, t.memory)
+    unread = program_time(ProgramCost("q", frozenset({0}), 0, 0, 0, 0, flops=p.flops,
+                                      bytes_accessed=p.bytes_accessed, collectives=()), h100, "bfloat16")
+    assert unread.kernels is None and unread.work == pytest.approx(max(unread.compute, unread.memory))
+
+
+def _scanned_bytes(layers: int) -> tuple[float, float]:
+    """Bytes per device of one step of a ``layers``-deep stack, scanned and unrolled (FSDP over 8)."""
+    d, h, b = 16, 32, 16
+
+    def init():
+        k = jax.random.split(jax.random.key(0), 2)
+        return {"a": jax.random.normal(k[0], (layers, d, h)), "b": jax.random.normal(k[1], (layers, h, d))}
+
+    def layer(w, x):
+        return x + jnp.tanh(x @ w["a"]) @ w["b"]
+
+    def scanned(p, batch):
+        out, _ = jax.lax.scan(lambda x, w: (layer(w, x), None), batch["x"], p)
+        return jnp.mean(out ** 2)
+
+    def unrolled(p, batch):
+        out = batch["x"]
+        for i in range(layers):
+            out = layer(jax.tree.map(lambda a, i=i: a[i], p), out)
+        return jnp.mean(out ** 2)
+
+    moved = []
+    for loss in (scanned, unrolled):
+        fn, _, _ = parallelize(lambda p, batch, loss=loss: jax.grad(loss)(p, batch), init_params=init,
+                               get_input_batch=lambda: {"x": jnp.ones((b, d))}, mesh=build_mesh({"fsdp": 8}),
+                               rules=[("batch", "fsdp")], param_rules=[(r"/(a|b)$", P(None, "fsdp"))])
+        (program,) = fn.estimate("h100-sxm").programs
+        moved.append(program.bytes_accessed)
+    return moved[0], moved[1]
+
+
+def test_a_scanned_stacks_bytes_count_every_layer():
+    """XLA's cost analysis counts a while loop's body once: a scanned stack's bytes would not grow with its
+    depth. Read per kernel, a loop body's kernels count once per iteration, as the unrolled stack's do."""
+    scanned4, unrolled4 = _scanned_bytes(4)
+    scanned8, unrolled8 = _scanned_bytes(8)
+    assert scanned8 / scanned4 == pytest.approx(unrolled8 / unrolled4, rel=0.05)
+    assert scanned8 / scanned4 == pytest.approx(2.0, rel=0.05)
+    # the scan also slices its layers out and writes its residuals into stacks: more bytes, not fewer
+    assert unrolled4 <= scanned4 <= 2 * unrolled4
