@@ -154,22 +154,14 @@ class Prediction:
     compute: float
     memory: float
     communication: float
-    kernels: float
     peak_bytes: float
     compile_seconds: float
 
     @property
     def step_time(self) -> float:
-        """The estimate's own model: the sum of the kernels' rooflines, plus the collectives."""
         from multimesh.estimate import ProgramTime
 
-        return ProgramTime(self.compute, self.memory, self.communication, kernels=self.kernels).total
-
-    @property
-    def program_roofline_time(self) -> float:
-        """One roofline over the whole step, max(compute, memory), plus the collectives: the optimistic
-        bound (the estimate's model before session 14)."""
-        return max(self.compute, self.memory) + self.communication
+        return ProgramTime(self.compute, self.memory, self.communication).total
 
     @property
     def serial_time(self) -> float:
@@ -231,7 +223,7 @@ def predict(run: PublishedRun, estimates: tuple, profile, compile_seconds: float
     for e in estimates:
         (program,) = e.programs  # an SPMD step: one program
         t = program_time(program, profile, "bfloat16")
-        parts.append((t.compute, t.memory, t.communication, t.kernels, e.peak_bytes))
+        parts.append((t.compute, t.memory, t.communication, e.peak_bytes))
     extra = run.num_layers - 1
     at_depth = [a + extra * (b - a) for a, b in zip(*parts)]
     return Prediction(run, profile.name, *at_depth, compile_seconds=compile_seconds)
@@ -254,17 +246,16 @@ def _row(p: Prediction) -> str:
     miss = p.tflops / r.published_tflops - 1
     peak = get_profile(r.profile).peak_flops["bfloat16"] / 1e12  # MFU against the datasheet, as sources do
     return (f"| {r.name} | {r.devices} {r.profile} | {', '.join(f'{k}={v}' for k, v in r.mesh.items())} | "
-            f"{p.profile} | {p.step_time:.3f} s | {p.program_roofline_time:.3f} s | {p.serial_time:.3f} s | "
-            f"{p.published_step_time:.3f} s | "
+            f"{p.profile} | {p.step_time:.3f} s | {p.serial_time:.3f} s | {p.published_step_time:.3f} s | "
             f"{p.tflops:.0f} | "
             f"{r.published_tflops:.0f} | {p.tflops / peak:.0%} / {r.published_tflops / peak:.0%} | "
             f"{miss:+.0%} | {p.compute:.3f} / {p.memory:.3f} / {p.communication:.3f} | "
             f"{p.peak_bytes / 2**30:.1f} GiB |")
 
 
-HEADER = ("| run | devices | layout | profile | predicted step | program roofline | serial bound | "
-          "published step | predicted TFLOP/s/dev | published | MFU predicted / published | miss | compute / memory / comm. (s) | "
-          "peak/device |\n|" + "---|" * 14)
+HEADER = ("| run | devices | layout | profile | predicted step | serial bound | published step | "
+          "predicted TFLOP/s/dev | published | MFU predicted / published | miss | compute / memory / comm. (s) | "
+          "peak/device |\n|" + "---|" * 13)
 
 
 def main() -> None:

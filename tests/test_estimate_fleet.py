@@ -188,7 +188,7 @@ def test_fleet_runs_are_the_published_sizes(name, billions, tmp_path):
 
 @pytest.mark.slow  # ~35 s here: three trainer steps built and compiled
 def test_fleet_depth_extrapolation_equals_compiling_every_layer(tmp_path):
-    """Flops, bytes, kernel time and collective time are linear in the number of identical blocks: 1 and 2 blocks
+    """Flops, bytes and collective time are linear in the number of identical blocks: 1 and 2 blocks
     extrapolated to 3 give what compiling 3 blocks gives."""
     run = fleet.PublishedRun(
         name="small", source="test", profile="a100-80gb", devices=8, mesh={"data": 4, "tensor": 2}, d_model=64,
@@ -203,7 +203,6 @@ def test_fleet_depth_extrapolation_equals_compiling_every_layer(tmp_path):
     direct = program_time(program, get_profile("a100-80gb"), "bfloat16")
     assert predicted.compute == pytest.approx(direct.compute, rel=0.02)
     assert predicted.memory == pytest.approx(direct.memory, rel=0.05)
-    assert predicted.kernels == pytest.approx(direct.kernels, rel=0.05)
     assert predicted.communication == pytest.approx(direct.communication, rel=0.02)
     assert predicted.communication > 0  # tensor and data parallel collectives were priced
     assert np.isfinite(predicted.tflops) and predicted.step_time > 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -98,16 +100,21 @@ def test_a_program_takes_the_sum_of_its_kernels_rooflines():
     compute_bound = Kernel(flops=1e12, bytes=10**6, count=2)  # 1e12 flops: ~1 ms; 1 MB: ~0.3 us
     memory_bound = Kernel(flops=1e6, bytes=10**10, count=1)  # 10 GB: ~3 ms
     p = ProgramCost("p", frozenset({0}), 0, 0, 0, 0, flops=2e12 + 1e6 + 5e11, bytes_accessed=2e6 + 1e10,
-                    collectives=(), kernels=(compute_bound, memory_bound))
+                    collectives=(), kernels=(compute_bound, memory_bound), platform="gpu")
     t = program_time(p, h100, "bfloat16")
     # 5e11 flops no kernel shows (a library call whose dimensions are not printed) count at peak
     assert t.kernels == pytest.approx(2 * 1e12 / peak + 1e10 / bw + 5e11 / peak)
     assert t.work == pytest.approx(t.kernels)
     # the whole program's roofline would hide the memory-bound kernel under the compute-bound ones
     assert t.work > max(t.compute, t.memory)
-    unread = program_time(ProgramCost("q", frozenset({0}), 0, 0, 0, 0, flops=p.flops,
-                                      bytes_accessed=p.bytes_accessed, collectives=()), h100, "bfloat16")
-    assert unread.kernels is None and unread.work == pytest.approx(max(unread.compute, unread.memory))
+    # no kernels read, or kernels of another platform's compilation (XLA:CPU's, priced as a GPU): one
+    # roofline over the whole program, as the target's compiler fuses more
+    unread = program_time(dataclasses.replace(p, kernels=()), h100, "bfloat16")
+    elsewhere = program_time(dataclasses.replace(p, platform="cpu"), h100, "bfloat16")
+    for other in (unread, elsewhere):
+        assert other.kernels is None and other.work == pytest.approx(max(t.compute, t.memory))
+    assert get_profile("tpu-v5p").platform == "tpu" and {get_profile(n).platform for n in
+                                                         ("h100-sxm", "h200", "a100-80gb")} == {"gpu"}
 
 
 def _scanned_bytes(layers: int) -> tuple[float, float]:

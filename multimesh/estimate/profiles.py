@@ -54,6 +54,11 @@ class HardwareProfile:
     devices_per_node: int = 8
     source: str = ""
     notes: tuple[str, ...] = field(default=())
+    #: The JAX platform of these devices (``"gpu"``, ``"tpu"``, ``"cpu"``). A program compiled for the same
+    #: platform is timed kernel by kernel (its kernels are the ones that will run); one compiled for another
+    #: (a plan for devices you do not have, compiled on CPU) as one roofline over the whole program, as the
+    #: target's compiler fuses more than XLA:CPU does. '' (unknown): one roofline.
+    platform: str = ""
     #: Figures only a measurement gives (`calibrate`); a datasheet profile keeps these neutral defaults.
     #: ``launch_overhead``: seconds one program execution costs whatever its work.
     launch_overhead: float = 0.0
@@ -88,6 +93,7 @@ _TPU_ASSUMPTIONS = (
 PROFILES: dict[str, HardwareProfile] = {
     "h100-sxm": HardwareProfile(
         name="h100-sxm",
+        platform="gpu",
         # datasheet: BF16/FP16 1,979 TFLOPS and FP8 3,958 with sparsity, TF32 989 with sparsity; FP32 67
         peak_flops={"bfloat16": 989.5 * _T, "float16": 989.5 * _T, "float8": 1979 * _T, "tfloat32": 494.5 * _T,
                     "float32": 67 * _T, "float64": 67 * _T},
@@ -99,6 +105,7 @@ PROFILES: dict[str, HardwareProfile] = {
     ),
     "h200": HardwareProfile(
         name="h200",
+        platform="gpu",
         # datasheet: the H100 SXM's compute, 141 GB HBM3e at 4.8 TB/s
         peak_flops={"bfloat16": 989.5 * _T, "float16": 989.5 * _T, "float8": 1979 * _T, "tfloat32": 494.5 * _T,
                     "float32": 67 * _T, "float64": 67 * _T},
@@ -110,6 +117,7 @@ PROFILES: dict[str, HardwareProfile] = {
     ),
     "a100-80gb": HardwareProfile(
         name="a100-80gb",
+        platform="gpu",
         # datasheet: BF16/FP16 312 TFLOPS dense (624 sparse), TF32 156, FP32 19.5; HBM2e 2,039 GB/s (SXM)
         peak_flops={"bfloat16": 312 * _T, "float16": 312 * _T, "tfloat32": 156 * _T, "float32": 19.5 * _T,
                     "float64": 19.5 * _T},
@@ -122,6 +130,7 @@ PROFILES: dict[str, HardwareProfile] = {
     ),
     "tpu-v5e": HardwareProfile(
         name="tpu-v5e",
+        platform="tpu",
         # page: 197 TFLOPs bf16 and 393 TOPs int8 per chip; 16 GB HBM2 at 819 GBps; ICI 400 GBps per chip
         # (bidirectional) over 4 ports, 2-D torus, 256 chips per pod; per host of 8 chips 2 x 100 Gbps NICs
         peak_flops={"bfloat16": 197 * _T, "float32": 197 * _T, "int8": 393 * _T},
@@ -135,6 +144,7 @@ PROFILES: dict[str, HardwareProfile] = {
     ),
     "tpu-v5p": HardwareProfile(
         name="tpu-v5p",
+        platform="tpu",
         # page: 459 TFLOPs bf16 and fp8 per chip; 95 GiB HBM2e at 2765 GBps; ICI 1200 GBps per chip
         # (bidirectional; "4800 Gbps" on older versions of the page: one direction), 3-D torus, so 6 ports
         # (2 per dimension: our reading, the page gives no port count); DCN 50 Gbps per chip; largest single

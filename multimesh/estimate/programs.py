@@ -37,8 +37,8 @@ __all__ = ["MPMDPrograms", "ProgramCost", "analyse_compiled", "mpmd_programs", "
 class ProgramCost:
     """One compiled program, per device of its mesh: XLA's memory analysis (bytes), its ``flops`` (XLA's
     cost analysis, at least its matrix products'), ``bytes_accessed`` (its kernels' bytes, a loop body's once
-    per iteration; XLA's count where no kernel was read), its collectives, its ``kernels``, and how often a
-    step runs it (``executions``)."""
+    per iteration; XLA's count where no kernel was read), its collectives, its ``kernels`` (those of the
+    ``platform`` it was compiled for), and how often a step runs it (``executions``)."""
 
     name: str
     devices: frozenset[int]
@@ -51,6 +51,8 @@ class ProgramCost:
     collectives: tuple[Collective, ...]
     executions: int = 1
     kernels: tuple[Kernel, ...] = field(default=(), repr=False)
+    #: the JAX platform it was compiled for (its kernels are that platform's)
+    platform: str = ""
 
     @property
     def peak_bytes(self) -> int:
@@ -81,7 +83,8 @@ def analyse_compiled(name: str, compiled: Any, mesh: Mesh, executions: int = 1, 
         argument_bytes=int(memory.argument_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
         flops=max(float(cost.get("flops", 0.0)), matmuls / mesh.devices.size), bytes_accessed=float(moved),
-        collectives=tuple(collectives), executions=executions, kernels=kernels)
+        collectives=tuple(collectives), executions=executions, kernels=kernels,
+        platform=mesh.devices.flat[0].platform)
 
 
 def _abstract(tree: Any, shardings: Any) -> Any:

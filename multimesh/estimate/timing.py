@@ -6,10 +6,13 @@ memory traffic: a program takes the sum over its kernels (`kernels`) of
 shows (a library call whose dimensions its HLO does not print) at peak, plus
 its collectives, which are not assumed to overlap with compute, plus the
 profile's ``launch_overhead`` (a `CalibratedProfile`'s measured cost of one
-execution whatever its work; 0 for a datasheet profile). A program whose
-kernels were not read takes ``max(flops / peak, bytes accessed / memory
-bandwidth)``: a roofline of the whole program, which assumes every kernel's
-traffic hidden under another's compute. A copy between
+execution whatever its work; 0 for a datasheet profile). The kernels are
+those of the platform the program was compiled for: priced on a profile of
+another platform (``HardwareProfile.platform``: a plan for GPUs or TPUs
+compiled on CPU, whose compiler fuses far less), or where none were read, a
+program takes ``max(flops / peak, bytes accessed / memory bandwidth)``: one
+roofline over the whole program, which assumes the target's compiler hides
+its memory traffic under its compute. A copy between
 submeshes costs its fixed cost (``transfer_time``) and its bytes over the
 link. A collective over ``n`` devices moving ``B`` bytes (ring algorithms) takes
 ``steps * latency + factor * B / bandwidth``:
@@ -84,11 +87,12 @@ def launch_overhead(profile: HardwareProfile) -> float:
     return profile.launch_overhead
 
 
-def kernels_time(p: ProgramCost, peak: float, bandwidth: float) -> float | None:
+def kernels_time(p: ProgramCost, profile: HardwareProfile, peak: float) -> float | None:
     """The sum of ``p``'s kernels' rooflines, plus its flops that no kernel shows at ``peak`` (None: no
-    kernels read)."""
-    if not p.kernels:
+    kernels read, or read from a compilation for another platform than ``profile``'s)."""
+    if not p.kernels or not profile.platform or profile.platform != p.platform:
         return None
+    bandwidth = profile.memory_bandwidth
     shown = sum(k.flops * k.count for k in p.kernels)
     return (sum(k.count * max(k.flops / peak, k.bytes / bandwidth) for k in p.kernels)
             + max(p.flops - shown, 0.0) / peak)
@@ -98,7 +102,7 @@ def program_time(p: ProgramCost, profile: HardwareProfile, dtype: str) -> Progra
     peak, bandwidth = profile.flops_rate(dtype), profile.memory_bandwidth
     return ProgramTime(compute=p.flops / peak, memory=p.bytes_accessed / bandwidth,
                        communication=sum(c.count * collective_time(c, profile) for c in p.collectives),
-                       launch=launch_overhead(profile), kernels=kernels_time(p, peak, bandwidth))
+                       launch=launch_overhead(profile), kernels=kernels_time(p, profile, peak))
 
 
 def transfer_time(nbytes: int, profile: HardwareProfile, *, inside_node: bool) -> float:
