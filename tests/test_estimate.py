@@ -256,10 +256,8 @@ def test_a_collective_in_a_loop_counts_once_per_iteration():
     assert found == {"ar": 12, "ag": 4, "cp": 1, "top": 1}
 
 
-def test_a_scanned_stack_moves_the_bytes_of_the_same_stack_unrolled():
-    """XLA reduces a scanned stack's gradients once per iteration, the unrolled stack's at once: the bytes
-    per step agree only when a loop body's collectives count once per iteration."""
-    layers = 4
+def stack_estimates(layers: int) -> dict:
+    """The estimates of the gradient of a ``layers``-deep stack, scanned and unrolled, FSDP over 8 devices."""
 
     def init():
         k = jax.random.split(jax.random.key(0), 2)
@@ -272,19 +270,38 @@ def test_a_scanned_stack_moves_the_bytes_of_the_same_stack_unrolled():
     def unrolled(p, b):
         h = b["x"]
         for i in range(layers):
-            h = layer(jax.tree.map(lambda a: a[i], p), h)
+            h = layer(jax.tree.map(lambda a, i=i: a[i], p), h)
         return jnp.mean(h ** 2)
 
-    moved = {}
+    estimates = {}
     for name, loss in (("scanned", scanned), ("unrolled", unrolled)):
         fn, _, _ = parallelize(lambda p, b, loss=loss: jax.grad(loss)(p, b), init_params=init,
                                get_input_batch=make_batch, mesh=build_mesh({"fsdp": 8}), rules=[("batch", "fsdp")],
                                param_rules=[(r"/(a|b)$", P(None, "fsdp"))])
-        est = fn.estimate("h100-sxm")
-        moved[name] = sum(b for _, b in est.collectives().values())
-        if name == "scanned":
-            assert any(c.count == layers for p in est.programs for c in p.collectives)
+        estimates[name] = fn.estimate("h100-sxm")
+    return estimates
+
+
+def test_a_scanned_stack_moves_the_bytes_of_the_same_stack_unrolled():
+    """XLA reduces a scanned stack's gradients once per iteration, the unrolled stack's at once: the bytes
+    per step agree only when a loop body's collectives count once per iteration."""
+    layers = 4
+    estimates = stack_estimates(layers)
+    moved = {name: sum(b for _, b in est.collectives().values()) for name, est in estimates.items()}
+    assert any(c.count == layers for p in estimates["scanned"].programs for c in p.collectives)
     assert moved["scanned"] == moved["unrolled"] > 0
+
+
+def test_a_scanned_stacks_bytes_count_every_layer():
+    """XLA's cost analysis counts a while loop's body once: a scanned stack's bytes would not grow with its
+    depth. Read per kernel, a loop body's kernels count once per iteration, as the unrolled stack's do."""
+    (scanned4,), (unrolled4,) = (e.programs for e in stack_estimates(4).values())
+    (scanned8,), (unrolled8,) = (e.programs for e in stack_estimates(8).values())
+    grows = scanned8.bytes_accessed / scanned4.bytes_accessed
+    assert grows == pytest.approx(unrolled8.bytes_accessed / unrolled4.bytes_accessed, rel=0.05)
+    assert grows == pytest.approx(2.0, rel=0.05)
+    # the scan also slices its layers out and writes its residuals into stacks: more bytes, not fewer
+    assert unrolled4.bytes_accessed <= scanned4.bytes_accessed <= 2 * unrolled4.bytes_accessed
 
 
 def test_collective_time_is_the_ring_model():
