@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import pytest
 
-from multimesh.estimate import get_profile
+from multimesh.estimate import calibrate, get_profile
 from multimesh.estimate.kernels import Kernel, find_kernels
 from multimesh.estimate.programs import ProgramCost
 from multimesh.estimate.timing import program_time
+from multimesh.jax import build_mesh, parallelize
 
 HLO = "\n".join([
     "HloModule jit_step, entry_computation_layout={(f32[64,32]{1,0})->f32[64,16]{1,0}}",
@@ -110,3 +113,26 @@ def test_a_program_takes_the_sum_of_its_kernels_rooflines():
         assert other.kernels is None and other.work == pytest.approx(max(t.compute, t.memory))
     assert get_profile("tpu-v5p").platform == "tpu" and {get_profile(n).platform for n in
                                                          ("h100-sxm", "h200", "a100-80gb")} == {"gpu"}
+
+
+@pytest.mark.devices(8)
+def test_a_step_is_priced_kernel_by_kernel_only_on_the_platform_that_compiled_it():
+    def init():
+        return {"w": jax.random.normal(jax.random.key(0), (64, 64))}
+
+    def step(p, batch):
+        return jax.grad(lambda p: jnp.mean(jnp.tanh(batch["x"] @ p["w"]) ** 2))(p)
+
+    fn, _, _ = parallelize(step, init_params=init, get_input_batch=lambda: {"x": jnp.ones((32, 64))},
+                           mesh=build_mesh({"data": 8}), rules=[("batch", "data")])
+    here = calibrate(matmul_size=64, copy_bytes=1 << 16, collective_bytes=1 << 16, repeats=1)
+    assert here.platform == "cpu"
+    local, sheet = fn.estimate(profile=here), fn.estimate(profile="h100-sxm")
+    (program,) = local.programs
+    assert program.platform == "cpu" and program.kernels
+    timed = local.time.programs[program.name]
+    assert timed.kernels is not None and timed.total == pytest.approx(timed.launch + timed.kernels
+                                                                      + timed.communication)
+    assert any("sum of its kernels' rooflines (compiled for cpu" in n for n in local.notes)
+    assert sheet.time.programs[program.name].kernels is None
+    assert any("one roofline per program (compiled for cpu, priced as gpu" in n for n in sheet.notes)

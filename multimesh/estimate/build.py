@@ -156,13 +156,19 @@ def _estimate(name: str, plan: Any, runtime: Any, spmd: Any, placements: Any, pa
     return Estimate(name=name, memory=memory, programs=programs, transfers=transfers, profile=profile,
                     time=_step_time(plan, result, segment_program, profile,
                                     dtype or _compute_dtype(param_leaves, optimizer_paths), model_flops),
-                    notes=_NOTES + _TIME_NOTES)
+                    notes=(*_NOTES, _time_note(programs, profile)))
 
 
-_TIME_NOTES = (
-    "time: roofline per program + alpha-beta collectives, not overlapped; a pipeline through its schedule's "
-    "simulator, each stage with its own programs' costs (see multimesh.estimate.steptime)",
-)
+def _time_note(programs: tuple[ProgramCost, ...], profile: HardwareProfile) -> str:
+    """How the programs were timed: kernel by kernel where they were compiled for the profile's platform."""
+    compiled = ", ".join(sorted({p.platform for p in programs})) or "an unknown platform"
+    if profile.platform and {p.platform for p in programs} == {profile.platform}:
+        model = f"each program the sum of its kernels' rooflines (compiled for {compiled}, the profile's platform)"
+    else:
+        model = (f"one roofline per program (compiled for {compiled}, priced as "
+                 f"{profile.platform or 'a profile of no platform'}: its kernels are not the target's)")
+    return (f"time: {model} + alpha-beta collectives, not overlapped; a pipeline through its schedule's "
+            f"simulator, each stage with its own programs' costs (see multimesh.estimate.steptime)")
 
 
 def _step_time(plan: Any, est: Estimate, segment_program: dict[int, int] | None, profile: HardwareProfile,
