@@ -166,8 +166,8 @@ def calibrate(devices: Sequence[Any] | None = None, *, matmul_size: int = 512, c
     peaks = {name: rate}
     peaks.setdefault("float32", rate)
     return CalibratedProfile(
-        name=f"calibrated-{devices[0].platform}", platform=devices[0].platform, peak_flops=peaks, memory_bandwidth=bandwidth,
-        memory_bytes=_memory_bytes(devices), intra_node_bandwidth=link, intra_node_latency=latency,
+        name=f"calibrated-{devices[0].platform}", platform=devices[0].platform, peak_flops=peaks,
+        memory_bandwidth=bandwidth, memory_bytes=_memory_bytes(devices), intra_node_bandwidth=link, intra_node_latency=latency,
         inter_node_bandwidth=link, inter_node_latency=latency, devices_per_node=n,
         source=f"measured by multimesh.estimate.calibrate on {n} {devices[0].device_kind} devices",
         notes=("measured with every device busy; one host: inter-node figures are the intra-node ones",),
