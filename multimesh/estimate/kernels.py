@@ -24,6 +24,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
+from .collectives import KINDS
 from .hlo import Instruction, Module, parse_module, shape_bytes
 
 __all__ = ["Kernel", "find_kernels"]
@@ -31,8 +32,7 @@ __all__ = ["Kernel", "find_kernels"]
 #: Instructions that are not kernels: no work of their own, control flow, or timed elsewhere (collectives).
 _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id", "replica-id",
                 "while", "conditional", "call", "after-all", "opt-barrier", "add-dependency", "domain", "send",
-                "send-done", "recv", "recv-done", "all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-                "collective-permute", "collective-broadcast", "ragged-all-to-all"}
+                "send-done", "recv", "recv-done", "collective-broadcast", "ragged-all-to-all", *KINDS}
 _RUNS_AS_CODE = ("body", "condition", "branch", "call")
 _SLICES = {"dynamic-slice", "slice"}
 _DIMS = re.compile(r"\[([\d,]*)\]")
