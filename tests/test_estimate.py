@@ -473,18 +473,23 @@ def test_a_stage_like_another_is_compiled_once_and_estimated_the_same(monkeypatc
 
 
 def test_a_step_estimated_again_on_another_profile_compiles_nothing(fsdp, pipeline, monkeypatch):
-    compiles = []
+    compiles, reads = [], []
     compile_ = jax.stages.Lowered.compile
     monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self, *a, **k: compiles.append(1) or compile_(self, *a, **k))
+    programs_module = importlib.import_module("multimesh.estimate.programs")
+    parse = programs_module.parse_module
+    monkeypatch.setattr(programs_module, "parse_module", lambda text: reads.append(1) or parse(text))
     programs = 0
     for fn in (fsdp[0], pipeline[0]):
         first = fn.estimate("h100-sxm")
+        read_first = len(reads)
         again = fn.estimate("a100-80gb")
         assert again.programs == first.programs and again.memory == first.memory
         assert again.time.total != first.time.total  # priced anew on the other profile
+        assert len(reads) == read_first  # nor its HLO read again
         programs += len(first.programs)
-    # each program compiled at most once (earlier tests may have compiled them already)
-    assert len(compiles) <= programs
+    # each program compiled and read at most once (earlier tests may have done so already)
+    assert len(compiles) <= programs and len(reads) <= programs
 
 
 def test_a_pipeline_is_timed_through_its_schedule(pipeline):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,22 +69,34 @@ def _cost(compiled: Any) -> dict:
     return cost or {}
 
 
+#: Each compiled program's HLO as read (its collectives on a mesh's axes, its kernels), kept while the program
+#: lives: the same program estimated again (on another profile, a search's twin) is not read again.
+_READ: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _read_hlo(compiled: Any, mesh: Mesh) -> tuple[tuple[Collective, ...], tuple[Kernel, ...]]:
+    axes = (tuple(mesh.axis_names), tuple(int(s) for s in mesh.devices.shape))
+    read = _READ.setdefault(compiled, {})
+    if axes not in read:
+        module = parse_module(compiled.as_text())
+        read[axes] = (tuple(find_collectives(module, list(axes[0]), list(axes[1]))), find_kernels(module))
+    return read[axes]
+
+
 def analyse_compiled(name: str, compiled: Any, mesh: Mesh, executions: int = 1, matmuls: float = 0.0) -> ProgramCost:
     """A `ProgramCost` from a `jax.stages.Compiled` of a program on ``mesh``. ``matmuls``: the flops of its
     matrix products counted from its jaxpr (`matmul_flops`, global arrays): the flops per device are at least
     those over the devices, where XLA's count misses some (a loop body counted once, GPU library calls)."""
     memory = compiled.memory_analysis()
     cost = _cost(compiled)
-    module = parse_module(compiled.as_text())
-    collectives = find_collectives(module, list(mesh.axis_names), [int(s) for s in mesh.devices.shape])
-    kernels = find_kernels(module)
+    collectives, kernels = _read_hlo(compiled, mesh)
     moved = sum(k.bytes * k.count for k in kernels) if kernels else float(cost.get("bytes accessed", 0.0))
     return ProgramCost(
         name=name, devices=frozenset(d.id for d in mesh.devices.flat),
         argument_bytes=int(memory.argument_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
         flops=max(float(cost.get("flops", 0.0)), matmuls / mesh.devices.size), bytes_accessed=float(moved),
-        collectives=tuple(collectives), executions=executions, kernels=kernels,
+        collectives=collectives, executions=executions, kernels=kernels,
         platform=mesh.devices.flat[0].platform)
 
 
