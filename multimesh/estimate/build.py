@@ -153,20 +153,20 @@ def _estimate(name: str, plan: Any, runtime: Any, spmd: Any, placements: Any, pa
     result = Estimate(name=name, memory=memory, programs=programs, transfers=transfers, notes=_NOTES)
     if profile is None:
         return result
-    return Estimate(name=name, memory=memory, programs=programs, transfers=transfers, profile=profile,
-                    time=_step_time(plan, result, segment_program, profile,
-                                    dtype or _compute_dtype(param_leaves, optimizer_paths), model_flops),
-                    notes=(*_NOTES, _time_note(programs, profile)))
+    time = _step_time(plan, result, segment_program, profile,
+                      dtype or _compute_dtype(param_leaves, optimizer_paths), model_flops)
+    return Estimate(name=name, memory=memory, programs=programs, transfers=transfers, profile=profile, time=time,
+                    notes=(*_NOTES, _time_note(programs, time, profile)))
 
 
-def _time_note(programs: tuple[ProgramCost, ...], profile: HardwareProfile) -> str:
-    """How the programs were timed: kernel by kernel where they were compiled for the profile's platform."""
+def _time_note(programs: tuple[ProgramCost, ...], time: StepTime, profile: HardwareProfile) -> str:
+    """How the programs were timed: kernel by kernel (on the platform they were compiled for), or not."""
     compiled = ", ".join(sorted({p.platform for p in programs})) or "an unknown platform"
-    if profile.platform and {p.platform for p in programs} == {profile.platform}:
+    if all(t.kernels is not None for t in time.programs.values()):
         model = f"each program the sum of its kernels' rooflines (compiled for {compiled}, the profile's platform)"
     else:
-        model = (f"one roofline per program (compiled for {compiled}, priced as "
-                 f"{profile.platform or 'a profile of no platform'}: its kernels are not the target's)")
+        model = (f"one roofline per program whose kernels were not priced (compiled for {compiled}, priced as "
+                 f"{profile.platform or 'a profile of no platform'}: kernels count only on their own platform)")
     return (f"time: {model} + alpha-beta collectives, not overlapped; a pipeline through its schedule's "
             f"simulator, each stage with its own programs' costs (see multimesh.estimate.steptime)")
 
