@@ -81,18 +81,18 @@ def _fusion_bytes(ins: Instruction, module: Module, body: tuple[Instruction, ...
         for o in f.operands:
             users.setdefault(o, []).append(f)
     root = next((f for f in body if f.root), None)
+    if root is None:  # its fused computation not printed: the result whole
+        results, written = [], shape_bytes(ins.shape)
+    else:
+        results = [module.instruction(o) for o in root.operands] if root.opcode == "tuple" else [root]
+        written = 0
     updated = set()  # fused parameters that are buffers updated in place
-    results = [root] if root is None or root.opcode != "tuple" else [module.instruction(o) for o in root.operands]
-    written = 0
-    for r in results:
-        if r is not None and r.opcode == "dynamic-update-slice" and len(r.operands) > 1:
+    for r in filter(None, results):
+        if r.opcode == "dynamic-update-slice" and len(r.operands) > 1:
             updated.add(r.operands[0])
-            update = module.instruction(r.operands[1])
-            written += shape_bytes(update.shape) if update is not None else 0
-        elif r is not None:
+            written += shape_bytes(module.shape(r.operands[1]))
+        else:
             written += shape_bytes(r.shape)
-    if root is None:
-        written = shape_bytes(ins.shape)
     read = 0
     for i, operand in enumerate(ins.operands):
         p = params.get(i)
