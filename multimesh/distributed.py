@@ -43,7 +43,7 @@ import jax
 from ._version import __version__
 from .core.agreement import DisagreementError, agree, source_digest
 from .core.gloo_notices import drop_gloo_notices
-from .core.processes import ProcessLostError, heartbeat_timeout, lost_process_error
+from .core.processes import ProcessLostError, exception_chain, heartbeat_timeout, lost_process_error
 from .core.rollcall import StartupError, roll_call, split_address
 
 __all__ = ["DisagreementError", "ProcessLostError", "StartupError", "agree", "initialize", "is_initialized",
@@ -99,7 +99,7 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
 def _exit_on_uncaught(kind: type, error: BaseException, tb: object) -> None:
     """Print the error and leave now: JAX's shutdown would wait for processes that wait for this one."""
     traceback.print_exception(kind, error, tb)
-    if isinstance(error, jax.errors.JaxRuntimeError):  # a failed exchange: name the process this one lost
+    if not any(isinstance(x, ProcessLostError) for x in exception_chain(error)):  # not named yet: who stopped?
         lost = lost_process_error(error, "this process's work")
         if isinstance(lost, ProcessLostError):
             print(f"multimesh: {type(lost).__name__}: {lost}", file=sys.stderr)

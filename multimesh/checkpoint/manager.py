@@ -37,6 +37,7 @@ from typing import Any, Self
 import jax
 import orbax.checkpoint as ocp
 
+from ..core.processes import exception_chain
 from . import checksum as _checksum
 from . import ondisk, quiet, release
 from .dirlock import DirectoryInUseError, DirectoryLock
@@ -46,7 +47,7 @@ from .handlers import DocHandler, PendingDoc, StateHandler, SubsetRestore, regis
 from .jsonsafe import to_json_safe
 from .leaf_names import leaf_names
 from .nnx_objects import as_states
-from .save_failure import as_save_error, exception_chain
+from .save_failure import as_save_error
 from .tree import (
     LeafRecord,
     MeshRecord,
@@ -295,6 +296,8 @@ class CheckpointManager:
                 save raised by the next call (``poll``, ``all_steps``,
                 ``save``, ``wait_until_finished``, ``close``). Nothing of the
                 step is left on disk; earlier steps are untouched.
+            ProcessLostError: with several processes, another process stopped
+                during the save (it names which); nothing of the step is kept.
             TypeError: a leaf is not a ``jax.Array``.
         """
         self._check_open()
@@ -340,7 +343,12 @@ class CheckpointManager:
                 "after this manager was opened", fix="Checkpoints are never overwritten; save under "
                 "another step, or call reload() to see the steps others wrote.")
         if self._checksums:
-            doc = self._with_checksums(doc, [x for _, x in named])
+            try:  # with several processes, a gather of every process's checksums
+                doc = self._with_checksums(doc, [x for _, x in named])
+            except Exception as e:
+                if (failure := as_save_error(e, step, self._directory)) is None:
+                    raise
+                raise failure from None
         args = ocp.args.Composite(**{
             STATE_ITEM: ocp.args.StandardSave(state),
             META_ITEM: ocp.args.JsonSave(doc),

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import jax
 
-__all__ = ["ProcessLostError", "heartbeat_timeout", "lost_process_error"]
+__all__ = ["ProcessLostError", "exception_chain", "heartbeat_timeout", "is_failed_exchange", "lost_process_error"]
 
 _HEARTBEAT = {"seconds": 100.0}  # JAX's default until `multimesh.distributed.initialize` sets it
 
@@ -22,14 +23,39 @@ def heartbeat_timeout(seconds: float | None = None) -> float:
     return _HEARTBEAT["seconds"]
 
 
+# the status codes of a computation or exchange that failed at run time (gloo, NCCL, the coordination
+# service); not a storage error's (RESOURCE_EXHAUSTED, PERMISSION_DENIED, NOT_FOUND, ...)
+_RUNTIME_STATUS = re.compile(r"^(UNKNOWN|INTERNAL|UNAVAILABLE|ABORTED|CANCELLED|DEADLINE_EXCEEDED): ")
+
+
+def exception_chain(e: BaseException) -> list[BaseException]:
+    """``e`` and what it wraps (its causes and contexts), outermost first."""
+    out, seen = [], set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        out.append(x)
+        x = x.__cause__ or x.__context__
+    return out
+
+
+def is_failed_exchange(error: BaseException) -> bool:
+    """Whether ``error`` (or what it wraps) is XLA's runtime reporting a failed computation: a
+    ``JaxRuntimeError``, or the ``ValueError`` a jitted call raises for one (a collective whose peer
+    left reads "UNKNOWN: Gloo AllGather failed: ... Connection reset by peer")."""
+    return any(isinstance(x, jax.errors.JaxRuntimeError)
+               or (isinstance(x, ValueError) and _RUNTIME_STATUS.match(str(x))) for x in exception_chain(error))
+
+
 def lost_process_error(error: BaseException, what: str) -> BaseException:
     """``error`` (raised by ``what`` in a multi-process run) as a `ProcessLostError` naming the processes
-    that stopped, when the coordinator reports some within the heartbeat timeout; else ``error`` itself."""
+    that stopped, when it is a failed exchange (`is_failed_exchange`) and the coordinator reports some
+    stopped within the heartbeat timeout; else ``error`` itself."""
     # the coordination client: the only record of who is alive
     from jax._src import distributed
 
     client, n, me = distributed.global_state.client, jax.process_count(), jax.process_index()
-    if client is None or n == 1:
+    if client is None or n == 1 or not is_failed_exchange(error):
         return error
     deadline = time.monotonic() + heartbeat_timeout() + 5
     while True:

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 
 from ..core.layout import Layout
 from ..core.meshes import no_mesh_context
-from ..core.processes import lost_process_error
+from ..core.processes import is_failed_exchange, lost_process_error
 from ..core.transfer import everywhere, move
 from ..plan.partition import Plan
 from .checks import StepInputError, check_shapes
@@ -75,7 +75,7 @@ class MPMDFunction(Parallelized):
         except (ValueError, TypeError, RuntimeError) as e:
             if isinstance(e, StepInputError):
                 raise
-            if isinstance(e, jax.errors.JaxRuntimeError) and jax.process_count() > 1:  # did another process stop?
+            if jax.process_count() > 1 and is_failed_exchange(e):  # did another process stop?
                 raise lost_process_error(e, f"step {getattr(self.fun, '__name__', 'fun')!r}") from e
             clear = self._call_error(e, params, batch, None, self._donate)
             if clear is None:
