@@ -11,6 +11,7 @@ ones before compiling).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import time
 
@@ -20,8 +21,16 @@ import numpy as np
 import optax
 import pytest
 
-from multimesh.autolayout import Layout, NoLayoutFitsError, NoValidLayoutError, enumerate_layouts, factorizations
-from multimesh.estimate import UnknownProfileError
+from multimesh.autolayout import (
+    Candidate,
+    Layout,
+    LayoutSearch,
+    NoLayoutFitsError,
+    NoValidLayoutError,
+    enumerate_layouts,
+    factorizations,
+)
+from multimesh.estimate import UnknownProfileError, get_profile
 from multimesh.jax import auto_layout, build_mesh, microbatch, parallelize, register_task, stage_task, standard_rules
 
 D, H, BATCH = 64, 256, 16
@@ -106,6 +115,7 @@ def test_search_ranks_by_time_is_deterministic_and_rejects_what_overflows():
     assert [(c.layout, c.peak_bytes, c.time) for c in again.candidates] == \
         [(c.layout, c.peak_bytes, c.time) for c in first.candidates]
     assert first.seconds > 0 and "rank" in str(first) and first.best.describe() in str(first)
+    assert "share their host's cores" not in str(first)  # a datasheet profile: one device per chip
 
     # data=4 replicates the parameters and Adam's state: held bytes, exact, from the shapes alone
     held_data4 = PARAM_BYTES + ADAM_BYTES + BATCH // 4 * BATCH_ROW_BYTES
@@ -120,6 +130,24 @@ def test_search_ranks_by_time_is_deterministic_and_rejects_what_overflows():
         if c.estimate is not None and c.peak_bytes > smallest:
             assert c.rejected is not None and f"{c.peak_bytes - smallest:,} B" in c.rejected
     assert limited.best_candidate.peak_bytes == smallest and limited.fitting[0].rejected is None
+
+
+def test_a_search_on_devices_sharing_a_host_says_which_layouts_are_ties():
+    """On a profile whose devices share their host's cores (``alone_speedup`` > 1, as `calibrate` measures
+    simulated CPU devices), the table says how many layouts are predicted within 10% of the best."""
+    datasheet = get_profile("h100-sxm")
+    shared = dataclasses.replace(datasheet, alone_speedup=4.0)
+    meshes = [{"data": 4}, {"tensor": 4}, {"data": 2, "tensor": 2}, {"fsdp": 4}]
+    times = [1.0, 1.09, 1.11, None]  # the last rejected
+    candidates = tuple(Candidate(Layout(m), time=t, peak_bytes=1, rejected=None if t else "too big")
+                       for m, t in zip(meshes, times))
+
+    def table(profile, candidates=candidates):
+        return str(LayoutSearch(candidates, profile, 2**30, 4, 0.1))
+
+    assert "time the 2 predicted within 10% of the best" in table(shared)
+    assert "share their host's cores" not in table(datasheet)  # a chip of its own per device
+    assert "share their host's cores" not in table(shared, candidates[::2])  # nothing near the best
 
 
 def test_parallelize_auto_gives_the_losses_of_the_same_layout_by_hand_and_of_one_device():

@@ -39,4 +39,19 @@ def search_table(search: Any) -> str:
         cells = [r[0].rjust(widths[0]), r[1].ljust(widths[1]), r[2].rjust(widths[2]), r[3].rjust(widths[3]),
                  r[4].rjust(widths[4]), r[5]]
         lines.append("  ".join(cells).rstrip())
+    close = _near_the_best(search)
+    if close > 1 and search.profile.alone_speedup > 1:
+        lines.append(f"note: these devices share their host's cores, where layouts predicted within {_NEAR - 1:.0%} "
+                     f"of each other have measured in either order (benchmarks/RESULTS.md, planner): time the "
+                     f"{close} predicted within {_NEAR - 1:.0%} of the best to choose among them")
     return "\n".join(lines)
+
+
+#: predicted times this close to the best are ties on a host whose devices share cores
+_NEAR = 1.10
+
+
+def _near_the_best(search: Any) -> int:
+    """How many fitting layouts are predicted within `_NEAR` of the best."""
+    fitting = search.fitting
+    return sum(1 for c in fitting if c.time <= fitting[0].time * _NEAR) if fitting else 0
