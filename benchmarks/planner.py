@@ -15,8 +15,12 @@ steps (compilation), ``--rounds`` rounds of ``--steps`` steps, the rounds of
 all candidates interleaved (so that load drifting on a shared machine hits
 every candidate alike), the median round per candidate. Printed per size: a
 row per layout (predicted, measured, their ratio and ranks), the Spearman
-rank correlation of predicted vs measured, and the measured time of the
-layout with the lowest predicted time against the best measured.
+rank correlation of predicted vs measured, the measured time of the
+layout with the lowest predicted time against the best measured, and the
+same for the layout ``auto_layout(..., time_top=k)`` would pick, ``k`` the
+layouts predicted within 10% of the best (what the search's table suggests
+on a host whose devices share cores): each of them timed as `time_layout`
+does, one after another after the interleaved rounds.
 
 ``--multiprocess``: the 2-process, one-core-each pipeline of
 `benchmarks/multiprocess_pipeline.py` (its model, batch and timing), once per
@@ -99,6 +103,7 @@ class Row:
     measured: list[float]
     error: str | None = None
     before: float = float("nan")  # predicted by the model before issue 24's benchmark (no launch, no sharing)
+    timed: float | None = None  # seconds per step as auto_layout(time_top=...) times it (`time_layout`)
 
     @property
     def median(self) -> float:
@@ -198,9 +203,24 @@ def measure_size(name: str, layouts: Sequence[Layout], profile, steps: int, roun
             order = built if r % 2 == 0 else built[::-1]  # alternate the order: no candidate always runs first
             for row, b in order:
                 row.measured.append(b.timed(steps))
+        time_near_the_best(built)
     del built
     gc.collect()
     return rows
+
+
+def time_near_the_best(built: list) -> None:
+    """What the table's note suggests on this host, ``auto_layout(..., time_top=k)`` for the ``k`` layouts
+    predicted within 10% of the best: each timed as `time_layout` times it (one after another, the median of 3
+    steps after one), on the steps already built (the trainer's, which donate: each call feeds its state on)."""
+    from multimesh.autolayout.timing import time_layout
+
+    best = min(row.predicted for row, _ in built)
+    for row, b in sorted(built, key=lambda rb: rb[0].predicted):
+        if row.predicted > best * 1.10:
+            break
+        with b.run_layout.tasks(b.program.config.model.num_layers, b.program.config.model.scan_layers):
+            row.timed = time_layout(lambda b=b: (lambda state, batch: b._step(), lambda: None, lambda: None), 3)
 
 
 def plain(profile):
@@ -240,8 +260,14 @@ def report(name: str, rows: list[Row]) -> dict:
     print(f"lowest predicted: {pick.layout.describe()} measured {pick.median * 1e3:.2f} ms; best measured: "
           f"{best.layout.describe()} {best.median * 1e3:.2f} ms; ratio {pick.median / best.median:.3f} "
           f"(goal <= 1.10)", flush=True)
+    timed = [r for r in ok if r.timed is not None]
+    if timed:
+        chosen = min(timed, key=lambda r: r.timed)
+        print(f"time_top={len(timed)} (the layouts predicted within 10% of the best, timed one after another): "
+              f"picks {chosen.layout.describe()}, measured {chosen.median * 1e3:.2f} ms above; ratio "
+              f"{chosen.median / best.median:.3f} to the best (goal <= 1.10)", flush=True)
     print("rows: " + json.dumps([{"layout": r.layout.describe(), "predicted": r.predicted, "before": r.before,
-                                  "measured": r.measured, "error": r.error} for r in rows]))
+                                  "measured": r.measured, "timed": r.timed, "error": r.error} for r in rows]))
     return {"rho": rho, "pick_over_best": pick.median / best.median}
 
 

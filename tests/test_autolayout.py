@@ -150,6 +150,25 @@ def test_a_search_on_devices_sharing_a_host_says_which_layouts_are_ties():
     assert "share their host's cores" not in table(shared, candidates[::2])  # nothing near the best
 
 
+def test_time_top_times_the_best_predicted_and_ranks_them_by_their_measured_step():
+    """``time_top=2``: the two layouts predicted fastest are built and timed on these devices, and ranked
+    first by their measured step; the others keep their predicted order and no measurement."""
+    cpu = dataclasses.replace(get_profile("h100-sxm"), platform="cpu")  # a profile of these devices
+    predicted = search(profile=cpu)
+    found = search(profile=cpu, time_top=2, time_steps=2)
+    timed = [c for c in found.candidates if c.measured is not None]
+    assert {c.layout for c in timed} == {c.layout for c in predicted.fitting[:2]}
+    assert found.candidates[:2] == tuple(sorted(timed, key=lambda c: c.measured))
+    assert all(0 < c.measured < 10 for c in timed) and found.best == timed[0].layout == found.fitting[0].layout
+    assert [c.layout for c in found.candidates[2:]] == [c.layout for c in predicted.candidates
+                                                         if c.layout not in {t.layout for t in timed}]
+    assert [c.time for c in found.fitting] == [next(p.time for p in predicted.fitting if p.layout == c.layout)
+                                               for c in found.fitting]  # the predictions are untouched
+    header = str(found).splitlines()[1]
+    assert header.split() == ["rank", "layout", "peak/device", "predicted", "measured", "MFU", "rejected"]
+    assert "measured" not in str(predicted)
+
+
 def test_parallelize_auto_gives_the_losses_of_the_same_layout_by_hand_and_of_one_device():
     step_fn, init_fn, batch_fn = parallelize(step, init_params=init, get_input_batch=get_batch, layout="auto",
                                              profile="h100-sxm", num_devices=4, axes=("data", "tensor"),
@@ -237,6 +256,10 @@ def test_a_pipeline_that_builds_no_stages_is_named():
     (dict(mesh={"data": 4}), TypeError, "mesh="),
     (dict(memory_limit="80GB"), TypeError, "memory_limit must be a number of bytes per device"),
     (dict(memory_limit=0), ValueError, "memory_limit must be a positive number"),
+    (dict(time_top=-1), ValueError, "time_top=-1; give an int >= 0"),
+    (dict(time_top=2, time_steps=0), ValueError, "time_steps=0; give an int >= 1"),
+    (dict(time_top=2), ValueError, "time_top=2 times layouts on these cpu devices, but the profile 'h100-sxm' is "
+                                   "for gpu devices"),
 ])
 def test_bad_search_arguments_are_named(kw, error, words):
     with pytest.raises(error, match=words.replace("(", r"\(").replace(".", r"\.")):
@@ -248,6 +271,8 @@ def test_parallelize_layout_arguments_are_checked():
         parallelize(step, init_params=init, get_input_batch=get_batch, layout="manual")
     with pytest.raises(TypeError, match="profile= only serve layout='auto'"):
         parallelize(step, init_params=init, get_input_batch=get_batch, profile="h100-sxm")
+    with pytest.raises(TypeError, match="time_top= only serve layout='auto'"):
+        parallelize(step, init_params=init, get_input_batch=get_batch, time_top=2)
     with pytest.raises(TypeError, match="needs profile="):
         parallelize(step, init_params=init, get_input_batch=get_batch, layout="auto")
 
@@ -275,7 +300,9 @@ def test_auto_layout_config_is_checked():
                              (["layout.profile=h100-pcie"], "h100-sxm"),
                              (["layout.search.schedules=[1f2b]"], "1f2b"),
                              (["layout.search.rules=[megatron]"], "rules=['megatron']: give a list of named rule sets"),
-                             (["layout.rules=sequence"], "layout.search.rules")]:
+                             (["layout.rules=sequence"], "layout.search.rules"),
+                             (["layout.search.time_top=-1"], "time_top=-1: give an int >= 0"),
+                             (["layout.search.time_steps=0"], "time_steps=0: give an int >= 1")]:
         with pytest.raises(ConfigError, match=re.escape(words)):
             load_config("tiny", [*AUTO, *overrides])
 
@@ -325,6 +352,21 @@ def test_trainer_search_keeps_the_sequence_layouts_of_a_model_with_a_sequence():
     assert len(sequence) == 3 and all(c.valid and "over the limit" in c.rejected for c in sequence)
     chosen = chosen_config(load_config("tiny", AUTO), sequence[0].layout).layout
     assert chosen.rules == "sequence" and chosen.mesh == sequence[0].layout.mesh
+
+
+def test_trainer_search_times_its_best_predicted_layouts_on_the_profiles_devices(monkeypatch):
+    """``layout.search.time_top``: refused, naming the key, where the devices are not the profile's (here CPU
+    devices, an H100 profile); on a profile of these devices the search times that many layouts."""
+    from multimesh.estimate import PROFILES
+    from trainers.config import ConfigError, load_config
+    from trainers.layout_search import search_layout
+
+    one_mesh = [*AUTO, "layout.search.axes=[data]", "layout.search.time_top=1", "layout.search.time_steps=1"]
+    with pytest.raises(ConfigError, match=r"layout\.search\.time_top=1: .*profile 'h100-sxm' is for gpu devices"):
+        search_layout(load_config("tiny", one_mesh), progress=False)
+    monkeypatch.setitem(PROFILES, "h100-sxm", dataclasses.replace(PROFILES["h100-sxm"], platform="cpu"))
+    found = search_layout(load_config("tiny", one_mesh), progress=False)
+    assert [c.measured > 0 for c in found.candidates] == [True] and "measured" in str(found)
 
 
 @pytest.mark.slow

@@ -31,3 +31,4 @@ def test_the_planner_benchmark_runs_a_few_candidates_and_the_two_process_row():
     assert "multiprocess: 1 layouts measured, 0 refused" in out
     assert out.count("Spearman rank correlation (predicted vs measured)") == 2
     assert "the measurements' own rounds, ranked against each other" in out
+    assert "time_top=" in out and "(the layouts predicted within 10% of the best, timed one after another)" in out

@@ -154,13 +154,17 @@ class SearchConfig:
     """What ``layout.mesh: auto`` tries (``multimesh.jax.auto_layout``): meshes over ``axes`` (every
     factorization of the devices per stage), each with every named rule set of ``rules`` (``sequence``
     where the mesh has a tensor axis), pipelines of each of ``stages`` (1: SPMD), each with every
-    count of ``microbatches`` and every ``schedules`` entry."""
+    count of ``microbatches`` and every ``schedules`` entry. ``time_top``: time the steps of that many
+    best-predicted layouts on the run's devices (``time_steps`` each) and pick the fastest measured (0:
+    pick by prediction alone)."""
 
     axes: list = dataclasses.field(default_factory=lambda: list(AUTO_AXES))
     stages: list = dataclasses.field(default_factory=lambda: [1])
     microbatches: list = dataclasses.field(default_factory=lambda: [4, 8])
     schedules: list = dataclasses.field(default_factory=lambda: ["1f1b"])
     rules: list = dataclasses.field(default_factory=lambda: list(RULE_SETS))
+    time_top: int = 0
+    time_steps: int = 3
 
     def __post_init__(self) -> None:
         bad = [a for a in self.axes if a not in AUTO_AXES]
@@ -176,6 +180,10 @@ class SearchConfig:
         bad = [r for r in self.rules if r not in RULE_SETS]
         if not self.rules or bad:
             raise ValueError(f"rules={self.rules!r}: give a list of named rule sets among {list(RULE_SETS)}")
+        for key, least in (("time_top", 0), ("time_steps", 1)):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{key}={value!r}: give an int >= {least}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from multimesh.autolayout import Layout, LayoutSearch, LayoutSearchError, PipelineFactory, stage_task
+from multimesh.autolayout import Layout, LayoutSearch, LayoutSearchError, PipelineFactory, TimingError, stage_task
 from multimesh.estimate import UnknownProfileError
 from multimesh.jax import auto_layout, microbatch, register_task
 from trainers.config import Config
@@ -82,9 +82,12 @@ def search_layout(cfg: Config, devices: Any = None, progress: bool | None = None
                            axes=tuple(lay.search.axes), pipeline=stage_registration(m.num_layers, m.scan_layers),
                            stage_counts=tuple(stages), microbatches=tuple(lay.search.microbatches),
                            schedules=tuple(lay.search.schedules), rule_sets=tuple(lay.search.rules),
-                           progress=progress, donate=True)
+                           progress=progress, time_top=lay.search.time_top, time_steps=lay.search.time_steps,
+                           donate=True)
     except UnknownProfileError as e:
         raise ConfigError(f"layout.profile={lay.profile!r}: {e}") from None
+    except TimingError as e:
+        raise ConfigError(f"layout.search.time_top={lay.search.time_top}: {e}") from None
     except LayoutSearchError as e:
         error = ConfigError(f"layout.mesh=auto: {e} (layout.memory_limit={lay.memory_limit}, layout.profile="
                             f"{lay.profile}, layout.search={lay.search})")

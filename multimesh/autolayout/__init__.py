@@ -21,6 +21,7 @@ from .search import (
     NoValidLayoutError,
     auto_layout,
 )
+from .timing import TimingError
 
 __all__ = [
     "RULE_SETS",
@@ -32,6 +33,7 @@ __all__ = [
     "NoLayoutFitsError",
     "NoValidLayoutError",
     "PipelineFactory",
+    "TimingError",
     "auto_layout",
     "enumerate_layouts",
     "factorizations",

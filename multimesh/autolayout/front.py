@@ -52,17 +52,18 @@ def parallelize(fun: Callable, *, layout: str | None = None, profile: str | Hard
                 axes: Sequence[str] = ("data", "fsdp", "tensor"), pipeline: PipelineFactory | None = None,
                 stage_counts: Sequence[int] = (1,), microbatches: Sequence[int] = (4, 8),
                 schedules: Sequence[str] = ("1f1b", "zb-h2"), rule_sets: Sequence[str] = RULE_SETS,
-                progress: bool | None = None, **kwargs: Any) -> Any:
+                progress: bool | None = None, time_top: int = 0, time_steps: int = 3, **kwargs: Any) -> Any:
     """Compile ``fun(params, batch, *args)`` into a sharded function (see `multimesh.run.parallelize.parallelize`
     for every other argument).
 
     ``layout="auto"``: the mesh, rules and pipeline are chosen by `auto_layout` (``profile=`` required;
     ``devices=``/``num_devices=``, ``memory_limit=``, ``axes=``, ``pipeline=``, ``stage_counts=``,
-    ``microbatches=``, ``schedules=``, ``rule_sets=``, ``progress=`` as there), then built like any other
-    layout with the real ``init_params``. The returned step has ``.layout_search``, the `LayoutSearch`.
+    ``microbatches=``, ``schedules=``, ``rule_sets=``, ``progress=``, ``time_top=``, ``time_steps=`` as there),
+    then built like any other layout with the real ``init_params``. The returned step has ``.layout_search``,
+    the `LayoutSearch`.
     """
     auto_only = {"profile": profile, "num_devices": num_devices, "memory_limit": memory_limit,
-                 "pipeline": pipeline}
+                 "pipeline": pipeline, "time_top": time_top or None}
     if layout is None:
         given = [k for k, v in auto_only.items() if v is not None]
         if given:
@@ -84,7 +85,8 @@ def parallelize(fun: Callable, *, layout: str | None = None, profile: str | Hard
     devices = kwargs.pop("devices", None)
     search = auto_layout(fun, profile=profile, devices=devices, num_devices=num_devices, memory_limit=memory_limit,
                          axes=axes, pipeline=pipeline, stage_counts=stage_counts, microbatches=microbatches,
-                         schedules=schedules, rule_sets=rule_sets, progress=progress, **kwargs)
+                         schedules=schedules, rule_sets=rule_sets, progress=progress, time_top=time_top,
+                         time_steps=time_steps, **kwargs)
     pool = list(devices) if devices is not None else jax.devices()[:search.num_devices]
     made = _call(build_on, search.best, fun, pool, pipeline, **kwargs)
     made[0].layout_search = search

@@ -7,15 +7,17 @@ goes through the cheapest test that can reject it first: the batch's shapes
 set that changes nothing, or parameters, optimizer state and batch that alone
 overflow the memory limit. Only the rest are compiled, from abstract inputs,
 and estimated (`multimesh.estimate`): their peak memory per device against
-the limit, and their predicted step time on the profile.
+the limit, and their predicted step time on the profile. With ``time_top=k``
+the ``k`` best-predicted are then built for real and timed (`timing`), and
+ranked first, by their measured step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -26,6 +28,7 @@ from .building import PipelineFactory, build_on
 from .checks import batch_misfit, idle_axis, idle_rules, pipeline_misfit, shapes_of
 from .layouts import AXES, RULE_SETS, Layout, enumerate_layouts
 from .table import search_table
+from .timing import check_timing, time_layout
 
 __all__ = ["Candidate", "LayoutSearch", "LayoutSearchError", "NoLayoutFitsError", "NoValidLayoutError",
            "auto_layout"]
@@ -34,11 +37,11 @@ __all__ = ["Candidate", "LayoutSearch", "LayoutSearchError", "NoLayoutFitsError"
 _INVALID = "invalid: "
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Candidate:
     """One layout tried: its `Estimate` (None when rejected before compiling), its peak bytes per device
-    (the held bytes alone when rejected by them), predicted step ``time`` (s) and ``mfu``, and why it was
-    ``rejected`` (None: it fits)."""
+    (the held bytes alone when rejected by them), predicted step ``time`` (s) and ``mfu``, why it was
+    ``rejected`` (None: it fits), and its ``measured`` step (s; None: not timed, see ``time_top``)."""
 
     layout: Layout
     estimate: Estimate | None = None
@@ -46,6 +49,7 @@ class Candidate:
     time: float | None = None
     mfu: float | None = None
     rejected: str | None = None
+    measured: float | None = None
 
     @property
     def valid(self) -> bool:
@@ -53,7 +57,7 @@ class Candidate:
         return not (self.rejected or "").startswith(_INVALID)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class LayoutSearch:
     """What `auto_layout` found: every ``candidates`` ranked (those that fit by predicted time, then the
     rejected), the ``profile``, the per-device ``memory_limit``, the devices and how long it took."""
@@ -70,7 +74,8 @@ class LayoutSearch:
 
     @property
     def best(self) -> Layout:
-        """The layout of the least predicted step time among those that fit."""
+        """The layout of the least measured step time among those timed (``time_top``), else of the least
+        predicted among those that fit."""
         if not self.fitting:
             raise _nothing_fits(self)
         return self.fitting[0].layout
@@ -155,11 +160,11 @@ def _pick_devices(devices: Sequence[Any] | None, num_devices: int | None) -> lis
     return present[:n]
 
 
-def _progress(total: int, progress: bool | None) -> Any:
+def _progress(total: int, progress: bool | None, what: str = "auto_layout") -> Any:
     from tqdm import tqdm
 
     show = sys.stderr.isatty() if progress is None else progress
-    return tqdm(total=total, desc="auto_layout", unit="layout", disable=not show, leave=False)
+    return tqdm(total=total, desc=what, unit="layout", disable=not show, leave=False)
 
 
 def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_batch: Callable[[], Any],
@@ -168,7 +173,7 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
                 axes: Sequence[str] = ("data", "fsdp", "tensor"), pipeline: PipelineFactory | None = None,
                 stage_counts: Sequence[int] = (1,), microbatches: Sequence[int] = (4, 8),
                 schedules: Sequence[str] = ("1f1b", "zb-h2"), rule_sets: Sequence[str] = RULE_SETS,
-                progress: bool | None = None,
+                progress: bool | None = None, time_top: int = 0, time_steps: int = 3,
                 **parallelize_kwargs: Any) -> LayoutSearch:
     """Search the layouts of ``step`` on the devices; return them ranked (`LayoutSearch`, print it).
 
@@ -184,6 +189,10 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
       microbatches, schedules: tried for every pipeline (the step must call `microbatch`).
       rule_sets: `named_rules` tried on every mesh (``"sequence"`` only where it has a tensor axis).
       progress: a progress bar (default: when stderr is a terminal).
+      time_top: build the ``time_top`` best-predicted layouts that fit with the real initializers, one at a
+        time, time ``time_steps`` steps of each (the median, after one to compile) on these devices, and rank
+        them first by that: a measured choice among layouts the model predicts close to each other. Only on
+        the profile's own kind of devices (a calibrated profile, or a datasheet one on its GPUs or TPUs).
       parallelize_kwargs: passed on to `parallelize` (``param_rules=``, ``donate=``, ...).
 
     Raises `UnknownProfileError`, and a `LayoutSearchError` (`NoLayoutFitsError`, `NoValidLayoutError`)
@@ -208,25 +217,43 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
         if key in parallelize_kwargs:
             raise TypeError(f"auto_layout chooses {key}=; leave it out")
     pool = _pick_devices(devices, num_devices)
+    check_timing(time_top, time_steps, profile, pool)
     batch_shapes = shapes_of(jax.eval_shape(get_input_batch))  # once for every candidate
     layouts = list(enumerate_layouts(len(pool), axes, stage_counts, tuple(microbatches), tuple(schedules),
                                      tuple(rule_sets)))
+    kwargs = dict(init_params=init_params, get_input_batch=get_input_batch, **parallelize_kwargs)
     candidates = []
     with _progress(len(layouts), progress) as bar:
         for layout in layouts:
-            candidates.append(_try(layout, step, pool, pipeline, limit, profile,
-                                   dict(init_params=init_params, get_input_batch=get_input_batch,
-                                        **parallelize_kwargs), batch_shapes))
+            candidates.append(_try(layout, step, pool, pipeline, limit, profile, kwargs, batch_shapes))
             bar.update(1)
-    ranked = sorted(candidates, key=_rank)
+    ranked = _timed(sorted(candidates, key=_rank), time_top, time_steps, progress,
+                    lambda layout: build_on(layout, step, pool, pipeline, quiet=True, **{**kwargs, "donate": False}))
     search = LayoutSearch(tuple(ranked), profile, limit, len(pool), time.perf_counter() - start)
     if not search.fitting:
         raise _nothing_fits(search)
     return search
 
 
+def _timed(ranked: list[Candidate], top: int, steps: int, progress: bool | None,
+           build: Callable[[Layout], Any]) -> list[Candidate]:
+    """``ranked`` with its ``top`` best-predicted fitting candidates timed (`time_layout`) and ranked again."""
+    chosen = [c for c in ranked if c.rejected is None][:top]
+    if not chosen:
+        return ranked
+    timed = {}
+    with _progress(len(chosen), progress, "timing") as bar:
+        for c in chosen:
+            timed[c.layout] = dataclasses.replace(c, measured=time_layout(lambda c=c: build(c.layout), steps))
+            bar.update(1)
+    return sorted((timed.get(c.layout, c) for c in ranked), key=_rank)
+
+
 def _rank(c: Candidate) -> tuple:
-    """Fitting by predicted time, then too big by peak, then invalid; ties by description."""
+    """Timed by measured time, then fitting by predicted time, then too big by peak, then invalid; ties by
+    description."""
+    if c.measured is not None:
+        return (-1, c.measured, c.peak_bytes, c.layout.describe())
     if c.rejected is None:
         return (0, c.time, c.peak_bytes, c.layout.describe())
     if c.valid:

@@ -1,4 +1,5 @@
-"""The text table of a `LayoutSearch`: rank, layout, peak bytes per device, predicted time, MFU, why rejected."""
+"""The text table of a `LayoutSearch`: rank, layout, peak bytes per device, predicted (and measured) time, MFU,
+why rejected."""
 
 from __future__ import annotations
 
@@ -26,24 +27,26 @@ def search_table(search: Any) -> str:
     lines = [f"auto_layout: {n} layout{'s' if n != 1 else ''} of {search.num_devices} devices on "
              f"{search.profile.name}, memory limit {format_bytes(search.memory_limit)}/device: {fits} fit; "
              f"searched in {search.seconds:.1f} s"]
-    rows = [("rank", "layout", "peak/device", "step time", "MFU", "rejected")]
+    timed = any(c.measured is not None for c in search.candidates)
+    rows = [("rank", "layout", "peak/device", "predicted", *(("measured",) if timed else ()), "MFU", "rejected")]
     for i, c in enumerate(search.candidates, 1):
         peak = "-" if c.peak_bytes is None else format_bytes(c.peak_bytes)
         if c.estimate is None and c.peak_bytes is not None:
             peak = ">" + peak  # the held bytes alone: the peak is more
         mfu = "-" if c.mfu is None else f"{c.mfu:.1%}"
-        rows.append((str(i) if c.rejected is None else "-", c.layout.describe(), peak, _time(c.time), mfu,
-                     c.rejected or ""))
-    widths = [max(len(r[k]) for r in rows) for k in range(5)]
+        rows.append((str(i) if c.rejected is None else "-", c.layout.describe(), peak, _time(c.time),
+                     *((_time(c.measured),) if timed else ()), mfu, c.rejected or ""))
+    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]) - 1)]
     for r in rows:
-        cells = [r[0].rjust(widths[0]), r[1].ljust(widths[1]), r[2].rjust(widths[2]), r[3].rjust(widths[3]),
-                 r[4].rjust(widths[4]), r[5]]
+        cells = [r[0].rjust(widths[0]), r[1].ljust(widths[1]), *(x.rjust(w) for x, w in zip(r[2:-1], widths[2:])),
+                 r[-1]]
         lines.append("  ".join(cells).rstrip())
     close = _near_the_best(search)
-    if close > 1 and search.profile.alone_speedup > 1:
+    if close > 1 and search.profile.alone_speedup > 1 and not timed:
         lines.append(f"note: these devices share their host's cores, where layouts predicted within {_NEAR - 1:.0%} "
                      f"of each other have measured in either order (benchmarks/RESULTS.md, planner): time the "
-                     f"{close} predicted within {_NEAR - 1:.0%} of the best to choose among them")
+                     f"{close} predicted within {_NEAR - 1:.0%} of the best to choose among them "
+                     f"(auto_layout(..., time_top={close}))")
     return "\n".join(lines)
 
 
@@ -53,5 +56,5 @@ _NEAR = 1.10
 
 def _near_the_best(search: Any) -> int:
     """How many fitting layouts are predicted within `_NEAR` of the best."""
-    fitting = search.fitting
-    return sum(1 for c in fitting if c.time <= fitting[0].time * _NEAR) if fitting else 0
+    times = [c.time for c in search.fitting]
+    return sum(1 for t in times if t <= min(times) * _NEAR) if times else 0
