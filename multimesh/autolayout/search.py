@@ -59,8 +59,9 @@ class Candidate:
 
 @dataclasses.dataclass(frozen=True)
 class LayoutSearch:
-    """What `auto_layout` found: every ``candidates`` ranked (those that fit by predicted time, then the
-    rejected), the ``profile``, the per-device ``memory_limit``, the devices and how long it took."""
+    """What `auto_layout` found: every ``candidates`` ranked (those timed by measured time, then those that
+    fit by predicted time, then the rejected), the ``profile``, the per-device ``memory_limit``, the devices
+    and how long it took."""
 
     candidates: tuple[Candidate, ...]
     profile: HardwareProfile
@@ -195,7 +196,8 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
         the profile's own kind of devices (a calibrated profile, or a datasheet one on its GPUs or TPUs).
       parallelize_kwargs: passed on to `parallelize` (``param_rules=``, ``donate=``, ...).
 
-    Raises `UnknownProfileError`, and a `LayoutSearchError` (`NoLayoutFitsError`, `NoValidLayoutError`)
+    Raises `UnknownProfileError`, `TimingError` (``time_top=`` on devices not of the profile's kind), and a
+    `LayoutSearchError` (`NoLayoutFitsError`, `NoValidLayoutError`)
     when no layout can be chosen.
     """
     start = time.perf_counter()
