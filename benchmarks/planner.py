@@ -213,11 +213,12 @@ def time_near_the_best(built: list) -> None:
     """What the table's note suggests on this host, ``auto_layout(..., time_top=k)`` for the ``k`` layouts
     predicted within 10% of the best: each timed as `time_layout` times it (one after another, the median of 3
     steps after one), on the steps already built (the trainer's, which donate: each call feeds its state on)."""
+    from multimesh.autolayout.table import NEAR_THE_BEST
     from multimesh.autolayout.timing import time_layout
 
     best = min(row.predicted for row, _ in built)
     for row, b in sorted(built, key=lambda rb: rb[0].predicted):
-        if row.predicted > best * 1.10:
+        if row.predicted > best * NEAR_THE_BEST:  # the search table's own rule
             break
         with b.run_layout.tasks(b.program.config.model.num_layers, b.program.config.model.scan_layers):
             row.timed = time_layout(lambda b=b: (lambda state, batch: b._step(), lambda: None, lambda: None), 3)

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..core.fmt import format_bytes
 
-__all__ = ["search_table"]
+__all__ = ["NEAR_THE_BEST", "search_table"]
 
 
 def _time(seconds: float | None) -> str:
@@ -43,18 +43,18 @@ def search_table(search: Any) -> str:
         lines.append("  ".join(cells).rstrip())
     close = _near_the_best(search)
     if close > 1 and search.profile.alone_speedup > 1 and not timed:
-        lines.append(f"note: these devices share their host's cores, where layouts predicted within {_NEAR - 1:.0%} "
-                     f"of each other have measured in either order (benchmarks/RESULTS.md, planner): time the "
-                     f"{close} predicted within {_NEAR - 1:.0%} of the best to choose among them "
-                     f"(auto_layout(..., time_top={close}))")
+        near = f"{NEAR_THE_BEST - 1:.0%}"
+        lines.append(f"note: these devices share their host's cores, where layouts predicted within {near} of each "
+                     f"other have measured in either order (benchmarks/RESULTS.md, planner): time the {close} "
+                     f"predicted within {near} of the best to choose among them (auto_layout(..., time_top={close}))")
     return "\n".join(lines)
 
 
 #: predicted times this close to the best are ties on a host whose devices share cores
-_NEAR = 1.10
+NEAR_THE_BEST = 1.10
 
 
 def _near_the_best(search: Any) -> int:
-    """How many fitting layouts are predicted within `_NEAR` of the best."""
+    """How many fitting layouts are predicted within `NEAR_THE_BEST` of the best."""
     times = [c.time for c in search.fitting]
-    return sum(1 for t in times if t <= min(times) * _NEAR) if times else 0
+    return sum(1 for t in times if t <= min(times) * NEAR_THE_BEST) if times else 0
