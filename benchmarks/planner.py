@@ -228,7 +228,7 @@ def plain(profile):
     """``profile`` as the time model saw it before: no launch or copy overhead, devices not sharing compute."""
     fields = {f.name: getattr(profile, f.name) for f in dataclasses.fields(HardwareProfile)}
     return HardwareProfile(**{**fields, "launch_overhead": 0.0, "copy_latency": 0.0, "alone_speedup": 1.0,
-                              "busy_speedup": ()})
+                              "busy_speedup": (), "fresh_memory_rate": 0.0})
 
 
 def report(name: str, rows: list[Row]) -> dict:
@@ -391,6 +391,7 @@ def main() -> None:
     here = calibrate()
     print(f"calibrated: {here.peak_flops['float32']:.3g} flop/s, {here.memory_bandwidth:.3g} B/s memory, "
           f"{here.intra_node_bandwidth:.3g} B/s link, {here.intra_node_latency * 1e6:.1f} us latency, "
+          f"{here.fresh_memory_rate:.3g} B/s first touch of fresh memory (0: reused), "
           f"{here.launch_overhead * 1e6:.1f} us per program execution, {here.copy_latency * 1e6:.1f} us per copy "
           f"between devices, one device alone {here.alone_speedup:.2f}x "
           f"faster than with all busy; per-device speed-up with k busy: "

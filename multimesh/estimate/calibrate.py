@@ -6,7 +6,9 @@ program execution whatever its work: dispatch, thread hand-offs), a matrix
 product per device (flop/s), the same product on 1, 2, ... of the devices
 while the others idle (how much faster they compute than with all busy:
 simulated CPU devices share the host's cores), an elementwise pass over a
-large array per device (bytes read and written per second), all-reduces over
+large array per device (bytes read and written per second), the same pass
+with an output above the allocator's mapping threshold, faulted in afresh on
+every call or not (`fresh_memory_rate`), all-reduces over
 all devices (a chain of tiny ones in one program: latency; a large one:
 bandwidth by the ring model of `timing.collective_time`), and a copy of a
 tiny array between two devices. The execution cost is taken out of the
@@ -33,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .profiles import HardwareProfile
+from .timing import FRESH_MAPPING_BYTES
 
 __all__ = ["CalibratedProfile", "calibrate"]
 
@@ -48,8 +51,11 @@ class CalibratedProfile(HardwareProfile):
     and ``busy_speedup``: how much faster devices compute while others idle:
     1 where each device has its own compute, up to the device count where the
     devices share a host's cores (then a pipeline stage running alone gets the
-    idle stages' share). XLA:CPU gets more from a host's cores with fewer
-    device threads, so ``k * speed-up`` can exceed the device count.
+    idle stages' share). XLA:CPU runs matrix products faster on fewer device
+    threads, so ``k * speed-up`` can exceed the device count; the time model
+    takes no more than the host's share (`steptime`). ``fresh_memory_rate``:
+    bytes/s per device at which a program's temporaries are first touched
+    where the allocator maps them afresh each execution (0: it reuses them).
     """
 
 
@@ -92,16 +98,50 @@ def _copy_latency(local: Sequence[Any], repeats: int) -> float:
     return best
 
 
+def _minor_faults() -> int | None:
+    try:
+        import resource
+    except ImportError:  # not on this OS: no page faults counted, none priced
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _fresh_memory_rate(pass_: Callable, in_place: Callable, big: jax.Array, local: int, repeats: int) -> float:
+    """Bytes/s per device at which ``pass_``'s fresh output (above `FRESH_MAPPING_BYTES` per device) is first
+    touched: its time over the same pass written in place, where the allocator maps that output afresh on
+    every call (most of its pages faulted in each time); 0 where it reuses them (`keep_freed_memory`)."""
+    per_device = big.nbytes // big.sharding.mesh.size
+    for _ in range(2):  # compiled, and a heap that keeps freed memory grown to hold it
+        jax.block_until_ready(pass_(big))
+    before = _minor_faults()
+    t_fresh = _best(pass_, big, repeats)
+    after = _minor_faults()
+    if before is None or after is None:
+        return 0.0
+    pages = local * per_device / os.sysconf("SC_PAGE_SIZE")
+    if (after - before) / (repeats + 1) < 0.5 * pages:  # `_best`'s own warm-up call included
+        return 0.0
+    x = jax.block_until_ready(in_place(big))  # consumes big
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x = jax.block_until_ready(in_place(x))
+        best = min(best, time.perf_counter() - start)
+    return per_device / (t_fresh - best) if t_fresh > best else 0.0
+
+
 def _made(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> jax.Array:
     """Ones of ``shape`` made in place with ``sharding`` (works when the devices span processes)."""
     return jax.jit(lambda: jnp.ones(shape, dtype), out_shardings=sharding)()
 
 
 def calibrate(devices: Sequence[Any] | None = None, *, matmul_size: int = 512, copy_bytes: int = 16 << 20,
-              collective_bytes: int = 4 << 20, repeats: int = 5, dtype: Any = jnp.float32) -> CalibratedProfile:
+              collective_bytes: int = 4 << 20, fresh_bytes: int = FRESH_MAPPING_BYTES + (16 << 20),
+              repeats: int = 5, dtype: Any = jnp.float32) -> CalibratedProfile:
     """Measure the ``devices`` (default: all) and return their profile, named ``calibrated-<platform>``.
 
-    ``matmul_size``: the side of each device's square matrices; ``copy_bytes``
+    ``matmul_size``: the side of each device's square matrices; ``copy_bytes``,
+    ``fresh_bytes`` (at most `FRESH_MAPPING_BYTES`: no fresh memory measured)
     and ``collective_bytes``: per device; ``dtype``: of the matrix product
     (its peak is recorded under that dtype's name and, when none other is,
     under ``float32`` too).
@@ -143,6 +183,13 @@ def calibrate(devices: Sequence[Any] | None = None, *, matmul_size: int = 512, c
     big = _made((n * words,), jnp.float32, spread)
     t_copy = _best(on_each(lambda x: x * 2.0 + 1.0), big, repeats)
     bandwidth = 2 * words * 4 / t_copy  # read once, written once
+    fresh_rate = 0.0
+    if fresh_bytes > FRESH_MAPPING_BYTES:
+        fresh = _made((n * max(1, fresh_bytes // 4),), jnp.float32, spread)
+        twice = jax.jit(jax.shard_map(lambda x: x * 2.0 + 1.0, mesh=mesh, in_specs=P("d"), out_specs=P("d")),
+                        donate_argnums=0)
+        fresh_rate = _fresh_memory_rate(on_each(lambda x: x * 2.0 + 1.0), twice, fresh, len(local), repeats)
+        del fresh
 
     def summed(x: jax.Array) -> jax.Array:
         return jax.lax.psum(x, "d")
@@ -172,4 +219,4 @@ def calibrate(devices: Sequence[Any] | None = None, *, matmul_size: int = 512, c
         source=f"measured by multimesh.estimate.calibrate on {n} {devices[0].device_kind} devices",
         notes=("measured with every device busy; one host: inter-node figures are the intra-node ones",),
         launch_overhead=launch, copy_latency=copy, alone_speedup=alone_speedup,
-        busy_speedup=tuple(sorted(busy_speedup.items())))
+        busy_speedup=tuple(sorted(busy_speedup.items())), fresh_memory_rate=fresh_rate)

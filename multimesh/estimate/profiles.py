@@ -71,6 +71,11 @@ class HardwareProfile:
     #: ``(k, speed-up)`` pairs: with ``k`` devices busy (the others idle), their per-device compute rate over
     #: the rate with all busy, for each ``k`` measured.
     busy_speedup: tuple[tuple[int, float], ...] = ()
+    #: ``fresh_memory_rate``: bytes/s per device (all busy) at which a program's temporary buffer is first
+    #: touched where the host's allocator maps it afresh on every execution (glibc's malloc, a buffer above
+    #: `timing.FRESH_MAPPING_BYTES`: the kernel faults in and zeroes every page each time); 0: buffers are
+    #: reused (GPUs, TPUs, a process under `keep_freed_memory`).
+    fresh_memory_rate: float = 0.0
 
     def flops_rate(self, dtype: str) -> float:
         """The peak for ``dtype``; float32 work is taken at the float32 (non-Tensor-Core) rate."""

@@ -13,8 +13,12 @@ Devices that share compute (a profile whose ``alone_speedup`` is above 1:
 simulated CPU devices on one host's cores): a stage of ``k`` of the step's
 ``n`` devices computing while the others idle runs faster than with all
 busy, by the speed-up `calibrate` measured with ``k`` devices busy
-(``busy_speedup``; where it has none for ``k``, ``min(alone_speedup, n / k)``:
-the host's throughput shared), so the schedule is simulated at those rates.
+(``busy_speedup``, else ``alone_speedup``), but by no more than ``n / k``:
+the host's throughput shared among fewer devices. (`calibrate` measures it on
+matrix products, which XLA:CPU runs more than ``n / k`` times faster on fewer
+device threads; a whole program's other kernels and page faults do not gain
+that: measured on the planner benchmark's pipelines, session 16 of
+`benchmarks/RESULTS.md`.) The schedule is simulated at those rates.
 But the host's cores do not run two stages' programs at once any faster
 than one after the other (measured on XLA:CPU, `benchmarks/host_sharing.py`:
 programs on disjoint groups of the devices dispatched together take the sum
@@ -70,7 +74,7 @@ def step_timing(plan: Any, programs: tuple[ProgramCost, ...], segment_program: d
 
     def speedup(k: int) -> float:
         """How much faster k devices compute with the step's other devices idle than with all busy."""
-        return measured.get(k, min(shared, n_devices / k))
+        return min(measured.get(k, shared), n_devices / k)
 
     launch = launch_overhead(profile)
     forward: dict[int, float] = {}

@@ -6,7 +6,10 @@ memory traffic: a program takes the sum over its kernels (`kernels`) of
 shows (a library call whose dimensions its HLO does not print) at peak, plus
 its collectives, which are not assumed to overlap with compute, plus the
 profile's ``launch_overhead`` (a `CalibratedProfile`'s measured cost of one
-execution whatever its work; 0 for a datasheet profile). The kernels are
+execution whatever its work; 0 for a datasheet profile), plus, where the
+host's allocator maps a temporary buffer above `FRESH_MAPPING_BYTES` afresh
+on every execution (the profile's ``fresh_memory_rate``, measured on CPU),
+the first touch of all its pages. The kernels are
 those of the platform the program was compiled for: priced on a profile of
 another platform (``HardwareProfile.platform``: a plan for GPUs or TPUs
 compiled on CPU, whose compiler fuses far less), or where none were read, a
@@ -39,7 +42,13 @@ from .collectives import Collective
 from .profiles import HardwareProfile
 from .programs import ProgramCost
 
-__all__ = ["ProgramTime", "collective_time", "kernels_time", "launch_overhead", "program_time", "transfer_time"]
+__all__ = ["FRESH_MAPPING_BYTES", "ProgramTime", "collective_time", "fresh_memory_time", "kernels_time",
+           "launch_overhead", "program_time", "transfer_time"]
+
+#: A buffer above this many bytes is mapped afresh by glibc's malloc on every allocation and unmapped when
+#: freed: 32 MiB, the most its mmap threshold grows to on a 64-bit host (a thread's arena holds no more than
+#: 64 MiB). XLA:CPU allocates a program's temporaries as one buffer per execution.
+FRESH_MAPPING_BYTES = 32 << 20
 
 
 def collective_time(c: Collective, profile: HardwareProfile) -> float:
@@ -63,19 +72,21 @@ def collective_time(c: Collective, profile: HardwareProfile) -> float:
 class ProgramTime:
     """One execution of a program, in seconds: ``compute`` (all its flops at peak), ``memory`` (all its bytes
     at the memory bandwidth), ``kernels`` (the sum of its kernels' rooflines; None: not read),
-    ``communication`` (its collectives), ``launch`` (the execution's fixed cost); ``total`` = launch + work,
-    ``work`` = kernels (or, not read, max(compute, memory)) + communication."""
+    ``communication`` (its collectives), ``launch`` (the execution's fixed cost), ``fresh_memory`` (the first
+    touch of a temporary buffer mapped afresh); ``total`` = launch + work, ``work`` = kernels (or, not read,
+    max(compute, memory)) + communication + fresh_memory."""
 
     compute: float
     memory: float
     communication: float
     launch: float = 0.0
     kernels: float | None = None
+    fresh_memory: float = 0.0
 
     @property
     def work(self) -> float:
         bound = max(self.compute, self.memory) if self.kernels is None else self.kernels
-        return bound + self.communication
+        return bound + self.communication + self.fresh_memory
 
     @property
     def total(self) -> float:
@@ -98,11 +109,22 @@ def kernels_time(p: ProgramCost, profile: HardwareProfile, peak: float) -> float
             + max(p.flops - shown, 0.0) / peak)
 
 
+def fresh_memory_time(p: ProgramCost, profile: HardwareProfile) -> float:
+    """Seconds one execution of ``p`` spends first touching its temporary buffer, where the profile's host
+    maps a buffer of that size afresh every time (``fresh_memory_rate``; 0: reused, or a program compiled for
+    another platform than the profile's)."""
+    rate = profile.fresh_memory_rate
+    if rate <= 0 or p.temp_bytes <= FRESH_MAPPING_BYTES or profile.platform != p.platform:
+        return 0.0
+    return p.temp_bytes / rate
+
+
 def program_time(p: ProgramCost, profile: HardwareProfile, dtype: str) -> ProgramTime:
     peak, bandwidth = profile.flops_rate(dtype), profile.memory_bandwidth
     return ProgramTime(compute=p.flops / peak, memory=p.bytes_accessed / bandwidth,
                        communication=sum(c.count * collective_time(c, profile) for c in p.collectives),
-                       launch=launch_overhead(profile), kernels=kernels_time(p, profile, peak))
+                       launch=launch_overhead(profile), kernels=kernels_time(p, profile, peak),
+                       fresh_memory=fresh_memory_time(p, profile))
 
 
 def transfer_time(nbytes: int, profile: HardwareProfile, *, inside_node: bool) -> float:
