@@ -109,7 +109,7 @@ def _minor_faults() -> int | None:
 def _fresh_memory_rate(pass_: Callable, in_place: Callable, big: jax.Array, local: int, repeats: int) -> float:
     """Bytes/s per device at which ``pass_``'s fresh output (above `FRESH_MAPPING_BYTES` per device) is first
     touched: its time over the same pass written in place, where the allocator maps that output afresh on
-    every call (most of its pages faulted in each time); 0 where it reuses them (`keep_freed_memory`)."""
+    every call (most of its pages faulted in each time); 0 where it reuses them (no such page faults)."""
     per_device = big.nbytes // big.sharding.mesh.size
     for _ in range(2):  # compiled, and a heap that keeps freed memory grown to hold it
         jax.block_until_ready(pass_(big))
@@ -151,8 +151,12 @@ def calibrate(devices: Sequence[Any] | None = None, *, matmul_size: int = 512, c
     mesh = Mesh(np.array(devices), ("d",))
     spread = NamedSharding(mesh, P("d"))
 
-    def on_each(fn: Callable) -> Callable:
-        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    def on_each(fn: Callable, donate: bool = False) -> Callable:
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("d"), out_specs=P("d")),
+                       donate_argnums=0 if donate else ())
+
+    def doubled(x: jax.Array) -> jax.Array:  # an elementwise pass: each element read once, written once
+        return x * 2.0 + 1.0
 
     tiny = _made((n,), jnp.float32, spread)
     launch = _best(on_each(lambda x: x + 1.0), tiny, repeats)
@@ -181,14 +185,13 @@ def calibrate(devices: Sequence[Any] | None = None, *, matmul_size: int = 512, c
 
     words = max(1, copy_bytes // 4)
     big = _made((n * words,), jnp.float32, spread)
-    t_copy = _best(on_each(lambda x: x * 2.0 + 1.0), big, repeats)
-    bandwidth = 2 * words * 4 / t_copy  # read once, written once
+    t_copy = _best(on_each(doubled), big, repeats)
+    bandwidth = 2 * words * 4 / t_copy
     fresh_rate = 0.0
     if fresh_bytes > FRESH_MAPPING_BYTES:
         fresh = _made((n * max(1, fresh_bytes // 4),), jnp.float32, spread)
-        twice = jax.jit(jax.shard_map(lambda x: x * 2.0 + 1.0, mesh=mesh, in_specs=P("d"), out_specs=P("d")),
-                        donate_argnums=0)
-        fresh_rate = _fresh_memory_rate(on_each(lambda x: x * 2.0 + 1.0), twice, fresh, len(local), repeats)
+        fresh_rate = _fresh_memory_rate(on_each(doubled), on_each(doubled, donate=True), fresh, len(local),
+                                        repeats)
         del fresh
 
     def summed(x: jax.Array) -> jax.Array:

@@ -74,7 +74,7 @@ class HardwareProfile:
     #: ``fresh_memory_rate``: bytes/s per device (all busy) at which a program's temporary buffer is first
     #: touched where the host's allocator maps it afresh on every execution (glibc's malloc, a buffer above
     #: `timing.FRESH_MAPPING_BYTES`: the kernel faults in and zeroes every page each time); 0: buffers are
-    #: reused (GPUs, TPUs, a process under `keep_freed_memory`).
+    #: reused (GPUs, TPUs, an allocator told to keep freed memory: see docs/planning.md).
     fresh_memory_rate: float = 0.0
 
     def flops_rate(self, dtype: str) -> float:
