@@ -158,6 +158,8 @@ def calibrate(devices: Sequence[Any] | None = None, *, matmul_size: int = 512, c
     def doubled(x: jax.Array) -> jax.Array:  # an elementwise pass: each element read once, written once
         return x * 2.0 + 1.0
 
+    elementwise = on_each(doubled)  # a fresh output per call
+
     tiny = _made((n,), jnp.float32, spread)
     launch = _best(on_each(lambda x: x + 1.0), tiny, repeats)
 
@@ -185,13 +187,12 @@ def calibrate(devices: Sequence[Any] | None = None, *, matmul_size: int = 512, c
 
     words = max(1, copy_bytes // 4)
     big = _made((n * words,), jnp.float32, spread)
-    t_copy = _best(on_each(doubled), big, repeats)
+    t_copy = _best(elementwise, big, repeats)
     bandwidth = 2 * words * 4 / t_copy
     fresh_rate = 0.0
     if fresh_bytes > FRESH_MAPPING_BYTES:
         fresh = _made((n * max(1, fresh_bytes // 4),), jnp.float32, spread)
-        fresh_rate = _fresh_memory_rate(on_each(doubled), on_each(doubled, donate=True), fresh, len(local),
-                                        repeats)
+        fresh_rate = _fresh_memory_rate(elementwise, on_each(doubled, donate=True), fresh, len(local), repeats)
         del fresh
 
     def summed(x: jax.Array) -> jax.Array:

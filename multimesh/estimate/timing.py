@@ -98,10 +98,15 @@ def launch_overhead(profile: HardwareProfile) -> float:
     return profile.launch_overhead
 
 
+def _compiled_for(p: ProgramCost, profile: HardwareProfile) -> bool:
+    """Whether ``p`` was compiled for the profile's platform (one of no platform matches none)."""
+    return bool(profile.platform) and profile.platform == p.platform
+
+
 def kernels_time(p: ProgramCost, profile: HardwareProfile, peak: float) -> float | None:
     """The sum of ``p``'s kernels' rooflines, plus its flops that no kernel shows at ``peak`` (None: no
     kernels read, or read from a compilation for another platform than ``profile``'s)."""
-    if not p.kernels or not profile.platform or profile.platform != p.platform:
+    if not p.kernels or not _compiled_for(p, profile):
         return None
     bandwidth = profile.memory_bandwidth
     shown = sum(k.flops * k.count for k in p.kernels)
@@ -114,7 +119,7 @@ def fresh_memory_time(p: ProgramCost, profile: HardwareProfile) -> float:
     maps a buffer of that size afresh every time (``fresh_memory_rate``; 0: reused, or a program compiled for
     another platform than the profile's)."""
     rate = profile.fresh_memory_rate
-    if rate <= 0 or p.temp_bytes <= FRESH_MAPPING_BYTES or profile.platform != p.platform:
+    if rate <= 0 or p.temp_bytes <= FRESH_MAPPING_BYTES or not _compiled_for(p, profile):
         return 0.0
     return p.temp_bytes / rate
 
