@@ -17,7 +17,10 @@ time model counts it once per program; the other measurements are sized for
 their work to dominate it. On one host every link is the same, so the
 intra- and inter-node figures are equal and the node holds all the devices
 measured. The arrays are made by a program with the target sharding (not
-copied from the host), so devices of several processes calibrate together.
+copied from the host), so devices of several processes calibrate together;
+then the processes agree on one profile (`_slowest`): each rate the slowest
+process measured, each fixed cost the largest, so that a plan or a layout
+search made from it is the same on every process.
 """
 
 from __future__ import annotations
@@ -130,6 +133,37 @@ def _fresh_memory_rate(pass_: Callable, in_place: Callable, big: jax.Array, loca
     return per_device / (t_fresh - best) if t_fresh > best else 0.0
 
 
+#: The figures `_slowest` agrees on: rates (the slowest process's is kept: the least) and costs (the most).
+_RATES = ("flops", "memory_bandwidth", "link", "memory_bytes")
+_COSTS = ("launch", "latency", "copy_latency")
+
+
+def _slowest(figures: dict[str, float], mesh: Mesh) -> dict[str, float]:
+    """``figures`` as every process owning ``mesh``'s devices measured them, made one: each of `_RATES` the
+    least, each of `_COSTS` the most, ``fresh_memory_rate`` the least above 0 (0: no process's allocator maps
+    temporaries afresh). A step runs at its slowest process's pace, and processes that plan from different
+    profiles could choose different layouts. One program over the mesh (only its processes take part), in
+    float32: the figures agree to 7 digits, the memory to the MiB."""
+    if len({d.process_index for d in mesh.devices.flat}) < 2:
+        return figures
+    names = [*_RATES, "fresh_memory_rate", *_COSTS]
+    unit = {k: float(1 << 20) if k == "memory_bytes" else 1.0 for k in names}  # memory in whole MiB
+    mine = {**figures, "memory_bytes": figures["memory_bytes"] // unit["memory_bytes"],
+            "fresh_memory_rate": figures["fresh_memory_rate"] or np.inf}
+    row = np.array([[mine[k] for k in names]], np.float32)
+    n = mesh.devices.size
+    rows = jax.make_array_from_callback((n, len(names)), NamedSharding(mesh, P("d")),
+                                        lambda index: np.repeat(row, len(range(n)[index[0]]), axis=0))
+    least, most = jax.jit(jax.shard_map(lambda x: (jax.lax.pmin(x, "d"), jax.lax.pmax(x, "d")), mesh=mesh,
+                                        in_specs=P("d"), out_specs=(P(), P())))(rows)
+    least, most = (np.asarray(a.addressable_data(0))[0].astype(float) for a in (least, most))
+    agreed = {k: float(least[i] if k in _RATES or k == "fresh_memory_rate" else most[i]) * unit[k]
+              for i, k in enumerate(names)}
+    if not np.isfinite(agreed["fresh_memory_rate"]):
+        agreed["fresh_memory_rate"] = 0.0
+    return agreed
+
+
 def _made(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding) -> jax.Array:
     """Ones of ``shape`` made in place with ``sharding`` (works when the devices span processes)."""
     return jax.jit(lambda: jnp.ones(shape, dtype), out_shardings=sharding)()
@@ -212,15 +246,18 @@ def calibrate(devices: Sequence[Any] | None = None, *, matmul_size: int = 512, c
     latency = t_tiny / steps
     link = (2 * (n - 1) / n if n > 1 else 1.0) * words * 4 / max(t_large - launch - t_tiny, 1e-9)
 
-    copy = _copy_latency(local, repeats)
+    f = _slowest({"flops": rate, "memory_bandwidth": bandwidth, "link": link,
+                  "memory_bytes": _memory_bytes(devices), "fresh_memory_rate": fresh_rate,
+                  "launch": launch, "latency": latency, "copy_latency": _copy_latency(local, repeats)}, mesh)
     name = np.dtype(dtype).name
-    peaks = {name: rate}
-    peaks.setdefault("float32", rate)
+    peaks = {name: f["flops"]}
+    peaks.setdefault("float32", f["flops"])
     return CalibratedProfile(
         name=f"calibrated-{devices[0].platform}", platform=devices[0].platform, peak_flops=peaks,
-        memory_bandwidth=bandwidth, memory_bytes=_memory_bytes(devices), intra_node_bandwidth=link, intra_node_latency=latency,
-        inter_node_bandwidth=link, inter_node_latency=latency, devices_per_node=n,
+        memory_bandwidth=f["memory_bandwidth"], memory_bytes=int(f["memory_bytes"]),
+        intra_node_bandwidth=f["link"], intra_node_latency=f["latency"], inter_node_bandwidth=f["link"],
+        inter_node_latency=f["latency"], devices_per_node=n,
         source=f"measured by multimesh.estimate.calibrate on {n} {devices[0].device_kind} devices",
         notes=("measured with every device busy; one host: inter-node figures are the intra-node ones",),
-        launch_overhead=launch, copy_latency=copy, alone_speedup=alone_speedup,
-        busy_speedup=tuple(sorted(busy_speedup.items())), fresh_memory_rate=fresh_rate)
+        launch_overhead=f["launch"], copy_latency=f["copy_latency"], alone_speedup=alone_speedup,
+        busy_speedup=tuple(sorted(busy_speedup.items())), fresh_memory_rate=f["fresh_memory_rate"])
