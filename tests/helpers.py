@@ -370,6 +370,34 @@ def free_port(host: str = "127.0.0.1") -> int:
     return reserve_port(host)
 
 
+def run_workers(argvs: list[list[str]], *, timeout: float) -> list[dict]:
+    """Run one process per argv (Python scripts of this checkout, started from its root without the caller's
+    XLA_FLAGS), wait at most ``timeout`` s, end only those still running, by pid; fail naming every process
+    that failed, with its stderr's end; else their last stdout lines read as JSON, in order."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])  # this checkout
+    procs = [subprocess.Popen([sys.executable, *argv], cwd=root, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for argv in argvs]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    failed = [f"process {i} ({p.returncode}): {err[-3000:]}" for i, (p, (_, err)) in enumerate(zip(procs, outs))
+              if p.returncode != 0]
+    assert not failed, "\n".join(failed)
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+
+
 def in_a_small_tmpfs(mount: str, size: str, argv: list[str]) -> list[str] | None:
     """The command that runs ``argv`` in a user and mount namespace with a tmpfs of
     ``size`` (e.g. ``"4m"``) mounted at ``mount``: a real disk that fills up, without

@@ -6,33 +6,16 @@ the processes it started.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from helpers import free_port
+from helpers import free_port, run_workers
 
-WORKER = Path(__file__).with_name("mp_calibrate_worker.py")
+WORKER = str(Path(__file__).with_name("mp_calibrate_worker.py"))
 
 
 def test_processes_calibrate_one_profile_from_their_slowest_figures():
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
     port, n = free_port(), 2
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(n), str(port), "2"], cwd=WORKER.parent.parent,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(n)]
-    try:
-        outs = [p.communicate(timeout=240) for p in procs]
-    finally:
-        for p in procs:  # only ours, by pid
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    failed = [f"process {i} exited {p.returncode}: {err[-2000:]}" for i, (p, (_, err)) in enumerate(zip(procs, outs))
-              if p.returncode != 0]
-    assert not failed, "\n".join(failed)
-    reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    reports = run_workers([[WORKER, str(i), str(n), str(port), "2"] for i in range(n)], timeout=240)
     # each process timed its own calls: without agreeing, no two measured figures would be equal
     assert reports[0]["profile"] == reports[1]["profile"]
     profile = reports[0]["profile"]

@@ -476,31 +476,13 @@ def test_a_use_that_needs_the_whole_stack_gathers_it_with_a_warning_and_stays_co
 def test_split_stack_across_two_processes():
     """Stage s on process s: each process holds its own layers' shards only, and both see the one-device
     losses (jax.distributed on localhost, 4 CPU devices per process)."""
-    import json
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
-    from helpers import free_port
+    from helpers import free_port, run_workers
 
-    worker = Path(__file__).with_name("mp_scan_worker.py")
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
-    env["PYTHONPATH"] = os.pathsep.join([str(worker.parent.parent), env.get("PYTHONPATH", "")])  # this checkout
+    worker = str(Path(__file__).with_name("mp_scan_worker.py"))
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, str(worker), str(i), str(port)], cwd=worker.parent.parent, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    try:
-        outs = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    failed = [f"process {i} ({p.returncode}): {err[-3000:]}" for i, (p, (_, err)) in enumerate(zip(procs, outs))
-              if p.returncode != 0]
-    assert not failed, "\n".join(failed)
-    reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    reports = run_workers([[worker, str(i), str(port)] for i in range(2)], timeout=300)
     assert reports[0]["losses"] == reports[1]["losses"]
     assert [r["layers"] for r in reports] == [[0, 1], [2, 3]]
     assert all(r["shards_checked"] > 0 for r in reports)
