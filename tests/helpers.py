@@ -370,10 +370,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     return reserve_port(host)
 
 
-def run_workers(argvs: list[list[str]], *, timeout: float) -> list[dict]:
+def run_workers(argvs: list[list[str]], *, timeout: float, env: Mapping[str, str] | None = None) -> list[dict]:
     """Run one process per argv (Python scripts of this checkout, started from its root without the caller's
-    XLA_FLAGS), wait at most ``timeout`` s, end only those still running, by pid; fail naming every process
-    that failed, with its stderr's end; else their last stdout lines read as JSON, in order."""
+    XLA_FLAGS, with ``env`` added), wait at most ``timeout`` s, end only those still running, by pid; fail
+    naming every process that failed (the first to fail may not be process 0), with its output's end; else
+    their last stdout lines read as JSON, in order."""
     import json
     import os
     import subprocess
@@ -381,8 +382,10 @@ def run_workers(argvs: list[list[str]], *, timeout: float) -> list[dict]:
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
+    given = env
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])  # this checkout
+    env.update(given or {})
     procs = [subprocess.Popen([sys.executable, *argv], cwd=root, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for argv in argvs]
     try:
@@ -392,8 +395,8 @@ def run_workers(argvs: list[list[str]], *, timeout: float) -> list[dict]:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    failed = [f"process {i} ({p.returncode}): {err[-3000:]}" for i, (p, (_, err)) in enumerate(zip(procs, outs))
-              if p.returncode != 0]
+    failed = [f"process {i} failed ({p.returncode}); last output: {out.strip().splitlines()[-1:]}\n{err[-3000:]}"
+              for i, (p, (out, err)) in enumerate(zip(procs, outs)) if p.returncode != 0]
     assert not failed, "\n".join(failed)
     return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from helpers import free_port
+from helpers import free_port, run_workers
 
 WORKER = Path(__file__).with_name("mp_worker.py")
 REPO = WORKER.parent.parent
@@ -30,28 +30,15 @@ def run_processes(scenario: str, n: int, per: int, *, schedule: str | Sequence[s
     """Start ``n`` workers with ``per`` CPU devices each, running ``schedule`` (several: one after the
     other in the same processes), saving their final state to ``save_to``, starting from the checkpoint
     in ``restore_from``; their JSON reports, in process order."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
-    env["MP_SCHEDULE"] = schedule if isinstance(schedule, str) else ",".join(schedule)
+    env = {"MP_SCHEDULE": schedule if isinstance(schedule, str) else ",".join(schedule)}
     if restore_from is not None:
         env["MP_RESTORE"] = str(restore_from)
     if plain_jax_init:
         env["MP_PLAIN_JAX_INIT"] = "1"
     port = free_port()
     out = [str(save_to)] if save_to is not None else []
-    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(i), str(n), str(port), str(per), *out],
-                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(n)]
-    try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    failed = [f"process {i} failed ({p.returncode}); last output: {out.strip().splitlines()[-1:]}\n{err[-3000:]}"
-              for i, (p, (out, err)) in enumerate(zip(procs, outs)) if p.returncode != 0]
-    assert not failed, "\n".join(failed)  # every failed process: the first to fail may not be process 0
-    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    return run_workers([[str(WORKER), scenario, str(i), str(n), str(port), str(per), *out] for i in range(n)],
+                       timeout=timeout, env=env)
 
 
 def check(reports: list[dict], n_stages: int) -> list[dict]:
