@@ -10,6 +10,7 @@ one JSON line: the calibrated profile's fields and the agreed figures.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import sys
@@ -17,8 +18,6 @@ import sys
 PID, NPROC, PORT, PER = (int(a) for a in sys.argv[1:5])
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={PER}"
 os.environ["JAX_PLATFORMS"] = "cpu"
-
-import importlib
 
 import jax
 import numpy as np

@@ -152,8 +152,8 @@ def _slowest(figures: dict[str, float], mesh: Mesh) -> dict[str, float]:
             "fresh_memory_rate": figures["fresh_memory_rate"] or np.inf}
     row = np.array([[mine[k] for k in names]], np.float32)
     n = mesh.devices.size
-    rows = jax.make_array_from_callback((n, len(names)), NamedSharding(mesh, P("d")),
-                                        lambda index: np.repeat(row, len(range(n)[index[0]]), axis=0))
+    rows = jax.make_array_from_callback(  # every device of this process holds this process's figures
+        (n, len(names)), NamedSharding(mesh, P("d")), lambda index: np.repeat(row, len(range(n)[index[0]]), axis=0))
     least, most = jax.jit(jax.shard_map(lambda x: (jax.lax.pmin(x, "d"), jax.lax.pmax(x, "d")), mesh=mesh,
                                         in_specs=P("d"), out_specs=(P(), P())))(rows)
     least, most = (np.asarray(a.addressable_data(0))[0].astype(float) for a in (least, most))
