@@ -248,12 +248,15 @@ def test_the_transfer_port_stays_reserved_for_jax():
 def test_a_save_that_loses_a_process_names_it_and_keeps_nothing(tmp_path, checksums):
     """Process 1 leaves after both saved step 0; process 0's save of step 1 fails in an exchange
     (the checksums' gather, or Orbax's own barrier without checksums) with a `ProcessLostError` naming
-    process 1, within the heartbeat timeout, and step 0 is all there is."""
+    process 1, within the heartbeat timeout, and step 0 is all there is. (Or JAX's coordination service,
+    which decides at the same heartbeat timeout, aborts process 0 first naming process 1: step 0 is still
+    all there is.)"""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
     port, worker = free_port(), WORKER.with_name("mp_lost_save_worker.py")
     procs = [subprocess.Popen([sys.executable, str(worker), str(i), str(port), str(tmp_path / "ck"), str(int(checksums))],
                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
+    started = time.monotonic()
     try:
         out, err = procs[0].communicate(timeout=120)
     finally:
@@ -261,9 +264,13 @@ def test_a_save_that_loses_a_process_names_it_and_keeps_nothing(tmp_path, checks
             if p.poll() is None:
                 p.kill()
             p.wait()
-    assert procs[0].returncode == 0, err[-3000:]
+    kept = [p for p in os.listdir(tmp_path / "ck") if not p.startswith(".")]
+    if procs[0].returncode != 0:  # JAX's abort came first: it names process 1, and no step 1 looks complete
+        assert re.search(r"stopped sending heartbeats\):\s*1\b|[Tt]ask:? ?1 heartbeat", err), err[-3000:]
+        assert [p for p in kept if p.isdigit()] == ["0"] and time.monotonic() - started < 60, (kept, err[-3000:])
+        return
     report = json.loads(out.strip().splitlines()[-1])
     assert report["error"] == "ProcessLostError", report
     assert "process(es) [1] stopped" in report["message"] and "Nothing of step 1 was kept" in report["message"]
     assert report["seconds"] < 30, report
-    assert report["steps"] == [0] and [p for p in os.listdir(tmp_path / "ck") if not p.startswith(".")] == ["0"]
+    assert report["steps"] == [0] and kept == ["0"]

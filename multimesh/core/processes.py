@@ -70,4 +70,4 @@ def lost_process_error(error: BaseException, what: str) -> BaseException:
                                     f"longer answer the coordinator; see their logs); the error was: {error}")
         if time.monotonic() > deadline:
             return error
-        time.sleep(0.1)  # JAX's coordination service may abort this process once it notices too: be first
+        time.sleep(0.01)  # JAX's coordination service may abort this process once it notices too: be first
