@@ -370,9 +370,10 @@ def free_port(host: str = "127.0.0.1") -> int:
     return reserve_port(host)
 
 
-def run_workers(argvs: list[list[str]], *, timeout: float, env: Mapping[str, str] | None = None) -> list[dict]:
+def run_workers(argvs: list[list[str]], *, timeout: float,
+                extra_env: Mapping[str, str] | None = None) -> list[dict]:
     """Run one process per argv (Python scripts of this checkout, started from its root without the caller's
-    XLA_FLAGS, with ``env`` added), wait at most ``timeout`` s, end only those still running, by pid; fail
+    XLA_FLAGS, with ``extra_env`` added), wait at most ``timeout`` s, end only those still running, by pid; fail
     naming every process that failed (the first to fail may not be process 0), with its output's end; else
     their last stdout lines read as JSON, in order."""
     import json
@@ -382,10 +383,9 @@ def run_workers(argvs: list[list[str]], *, timeout: float, env: Mapping[str, str
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    given = env
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])  # this checkout
-    env.update(given or {})
+    env.update(extra_env or {})
     procs = [subprocess.Popen([sys.executable, *argv], cwd=root, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for argv in argvs]
     try:

@@ -146,19 +146,18 @@ def _slowest(figures: dict[str, float], mesh: Mesh) -> dict[str, float]:
     float32: the figures agree to 7 digits, the memory to the MiB."""
     if len({d.process_index for d in mesh.devices.flat}) < 2:
         return figures
+    mib = float(1 << 20)
     names = [*_RATES, "fresh_memory_rate", *_COSTS]
-    unit = {k: float(1 << 20) if k == "memory_bytes" else 1.0 for k in names}  # memory in whole MiB
-    mine = {**figures, "memory_bytes": figures["memory_bytes"] // unit["memory_bytes"],
-            "fresh_memory_rate": figures["fresh_memory_rate"] or np.inf}
-    row = np.array([[mine[k] for k in names]], np.float32)
-    n = mesh.devices.size
+    mine = {**figures, "memory_bytes": figures["memory_bytes"] // mib,  # whole MiB: exact in float32
+            "fresh_memory_rate": figures["fresh_memory_rate"] or np.inf}  # 0 (none seen) never the least
+    everywhere = np.broadcast_to(np.array([[mine[k] for k in names]], np.float32), (mesh.devices.size, len(names)))
     rows = jax.make_array_from_callback(  # every device of this process holds this process's figures
-        (n, len(names)), NamedSharding(mesh, P("d")), lambda index: np.repeat(row, len(range(n)[index[0]]), axis=0))
+        everywhere.shape, NamedSharding(mesh, P("d")), lambda index: everywhere[index])
     least, most = jax.jit(jax.shard_map(lambda x: (jax.lax.pmin(x, "d"), jax.lax.pmax(x, "d")), mesh=mesh,
                                         in_specs=P("d"), out_specs=(P(), P())))(rows)
     least, most = (np.asarray(a.addressable_data(0))[0].astype(float) for a in (least, most))
-    agreed = {k: float(least[i] if k in _RATES or k == "fresh_memory_rate" else most[i]) * unit[k]
-              for i, k in enumerate(names)}
+    agreed = {k: float(least[i] if k in _RATES or k == "fresh_memory_rate" else most[i]) for i, k in enumerate(names)}
+    agreed["memory_bytes"] *= mib
     if not np.isfinite(agreed["fresh_memory_rate"]):
         agreed["fresh_memory_rate"] = 0.0
     return agreed
