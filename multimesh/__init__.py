@@ -4,6 +4,12 @@ The public API lives in `multimesh.jax` (and `multimesh.jax.flax`); the same
 names are re-exported here.
 """
 
+import importlib
+
 from ._version import __version__  # noqa: F401
 from .jax import *
 from .jax import __all__  # noqa: F401
+
+# `estimate` names both the function and its package: the package, callable as the function (so that
+# ``multimesh.estimate(step)`` and ``multimesh.estimate.calibrate()`` both work)
+estimate = importlib.import_module(".estimate", __name__)

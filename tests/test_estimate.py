@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import platform
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from multimesh.estimate import (
     PROFILES,
     CalibratedProfile,
     Collective,
+    HardwareProfile,
     MemoryLimitError,
     UnknownProfileError,
     calibrate,
@@ -335,6 +337,26 @@ def test_the_example_transformer_bytes_per_device_equal_the_built_shards(config,
     placed = jax.device_put(batch, program.step.batch_shardings)
     assert_held_equals_built(est, {"params": state["params"], "opt_state": state["opt"]}, placed)
     assert est.memory[0].optimizer > est.memory[0].params > 0  # the trainer's {"params", "opt"} told apart
+
+
+def test_multimesh_estimate_is_the_package_and_the_function(fsdp):
+    import multimesh
+    import multimesh.estimate as package
+
+    fn, _, _ = fsdp
+    assert package.calibrate is calibrate and package.HardwareProfile is HardwareProfile
+    assert multimesh.estimate(fn, "h100-sxm").time == fn.estimate("h100-sxm").time
+    assert "profile" in inspect.signature(multimesh.estimate).parameters
+
+
+@pytest.mark.parametrize("field, value", [
+    ("intra_node_bandwidth", 0.0), ("memory_bandwidth", -1.0), ("memory_bytes", 0), ("devices_per_node", 0),
+    ("inter_node_latency", float("nan")), ("peak_flops", {}), ("peak_flops", {"bfloat16": 0.0}),
+    ("launch_overhead", -1e-6), ("memory_bytes", "80GB"),
+])
+def test_a_profile_with_a_figure_that_cannot_be_is_refused_naming_it(field, value):
+    with pytest.raises(ValueError, match=rf"HardwareProfile 'h100-sxm': {field}=.* must be"):
+        dataclasses.replace(get_profile("h100-sxm"), **{field: value})
 
 
 def test_bad_inputs_are_named():

@@ -6,7 +6,16 @@
 
 This layer reads the step's layouts, plan and runtime (``core``, ``plan``,
 ``run``); only the public API and the steps' ``estimate`` method import it.
+
+The package re-exports the function `estimate` under this package's name
+(``multimesh.estimate``), so this module is callable as that function:
+``multimesh.estimate(step_fn, ...)`` and ``multimesh.estimate.calibrate()``
+both work.
 """
+
+import inspect
+import sys
+import types
 
 from .build import estimate, estimate_mjit
 from .calibrate import CalibratedProfile, calibrate
@@ -40,3 +49,14 @@ __all__ = [
     "held_bytes",
     "shard_bytes",
 ]
+
+
+class _CallableModule(types.ModuleType):
+    """This package, callable as `estimate`: the name ``multimesh.estimate`` stands for both."""
+
+    def __call__(self, *args, **kwargs):
+        return estimate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+__signature__ = inspect.signature(estimate)

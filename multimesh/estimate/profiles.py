@@ -20,6 +20,8 @@ the model (XLA may route over more links), as are every TPU latency.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 __all__ = ["PROFILES", "HardwareProfile", "UnknownProfileError", "get_profile"]
@@ -77,12 +79,37 @@ class HardwareProfile:
     #: reused (GPUs, TPUs, an allocator told to keep freed memory: see docs/planning.md).
     fresh_memory_rate: float = 0.0
 
+    def __post_init__(self) -> None:
+        def bad(name: str, value: object, want: str) -> ValueError:
+            return ValueError(f"HardwareProfile {self.name!r}: {name}={value!r} must be {want}")
+
+        if not self.peak_flops or not all(_positive(v) for v in self.peak_flops.values()):
+            raise bad("peak_flops", self.peak_flops, 'a dict of dtype name -> flop/s above 0, e.g. {"bfloat16": 989e12}')
+        for name in ("memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth", "memory_bytes"):
+            if not _positive(getattr(self, name)):
+                raise bad(name, getattr(self, name), "a number above 0 (bytes/s; memory_bytes: bytes per device)")
+        for name in ("intra_node_latency", "inter_node_latency", "launch_overhead", "copy_latency",
+                     "fresh_memory_rate"):
+            if not _positive(getattr(self, name), or_zero=True):
+                raise bad(name, getattr(self, name), "a number of 0 or more")
+        if not isinstance(self.devices_per_node, numbers.Integral) or self.devices_per_node < 1:
+            raise bad("devices_per_node", self.devices_per_node, "a whole number of 1 or more")
+        if not _positive(self.alone_speedup) or not all(_positive(v) for _, v in self.busy_speedup):
+            raise bad("alone_speedup/busy_speedup", (self.alone_speedup, self.busy_speedup), "above 0")
+
     def flops_rate(self, dtype: str) -> float:
         """The peak for ``dtype``; float32 work is taken at the float32 (non-Tensor-Core) rate."""
         if dtype in self.peak_flops:
             return self.peak_flops[dtype]
         raise ValueError(f"profile {self.name!r} has no peak for dtype {dtype!r}; it has "
                          f"{sorted(self.peak_flops)}: pass dtype= one of them")
+
+
+def _positive(x: object, or_zero: bool = False) -> bool:
+    """Whether ``x`` is a real number above 0 (or 0, ``or_zero``): not a bool, NaN or infinity."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x):
+        return False
+    return x >= 0 if or_zero else x > 0
 
 
 _T, _G = 1e12, 1e9
