@@ -190,6 +190,10 @@ def test_time_and_fit_on_a_profile(fsdp):
     assert "h100-sxm" in text and "peak" in text and "all-gather over fsdp" in text
     with pytest.raises(MemoryLimitError, match="memory_bytes="):
         fn.estimate().fits()
+    with pytest.raises(TypeError, match=r"memory_bytes must be a number of bytes per device.*got '80GB'"):
+        est.fits("80GB")
+    with pytest.raises(ValueError, match=r"memory_bytes=-1; give a positive number"):
+        est.fits(-1)
 
 
 def test_an_unknown_profile_is_a_clear_error(fsdp):
@@ -374,6 +378,8 @@ def test_bad_inputs_are_named():
     assert est.memory[0].params == D * D * 4 // 8
     with pytest.raises(ValueError, match="profile 'a100-80gb' has no peak for dtype 'float8'"):
         fn.estimate("a100-80gb", args=(1.0,), dtype="float8")
+    with pytest.raises(ValueError, match=r"optimizer_paths='\(\[' is not a regular expression"):
+        fn.estimate(args=(1.0,), optimizer_paths="([")
 
 
 def test_a_profile_calibrated_here_prices_a_step(fsdp):

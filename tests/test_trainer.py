@@ -113,12 +113,18 @@ def test_overrides_parse_yaml_values():
     assert cfg.data.paths == ("a.py", "b.py") and cfg.name == "exp"
     assert load_config("pipeline", ["layout.pipeline=null"]).layout.pipeline is None
     assert load_config("pipeline", ["layout.pipeline.microbatches=8"]).layout.pipeline.microbatches == 8
+    # a byte count in exponent notation (PyYAML reads 80e9 as a string) or as a whole float is an int
+    for written in ("80e9", "8.0e+10", "80000000000.0"):
+        limit = load_config("tiny", [f"layout.memory_limit={written}"]).layout.memory_limit
+        assert limit == 80_000_000_000 and isinstance(limit, int), written
 
 
 @pytest.mark.parametrize("overrides, message", [
     (["model.d_modle=3"], r"model\.d_modle.*did you mean 'd_model'"),
     (["trian.steps=3"], r"trian\.steps.*did you mean 'train'"),
     (["train.steps=abc"], r"train\.steps: expected int, got 'abc'"),
+    (["train.steps=2.5"], r"train\.steps: expected int, got 2\.5"),
+    (["layout.memory_limit=1.5e0"], r"layout\.memory_limit: expected int or null, got '1\.5e0'"),
     (["optimizer.lr=fast"], r"optimizer\.lr: expected float"),
     (["train.steps=0"], r"train: steps must be >= 1"),
     (["optimizer.decay=step"], r"optimizer: decay='step'"),

@@ -551,6 +551,19 @@ def _check_type(value: Any, hint: Any, key: str) -> Any:
     return converted
 
 
+def _whole(value: Any) -> tuple[bool, Any]:
+    """A whole number written as a float or in exponent notation (``memory_limit: 80e9``, which PyYAML reads
+    as the string '80e9'), as an int."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return False, value
+    if isinstance(value, float) and value.is_integer():
+        return True, int(value)
+    return False, value
+
+
 def _fits(value: Any, hint: Any) -> tuple[bool, Any]:
     origin = typing.get_origin(hint)
     if hint is Any:
@@ -566,7 +579,9 @@ def _fits(value: Any, hint: Any) -> tuple[bool, Any]:
     if hint is bool:
         return isinstance(value, bool), value
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return True, value
+        return _whole(value)
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return True, float(value)

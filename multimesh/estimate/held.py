@@ -53,7 +53,11 @@ def shard_bytes(leaf: LeafLayout) -> dict[int, int]:
 
 
 def is_optimizer_path(path: str, pattern: str = DEFAULT_OPTIMIZER_PATHS) -> bool:
-    return re.search(pattern, path) is not None
+    try:
+        return re.search(pattern, path) is not None
+    except re.error as e:
+        raise ValueError(f"optimizer_paths={pattern!r} is not a regular expression ({e}); give one matching the "
+                         f"optimizer state's parameter paths, e.g. {DEFAULT_OPTIMIZER_PATHS!r}") from None
 
 
 def _add(into: dict[int, int], leaves: Iterable[LeafLayout]) -> dict[int, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 from ..core.fmt import device_span, format_bytes
@@ -97,6 +98,12 @@ class Estimate:
 
     def _limit(self, memory_bytes: int | None) -> int:
         if memory_bytes is not None:
+            if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, numbers.Real):
+                raise TypeError(f"estimate of {self.name!r}: memory_bytes must be a number of bytes per device "
+                                f"(e.g. 80 * 2**30), got {memory_bytes!r}")
+            if not memory_bytes > 0:
+                raise ValueError(f"estimate of {self.name!r}: memory_bytes={memory_bytes!r}; give a positive number "
+                                 f"of bytes per device (e.g. 80 * 2**30)")
             return int(memory_bytes)
         if self.profile is None:
             raise MemoryLimitError(f"estimate of {self.name!r}: fits() needs memory_bytes= or an estimate made "
