@@ -30,6 +30,7 @@ from multimesh.autolayout import (
     enumerate_layouts,
     factorizations,
 )
+from multimesh.core.fmt import format_bytes
 from multimesh.estimate import UnknownProfileError, get_profile
 from multimesh.jax import auto_layout, build_mesh, microbatch, parallelize, register_task, stage_task, standard_rules
 
@@ -226,9 +227,16 @@ def test_a_memory_limit_nothing_fits_names_the_smallest_need():
     # tensor=4 holds the least: a quarter of the parameters and Adam's moments, the count, the whole batch
     least = (PARAM_BYTES + ADAM_BYTES - 4) // 4 + 4 + BATCH * BATCH_ROW_BYTES
     message = str(caught.value)
-    assert "tensor=4" in message and f"{least:,} B" in message and "memory_limit=" in message
+    assert "tensor=4" in message and f"needs more than {format_bytes(least)} ({least:,} B)" in message
+    assert f"temporaries (not estimated) come on top. Raise memory_limit= well above {least:,}" in message
     assert all(c.estimate is None for c in caught.value.search.candidates)  # none was compiled
     assert time.perf_counter() - start < 20
+    # a limit its held bytes fit: it is compiled, and the advice is its whole peak, which then fits
+    with pytest.raises(NoLayoutFitsError) as caught:
+        search(memory_limit=least + 1)
+    peak = min(c.peak_bytes for c in caught.value.search.candidates if c.estimate is not None)
+    assert f"Raise memory_limit= to at least {peak:,}" in str(caught.value)
+    assert search(memory_limit=peak).best_candidate.peak_bytes <= peak
 
 
 def test_a_device_count_with_no_valid_mesh_says_why():
@@ -333,7 +341,8 @@ def test_plan_when_nothing_fits_names_the_memory_limit(tmp_path, capsys):
     start = time.perf_counter()
     assert main(["tiny", *AUTO, "layout.memory_limit=1000", f"train.out_dir={tmp_path}", "--plan"]) == 2
     captured = capsys.readouterr()
-    assert "layout.memory_limit=1000" in captured.err and "Raise memory_limit= to at least" in captured.err
+    assert "layout.memory_limit: 1000" in captured.err and "Raise layout.memory_limit= well above" in captured.err
+    assert "SearchConfig" not in captured.err and "layout.search: {axes: [data, tensor], stages: [1]" in captured.err
     assert "auto_layout: 7 layouts" in captured.out  # the table, every layout rejected (4 meshes; 3 with a
     # tensor axis, also with the sequence rules)
     assert time.perf_counter() - start < 30

@@ -60,6 +60,21 @@ def _microbatched(loss_fn: Callable, batch_size: int) -> Callable:
     return microbatch(loss_fn, 0, batch_size, argnum=1)
 
 
+#: `auto_layout`'s arguments, as its errors name them, and the config keys that set them
+_CONFIG_KEYS = {"memory_limit=": "layout.memory_limit=", "other axes=/stage_counts=":
+                "other layout.search.axes/layout.search.stages", "axes=": "layout.search.axes=",
+                "stage_counts=": "layout.search.stages="}
+
+
+def _yaml(value: Any) -> str:
+    """A config value as one would write it in an override (``[data, tensor]``, ``null``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(map(str, value)) + "]"
+    return str(value)
+
+
 def search_layout(cfg: Config, devices: Any = None, progress: bool | None = None) -> LayoutSearch:
     """``auto_layout`` of ``cfg``'s train step on ``devices`` (default: all), as ``layout`` configures it.
 
@@ -89,8 +104,13 @@ def search_layout(cfg: Config, devices: Any = None, progress: bool | None = None
     except TimingError as e:
         raise ConfigError(f"layout.search.time_top={lay.search.time_top}: {e}") from None
     except LayoutSearchError as e:
-        error = ConfigError(f"layout.mesh=auto: {e} (layout.memory_limit={lay.memory_limit}, layout.profile="
-                            f"{lay.profile}, layout.search={lay.search})")
+        message = str(e)
+        for argument, key in _CONFIG_KEYS.items():  # the search's advice in the config's words
+            message = message.replace(argument, key)
+        searched = ", ".join(f"{k}: {_yaml(getattr(lay.search, k))}" for k in ("axes", "stages", "microbatches",
+                                                                               "schedules", "rules"))
+        error = ConfigError(f"layout.mesh=auto: {message} (layout.memory_limit: {_yaml(lay.memory_limit)}, "
+                            f"layout.profile: {lay.profile}, layout.search: {{{searched}}})")
         error.search = e.search
         raise error from None
 

@@ -114,14 +114,20 @@ class NoValidLayoutError(LayoutSearchError):
 def _nothing_fits(search: LayoutSearch) -> LayoutSearchError:
     valid = [c for c in search.candidates if c.valid and c.peak_bytes is not None]
     if valid:
-        least = min(valid, key=lambda c: c.peak_bytes)
-        held = " at least (parameters, optimizer state and batch alone)" if least.estimate is None else ""
+        # a whole peak estimated (a limit that suffices), else the least held bytes (a limit that does not)
+        estimated = [c for c in valid if c.estimate is not None]
+        least = min(estimated or valid, key=lambda c: c.peak_bytes)
+        needs = f"{format_bytes(least.peak_bytes)} ({least.peak_bytes:,} B) per device"
+        if least.estimate is None:  # refused on its held bytes before its programs were compiled
+            needs = (f"more than {needs}: that is its parameters, optimizer state and batch alone, and its "
+                     f"programs' temporaries (not estimated) come on top. Raise memory_limit= well above "
+                     f"{least.peak_bytes:,}")
+        else:
+            needs += f". Raise memory_limit= to at least {least.peak_bytes:,}"
         return NoLayoutFitsError(
             f"auto_layout: no layout of {search.num_devices} devices fits the memory limit "
             f"{format_bytes(search.memory_limit)} ({search.memory_limit:,} B) per device; the smallest found, "
-            f"{least.layout.describe()}, needs{held} {format_bytes(least.peak_bytes)} ({least.peak_bytes:,} B) per "
-            f"device. Raise memory_limit= to at least {least.peak_bytes:,}, use more devices, or shrink the model "
-            f"or the batch", search)
+            f"{least.layout.describe()}, needs {needs}, use more devices, or shrink the model or the batch", search)
     reasons: dict[str, list[str]] = {}
     for c in search.candidates:
         reasons.setdefault((c.rejected or "").removeprefix(_INVALID), []).append(c.layout.describe())
