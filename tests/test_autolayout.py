@@ -239,6 +239,13 @@ def test_a_memory_limit_nothing_fits_names_the_smallest_need():
     assert search(memory_limit=peak).best_candidate.peak_bytes <= peak
 
 
+def test_parameters_without_logical_names_are_the_reason_a_tensor_axis_is_idle():
+    found = search(param_rules=None)
+    reasons = {c.layout.describe(): c.rejected for c in found.candidates}
+    assert "no parameter has logical axis names for the rules to map" in reasons["tensor=4"]
+    assert "param_rules=" in reasons["tensor=4"] and reasons["data=4"] is None
+
+
 def test_a_device_count_with_no_valid_mesh_says_why():
     with pytest.raises(NoValidLayoutError) as caught:
         search(num_devices=3)

@@ -53,8 +53,13 @@ def idle_axis(layout: Layout, step_fn: Any) -> str | None:
         used |= spec_names(leaf.spec)
     for axis, size in layout.mesh.items():
         if size > 1 and axis != STAGE_AXIS and axis not in used:
-            return (f"mesh axis {axis}={size} shards no parameter or batch array (no dimension its rules name is "
-                    f"divisible by {size}), so its {size} devices would hold the same")
+            if not any(spec_names(leaf.logical) for leaf in step_fn.param_layout.leaves):
+                why = ("no parameter has logical axis names for the rules to map (such as 'embed', 'mlp'): name "
+                       "them with param_rules= or Flax metadata (nn.with_logical_partitioning)")
+            else:
+                why = f"no dimension its rules name is divisible by {size}"
+            return (f"mesh axis {axis}={size} shards no parameter or batch array ({why}), so its {size} devices "
+                    f"would hold the same")
     return None
 
 
