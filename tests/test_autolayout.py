@@ -342,6 +342,25 @@ def test_plan_of_a_fixed_layout_with_a_profile_prints_its_estimate(tmp_path, cap
     assert "SPMD on 8 devices, mesh data=2xtensor=4" in out and "predicted step time on h100-sxm" in out
 
 
+def test_plan_shows_the_searchs_progress_unless_quiet(tmp_path, monkeypatch):
+    """``--plan`` of ``mesh: auto`` leaves the bar to the search (shown where stderr is a terminal); ``-q``
+    turns it off."""
+    import trainers.layout_search
+    from trainers.cli import main
+    from trainers.errors import ConfigError
+
+    asked = []
+
+    def search_layout(cfg, devices=None, progress=None):
+        asked.append(progress)
+        raise ConfigError("recorded")
+
+    monkeypatch.setattr(trainers.layout_search, "search_layout", search_layout)
+    for flags in (["--plan"], ["--plan", "-q"]):
+        assert main(["tiny", *AUTO, f"train.out_dir={tmp_path}", *flags]) != 0
+    assert asked == [None, False]
+
+
 def test_plan_when_nothing_fits_names_the_memory_limit(tmp_path, capsys):
     from trainers.cli import main
 

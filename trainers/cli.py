@@ -246,18 +246,18 @@ def _plan_and_estimate(opts: argparse.Namespace, argv: Sequence[str], cfg, num_p
 
     if opts.num_devices is not None and needs_other_devices(opts.num_devices):
         return replan_on_simulated_devices(argv, opts.num_devices)
-    status = _plan(cfg, num_processes)
+    status = _plan(cfg, num_processes, quiet=opts.quiet)
     if status == 0 and not cfg.layout.is_auto and (cfg.layout.profile or opts.num_devices is not None):
         print_estimate(cfg, cfg.layout.profile)
     return status
 
 
-def _plan(cfg, num_processes: int) -> int:
+def _plan(cfg, num_processes: int, quiet: bool = False) -> int:
     """``--plan``: the layout in words; for a pipeline its stages (modules, devices, parameter bytes) and
     its schedule, as text and as schedule.png.
 
     It checks the layout against this machine's devices (times ``num_processes``) and ``train.out_dir``
-    first, as training would.
+    first, as training would. A layout search shows a progress bar on a terminal unless ``quiet``.
     """
     import jax
 
@@ -265,7 +265,7 @@ def _plan(cfg, num_processes: int) -> int:
 
     lay = cfg.layout
     if lay.is_auto:
-        return _plan_auto(cfg)
+        return _plan_auto(cfg, progress=False if quiet else None)
     check_devices(lay.mesh, lay.pipeline.stages if lay.pipeline else None, jax.local_device_count() * num_processes,
                   num_processes)
     check_out_dir(cfg.out_dir)
@@ -285,14 +285,14 @@ def _plan(cfg, num_processes: int) -> int:
     return 0
 
 
-def _plan_auto(cfg) -> int:
+def _plan_auto(cfg, progress: bool | None = None) -> int:
     """``--plan`` of ``layout.mesh: auto``: the layout search's table, then the chosen layout's estimate
     (memory per device, programs, predicted step time). Nothing fits: the table, then the config error."""
     from trainers.errors import ConfigError
     from trainers.layout_search import search_layout
 
     try:
-        search = search_layout(cfg, progress=False)
+        search = search_layout(cfg, progress=progress)
     except ConfigError as e:
         if getattr(e, "search", None) is not None:  # every layout tried, and why none could be chosen
             print(e.search)
