@@ -239,6 +239,11 @@ def test_a_memory_limit_nothing_fits_names_the_smallest_need():
     assert search(memory_limit=peak).best_candidate.peak_bytes <= peak
 
 
+def test_a_memory_limit_above_the_devices_memory_is_warned_of():
+    with pytest.warns(UserWarning, match=r"memory_limit=1,000,000,000,000 B is above h100-sxm's device memory"):
+        search(memory_limit=10**12)
+
+
 def test_parameters_without_logical_names_are_the_reason_a_tensor_axis_is_idle():
     found = search(param_rules=None)
     reasons = {c.layout.describe(): c.rejected for c in found.candidates}

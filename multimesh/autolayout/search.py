@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -214,6 +215,10 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
     limit = int(profile.memory_bytes if memory_limit is None else memory_limit)
     if limit <= 0:
         raise ValueError(f"auto_layout: memory_limit must be a positive number of bytes per device, got {memory_limit!r}")
+    if limit > profile.memory_bytes:
+        warnings.warn(f"auto_layout: memory_limit={limit:,} B is above {profile.name}'s device memory "
+                      f"({format_bytes(profile.memory_bytes)}, {profile.memory_bytes:,} B): a layout that fits it "
+                      f"may not fit the device", stacklevel=2)
     axes = _check_axes(axes)
     stage_counts = tuple(stage_counts)
     if any(not isinstance(s, int) or s < 1 for s in stage_counts) or not stage_counts:
