@@ -196,6 +196,14 @@ def test_time_and_fit_on_a_profile(fsdp):
         est.fits(-1)
 
 
+def test_profiles_and_step_times_have_short_reprs(fsdp, pipeline):
+    assert repr(get_profile("h100-sxm")) == ("HardwareProfile('h100-sxm': 989.5 Tflop/s bfloat16, 3350 GB/s memory, "
+                                             "74.5 GiB, 450 GB/s links in nodes of 8)")
+    spmd, piped = fsdp[0].estimate("h100-sxm").time, pipeline[0].estimate("h100-sxm").time
+    assert repr(spmd).startswith(f"StepTime({spmd.total * 1e3:.4g} ms, MFU ") and "1 program)" in repr(spmd)
+    assert "pipeline " in repr(piped) and "copies " in repr(piped) and len(repr(piped)) < 150
+
+
 def test_an_unknown_profile_is_a_clear_error(fsdp):
     fn, _, _ = fsdp
     with pytest.raises(UnknownProfileError, match=r"'h100-pcie'.*a100-80gb, h100-sxm, h200"):

@@ -24,6 +24,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from ..core.fmt import format_bytes
+
 __all__ = ["PROFILES", "HardwareProfile", "UnknownProfileError", "get_profile"]
 
 
@@ -96,6 +98,12 @@ class HardwareProfile:
             raise bad("devices_per_node", self.devices_per_node, "a whole number of 1 or more")
         if not _positive(self.alone_speedup) or not all(_positive(v) for _, v in self.busy_speedup):
             raise bad("alone_speedup/busy_speedup", (self.alone_speedup, self.busy_speedup), "above 0")
+
+    def __repr__(self) -> str:
+        top = "bfloat16" if "bfloat16" in self.peak_flops else max(self.peak_flops, key=self.peak_flops.get)
+        return (f"{type(self).__name__}({self.name!r}: {self.peak_flops[top] / 1e12:.4g} Tflop/s {top}, "
+                f"{self.memory_bandwidth / 1e9:.4g} GB/s memory, {format_bytes(self.memory_bytes)}, "
+                f"{self.intra_node_bandwidth / 1e9:.4g} GB/s links in nodes of {self.devices_per_node})")
 
     def flops_rate(self, dtype: str) -> float:
         """The peak for ``dtype``; float32 work is taken at the float32 (non-Tensor-Core) rate."""

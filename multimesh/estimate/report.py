@@ -57,6 +57,15 @@ class StepTime:
     pipeline: float = 0.0
     outside: float = 0.0
 
+    def __repr__(self) -> str:
+        parts = [f"{self.total * 1e3:.4g} ms", f"MFU {self.mfu:.1%} ({self.dtype})",
+                 f"{len(self.programs)} program{'s' * (len(self.programs) != 1)}"]
+        if self.pipeline:
+            parts.append(f"pipeline {self.pipeline * 1e3:.4g} ms + outside {self.outside * 1e3:.4g} ms")
+        if self.transfers:
+            parts.append(f"copies {self.transfers * 1e3:.4g} ms")
+        return f"StepTime({', '.join(parts)})"
+
 
 @dataclass(frozen=True)
 class Estimate:
@@ -120,7 +129,7 @@ class Estimate:
         return out
 
     def __repr__(self) -> str:
-        text = f"Estimate({self.name}, peak {format_bytes(self.peak_bytes)}/device, {self.flops:.3g} flops"
+        text = f"Estimate({self.name}, peak {format_bytes(self.peak_bytes)}/device, {self.flops:.3g} flops in all"
         if self.time is not None:
             text += f", {self.time.total * 1e3:.3g} ms on {self.profile.name}"
         return text + ")"
@@ -140,9 +149,9 @@ class Estimate:
         for p in self.programs:
             t = f", {self.time.programs[p.name].total * 1e3:.3g} ms" if self.time is not None else ""
             kernels = f"{sum(k.count for k in p.kernels)} kernels, " if p.kernels else ""
-            lines.append(f"  {p.name} x{p.executions} on {len(p.devices)} devices: {p.flops:.4g} flops, "
+            lines.append(f"  {p.name} x{p.executions} on {len(p.devices)} devices: {p.flops:.4g} flops per device, "
                          f"{b(p.bytes_accessed)} accessed, temp {b(p.temp_bytes)}, {kernels}"
-                         f"{len(p.collectives)} collectives{t}")
+                         f"{len(p.collectives)} collective{'s' * (len(p.collectives) != 1)}{t}")
         coll = self.collectives()
         if coll:
             lines.append("collectives per step (count, bytes per device):")
