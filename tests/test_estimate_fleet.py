@@ -105,6 +105,8 @@ def test_plan_on_16_simulated_devices(tmp_path):
     out = done.stdout
     assert "SPMD on 16 devices, mesh data=8xtensor=2" in out
     assert "on 16 simulated CPU devices, priced as h100-sxm" in out
+    done, _ = _plan("tiny", *SMALL, f"train.out_dir={tmp_path}", "--plan", "--num-devices", "16")
+    assert "the other 8 would sit idle; give layout.mesh for 16 devices, or layout.mesh=auto" in done.stdout
     rows = [line.split() for line in out.splitlines() if line.strip().startswith("0-15 ")]
     assert len(rows) == 1, out  # one memory row: all 16 devices hold the same
     assert "predicted step time on h100-sxm (float32)" in out and "MFU" in out
@@ -135,6 +137,7 @@ def test_plan_needing_more_devices_than_asked_is_a_config_error(tmp_path):
     done, seconds = _plan("tiny", *SMALL, f"train.out_dir={tmp_path}", "--plan", "--num-devices", "4")
     assert done.returncode == 2, done.stderr[-3000:]
     assert "layout.mesh={data: 4, tensor: 2} needs 8 devices, but this run has 4" in done.stderr
+    assert "plan on that many simulated devices: --plan --num-devices 8" in done.stderr
     assert seconds < 60
 
 

@@ -77,6 +77,7 @@ def test_plan_prints_each_stages_modules_and_the_bytes_the_step_puts_there(pipel
     assert re.search(r"^stage0\s+0-3\s+embed, layers_0\s+\S+ KiB$", out, re.M)
     assert re.search(r"^stage1\s+4-7\s+layers_1, head\s+\S+ KiB$", out, re.M)
     assert "tied embedding: the table lives on stage0" in out and "stage 0 | F0" in out  # and the schedule
+    assert "--profile NAME adds memory per device and the predicted step time" in out  # what more it can say
 
 
 def test_plan_text_groups_repeated_transfers_and_keeps_its_columns(pipeline):

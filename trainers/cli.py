@@ -247,8 +247,12 @@ def _plan_and_estimate(opts: argparse.Namespace, argv: Sequence[str], cfg, num_p
     if opts.num_devices is not None and needs_other_devices(opts.num_devices):
         return replan_on_simulated_devices(argv, opts.num_devices)
     status = _plan(cfg, num_processes, quiet=opts.quiet)
-    if status == 0 and not cfg.layout.is_auto and (cfg.layout.profile or opts.num_devices is not None):
-        print_estimate(cfg, cfg.layout.profile)
+    if status == 0 and not cfg.layout.is_auto:
+        if cfg.layout.profile or opts.num_devices is not None:
+            print_estimate(cfg, cfg.layout.profile)
+        else:
+            print("(--profile NAME adds memory per device and the predicted step time on that hardware, e.g. "
+                  "--profile h100-sxm; --num-devices N plans for N devices)")
     return status
 
 
@@ -267,7 +271,7 @@ def _plan(cfg, num_processes: int, quiet: bool = False) -> int:
     if lay.is_auto:
         return _plan_auto(cfg, progress=False if quiet else None)
     check_devices(lay.mesh, lay.pipeline.stages if lay.pipeline else None, jax.local_device_count() * num_processes,
-                  num_processes)
+                  num_processes, more_devices="plan on that many simulated devices: --plan --num-devices {need}")
     check_out_dir(cfg.out_dir)
     mesh = "x".join(f"{k}={v}" for k, v in lay.mesh.items())
     if lay.pipeline is None:

@@ -85,9 +85,10 @@ def check_data(data: Any, ways: int, n_tokens: int | None = None) -> None:
         )
 
 
-def check_devices(mesh: Mapping[str, int], stages: int | None, available: int, processes: int = 1) -> None:
+def check_devices(mesh: Mapping[str, int], stages: int | None, available: int, processes: int = 1,
+                  more_devices: str = "on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={need}") -> None:
     """The layout (``layout.mesh``, times ``layout.pipeline.stages``) must fit the ``available`` devices, and
-    with several processes use all of them."""
+    with several processes use all of them. ``more_devices``: how to get ``{need}`` devices, for the error."""
     per_stage = math.prod(mesh.values())
     need = per_stage * (stages or 1)
     shape = f"layout.mesh={mesh_text(mesh)}" + (f" x layout.pipeline.stages={stages}" if stages else "")
@@ -96,8 +97,8 @@ def check_devices(mesh: Mapping[str, int], stages: int | None, available: int, p
         per = " per pipeline stage" if stages else ""
         raise ConfigError(
             f"{shape} needs {need} devices, but this run has {available}; give layout.mesh sizes whose product "
-            f"is at most {most}{per}, e.g. layout.mesh='{{data: {most}}}', or run on more devices (on CPU: "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={need})"
+            f"is at most {most}{per}, e.g. layout.mesh='{{data: {most}}}', or run on more devices "
+            f"({more_devices.format(need=need)})"
         )
     if processes > 1 and need != available:
         raise ConfigError(

@@ -73,7 +73,8 @@ def print_estimate(cfg: Config, profile: str | None) -> None:
     n = jax.device_count()
     where = f"{n} simulated CPU devices" if os.environ.get(SIMULATED) else f"{n} {jax.devices()[0].platform} devices"
     used = cfg.layout.num_devices
-    of = f" (the layout uses {used} of them)" if used < n else ""
+    of = (f" (the layout uses {used} of them: the other {n - used} would sit idle; give layout.mesh for {n} "
+          f"devices, or layout.mesh=auto to search layouts of all {n})") if used < n else ""
     priced = f", priced as {profile}" if profile else " (no --profile: memory and work only)"
     print(f"\nestimate of {cfg.name}'s train step on {where}{of}{priced}:")
     print(estimate_config(cfg, profile))
