@@ -295,6 +295,8 @@ def test_parallelize_layout_arguments_are_checked():
         parallelize(step, init_params=init, get_input_batch=get_batch, time_top=2)
     with pytest.raises(TypeError, match="needs profile="):
         parallelize(step, init_params=init, get_input_batch=get_batch, layout="auto")
+    with pytest.raises(TypeError, match=r"needs profile=.*is profle= a misspelling of profile="):
+        parallelize(step, init_params=init, get_input_batch=get_batch, layout="auto", profle="h100-sxm")
 
 
 def test_the_public_parallelize_warns_at_the_callers_line():

@@ -6,6 +6,7 @@ It lives here, above the search, so that the layer that builds steps
 
 from __future__ import annotations
 
+import difflib
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -74,8 +75,10 @@ def parallelize(fun: Callable, *, layout: str | None = None, profile: str | Hard
         raise ValueError(f"parallelize: layout={layout!r}; the one layout parallelize chooses is 'auto' (give a "
                          f"mesh of your own as mesh= with rules=)")
     if profile is None:
+        near = difflib.get_close_matches("profile", list(kwargs), n=1)
         raise TypeError("parallelize(layout='auto') needs profile= (a name such as 'h100-sxm', or a "
-                        "HardwareProfile, e.g. multimesh.estimate.calibrate()) to predict step times with")
+                        "HardwareProfile, e.g. multimesh.estimate.calibrate()) to predict step times with"
+                        + (f"; is {near[0]}= a misspelling of profile=?" if near else ""))
     for key in ("mesh", "rules"):
         if kwargs.get(key) is not None:
             raise TypeError(f"parallelize(layout='auto') chooses {key}=; leave it out, or drop layout='auto'")
