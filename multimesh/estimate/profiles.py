@@ -86,7 +86,8 @@ class HardwareProfile:
             return ValueError(f"HardwareProfile {self.name!r}: {name}={value!r} must be {want}")
 
         if not self.peak_flops or not all(_positive(v) for v in self.peak_flops.values()):
-            raise bad("peak_flops", self.peak_flops, 'a dict of dtype name -> flop/s above 0, e.g. {"bfloat16": 989e12}')
+            raise bad("peak_flops", self.peak_flops,
+                      'a dict of dtype name -> flop/s above 0, e.g. {"bfloat16": 989e12}')
         for name in ("memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth", "memory_bytes"):
             if not _positive(getattr(self, name)):
                 raise bad(name, getattr(self, name), "a number above 0 (bytes/s; memory_bytes: bytes per device)")
