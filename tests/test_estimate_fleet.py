@@ -117,9 +117,10 @@ def test_plan_on_as_many_devices_as_here_runs_in_this_process(tmp_path, capsys):
     """--num-devices equal to the devices present: no re-run, the estimate is made on them."""
     from trainers.cli import main
 
-    assert main(["tiny", *SMALL, f"train.out_dir={tmp_path}", "--plan", "--num-devices", "8",
-                 "--profile", "tpu-v5e"]) == 0
+    assert main(["tiny", *SMALL, f"train.out_dir={tmp_path}", "layout.profile=h100-sxm", "--plan",
+                 "--num-devices", "8", "--profile", "tpu-v5e"]) == 0
     out = capsys.readouterr().out
+    assert "(--profile tpu-v5e replaces layout.profile=h100-sxm)" in out
     assert "train step on 8 cpu devices, priced as tpu-v5e" in out and "simulated" not in out
     assert "predicted step time on tpu-v5e (float32)" in out
 

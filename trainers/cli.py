@@ -241,6 +241,8 @@ def _plan_and_estimate(opts: argparse.Namespace, argv: Sequence[str], cfg, num_p
             get_profile(opts.profile)
         except UnknownProfileError as e:
             _usage_error(f"--profile {opts.profile}: {e}")
+        if cfg.layout.profile and cfg.layout.profile.lower() != opts.profile.lower():
+            print(f"(--profile {opts.profile} replaces layout.profile={cfg.layout.profile})")
         cfg = cfg.replace(layout={"profile": opts.profile})
     from trainers.plan_estimate import needs_other_devices, print_estimate, replan_on_simulated_devices
 
