@@ -192,7 +192,7 @@ def test_time_and_fit_on_a_profile(fsdp):
         fn.estimate().fits()
     with pytest.raises(TypeError, match=r"memory_bytes must be a number of bytes per device.*got '80GB'"):
         est.fits("80GB")
-    with pytest.raises(ValueError, match=r"memory_bytes=-1; give a positive number"):
+    with pytest.raises(ValueError, match=r"memory_bytes must be a positive number of bytes per device, got -1"):
         est.fits(-1)
 
 

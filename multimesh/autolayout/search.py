@@ -25,6 +25,7 @@ import jax
 
 from ..core.fmt import format_bytes
 from ..estimate import Estimate, HardwareProfile, get_profile, held_bytes
+from ..estimate.report import bytes_per_device
 from .building import PipelineFactory, build_on
 from .checks import batch_misfit, idle_axis, idle_rules, pipeline_misfit, shapes_of
 from .layouts import AXES, RULE_SETS, Layout, enumerate_layouts
@@ -209,12 +210,8 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
     """
     start = time.perf_counter()
     profile = get_profile(profile)
-    if memory_limit is not None and (not isinstance(memory_limit, (int, float)) or isinstance(memory_limit, bool)):
-        raise TypeError(f"auto_layout: memory_limit must be a number of bytes per device (e.g. 80 * 2**30), "
-                        f"got {memory_limit!r}")
-    limit = int(profile.memory_bytes if memory_limit is None else memory_limit)
-    if limit <= 0:
-        raise ValueError(f"auto_layout: memory_limit must be a positive number of bytes per device, got {memory_limit!r}")
+    limit = int(profile.memory_bytes) if memory_limit is None else bytes_per_device(memory_limit, "auto_layout",
+                                                                                 "memory_limit")
     if limit > profile.memory_bytes:
         warnings.warn(f"auto_layout: memory_limit={limit:,} B is above {profile.name}'s device memory "
                       f"({format_bytes(profile.memory_bytes)}, {profile.memory_bytes:,} B): a layout that fits it "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass, field
 
@@ -41,6 +42,16 @@ class DeviceMemory:
     @property
     def peak(self) -> int:
         return self.held + self.stashed + self.outputs + self.temp
+
+
+def bytes_per_device(value: object, where: str, name: str) -> int:
+    """``value``, a memory limit given as argument ``name`` of ``where``, as whole bytes per device; a number of
+    at least 1, else an error naming both."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where}: {name} must be a number of bytes per device (e.g. 80 * 2**30), got {value!r}")
+    if not (math.isfinite(value) and value >= 1):
+        raise ValueError(f"{where}: {name} must be a positive number of bytes per device, got {value!r}")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -107,13 +118,7 @@ class Estimate:
 
     def _limit(self, memory_bytes: int | None) -> int:
         if memory_bytes is not None:
-            if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, numbers.Real):
-                raise TypeError(f"estimate of {self.name!r}: memory_bytes must be a number of bytes per device "
-                                f"(e.g. 80 * 2**30), got {memory_bytes!r}")
-            if not memory_bytes > 0:
-                raise ValueError(f"estimate of {self.name!r}: memory_bytes={memory_bytes!r}; give a positive number "
-                                 f"of bytes per device (e.g. 80 * 2**30)")
-            return int(memory_bytes)
+            return bytes_per_device(memory_bytes, f"estimate of {self.name!r}", "memory_bytes")
         if self.profile is None:
             raise MemoryLimitError(f"estimate of {self.name!r}: fits() needs memory_bytes= or an estimate made "
                                    f"with a profile (estimate(step, profile='h100-sxm')) for its device memory")
