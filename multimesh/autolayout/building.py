@@ -18,8 +18,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ContextManager
 
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AxisType, Mesh
 
+from ..core.meshes import context_axis_types
 from ..core.rules import Rules, standard_rules
 from ..run.parallelize import parallelize
 from ..trace.pipeline_choice import choose_pipeline
@@ -50,12 +51,19 @@ def stage_task(stage: int, name: str | None = None) -> Task:
     return Task(name=name or f"stage{stage}", mesh_slice={STAGE_AXIS: stage}, logical_axes=rules)
 
 
-def layout_mesh(layout: Layout, devices: Sequence[Any]) -> Mesh:
-    """The layout's whole mesh over the first devices, in order (stage outermost)."""
+def layout_mesh(layout: Layout, devices: Sequence[Any], explicit_axes: frozenset[str] | None = None) -> Mesh:
+    """The layout's whole mesh over the first devices, in order (stage outermost). ``explicit_axes``: the axes
+    of type Explicit, the others Auto; None: the types the mesh in context (``jax.set_mesh``) gives the axes
+    it names, Auto for the others (as `parallelize` builds an ``{axis: size}`` mesh)."""
     shape = layout.whole_mesh
     picked = np.empty(layout.num_devices, dtype=object)
     picked[:] = list(devices)[:layout.num_devices]
-    return Mesh(picked.reshape(tuple(shape.values())), tuple(shape))
+    names = tuple(shape)
+    if explicit_axes is None:
+        types = context_axis_types(names)
+    else:
+        types = tuple(AxisType.Explicit if n in explicit_axes else AxisType.Auto for n in names)
+    return Mesh(picked.reshape(tuple(shape.values())), names, axis_types=types)
 
 
 @contextlib.contextmanager
@@ -75,10 +83,10 @@ def _placed(layout: Layout, mesh: Mesh, pipeline: PipelineFactory | None) -> Ite
 
 
 def build_on(layout: Layout, fun: Callable, devices: Sequence[Any], pipeline: PipelineFactory | None,
-             quiet: bool = False, **kwargs: Any) -> Any:
-    """``parallelize(fun, **kwargs)`` on ``layout`` (what `parallelize` returns). ``quiet``: without its
-    warnings (a search judges layouts by its own checks)."""
-    mesh = layout_mesh(layout, devices)
+             quiet: bool = False, explicit_axes: frozenset[str] | None = None, **kwargs: Any) -> Any:
+    """``parallelize(fun, **kwargs)`` on ``layout`` (what `parallelize` returns), ``explicit_axes`` as for
+    `layout_mesh`. ``quiet``: without its warnings (a search judges layouts by its own checks)."""
+    mesh = layout_mesh(layout, devices, explicit_axes)
     with _placed(layout, mesh, pipeline), warnings.catch_warnings():
         if quiet:
             warnings.simplefilter("ignore")

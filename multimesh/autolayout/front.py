@@ -18,6 +18,7 @@ from ..run.parallelize import parallelize as parallelize_on_mesh
 from . import building
 from .building import PipelineFactory, build_on
 from .layouts import RULE_SETS
+from .model_axes import AxisTypes
 from .search import auto_layout
 
 __all__ = ["parallelize"]
@@ -50,7 +51,8 @@ def _reissue(pending: list) -> None:
 
 def parallelize(fun: Callable, *, layout: str | None = None, profile: str | HardwareProfile | None = None,
                 num_devices: int | None = None, memory_limit: int | None = None,
-                axes: Sequence[str] = ("data", "fsdp", "tensor"), pipeline: PipelineFactory | None = None,
+                axes: Sequence[str] | None = None, axis_types: AxisTypes = None,
+                pipeline: PipelineFactory | None = None,
                 stage_counts: Sequence[int] = (1,), microbatches: Sequence[int] = (4, 8),
                 schedules: Sequence[str] = ("1f1b", "zb-h2"), rule_sets: Sequence[str] = RULE_SETS,
                 progress: bool | None = None, time_top: int = 0, time_steps: int = 3, **kwargs: Any) -> Any:
@@ -58,13 +60,14 @@ def parallelize(fun: Callable, *, layout: str | None = None, profile: str | Hard
     for every other argument).
 
     ``layout="auto"``: the mesh, rules and pipeline are chosen by `auto_layout` (``profile=`` required;
-    ``devices=``/``num_devices=``, ``memory_limit=``, ``axes=``, ``pipeline=``, ``stage_counts=``,
-    ``microbatches=``, ``schedules=``, ``rule_sets=``, ``progress=``, ``time_top=``, ``time_steps=`` as there),
+    ``devices=``/``num_devices=``, ``memory_limit=``, ``axes=``, ``axis_types=``, ``pipeline=``,
+    ``stage_counts=``, ``microbatches=``, ``schedules=``, ``rule_sets=``, ``progress=``, ``time_top=``,
+    ``time_steps=`` as there),
     then built like any other layout with the real ``init_params``. The returned step has ``.layout_search``,
     the `LayoutSearch`.
     """
     auto_only = {"profile": profile, "num_devices": num_devices, "memory_limit": memory_limit,
-                 "pipeline": pipeline, "time_top": time_top or None}
+                 "pipeline": pipeline, "time_top": time_top or None, "axes": axes, "axis_types": axis_types}
     if layout is None:
         given = [k for k, v in auto_only.items() if v is not None]
         if given:
@@ -87,10 +90,10 @@ def parallelize(fun: Callable, *, layout: str | None = None, profile: str | Hard
                         "layout tried), not initial_batch=")
     devices = kwargs.pop("devices", None)
     search = auto_layout(fun, profile=profile, devices=devices, num_devices=num_devices, memory_limit=memory_limit,
-                         axes=axes, pipeline=pipeline, stage_counts=stage_counts, microbatches=microbatches,
-                         schedules=schedules, rule_sets=rule_sets, progress=progress, time_top=time_top,
-                         time_steps=time_steps, **kwargs)
+                         axes=axes, axis_types=axis_types, pipeline=pipeline, stage_counts=stage_counts,
+                         microbatches=microbatches, schedules=schedules, rule_sets=rule_sets, progress=progress,
+                         time_top=time_top, time_steps=time_steps, **kwargs)
     pool = list(devices) if devices is not None else jax.devices()[:search.num_devices]
-    made = _call(build_on, search.best, fun, pool, pipeline, **kwargs)
+    made = _call(build_on, search.best, fun, pool, pipeline, explicit_axes=search.explicit_axes, **kwargs)
     made[0].layout_search = search
     return made

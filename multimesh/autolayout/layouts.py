@@ -78,8 +78,10 @@ class Layout:
         return named_rules(self.rules, tuple(self.whole_mesh))
 
     def describe(self) -> str:
-        """One line: ``data=2 x tensor=4``, or ``2 stages of data=2 x tensor=2, 1f1b, 8 microbatches``."""
-        mesh = " x ".join(f"{a}={n}" for a, n in self.mesh.items())
+        """One line: ``data=2 x tensor=4``, or ``2 stages of data=2 x tensor=2, 1f1b, 8 microbatches`` (axes of
+        size 1, which the model's own axes may be, left out)."""
+        split = {a: n for a, n in self.mesh.items() if n > 1} or dict(list(self.mesh.items())[:1])
+        mesh = " x ".join(f"{a}={n}" for a, n in split.items())
         if self.rules != "standard":
             mesh += f" ({self.rules} rules)"
         if not self.is_pipeline:
@@ -91,18 +93,21 @@ class Layout:
         return f"Layout({self.describe()})"
 
 
-def _mesh(axes: Sequence[str], sizes: Sequence[int]) -> dict[str, int]:
-    """The axes of size > 1 in order (one device: the first axis, size 1)."""
+def _mesh(axes: Sequence[str], sizes: Sequence[int], required: Sequence[str]) -> dict[str, int]:
+    """The axes of size > 1 in order, then the ``required`` ones left (size 1); one device and nothing
+    required: the first axis, size 1."""
     mesh = {a: n for a, n in zip(axes, sizes) if n > 1}
+    mesh.update((a, 1) for a in required if a not in mesh)
     return mesh or {axes[0]: 1}
 
 
 def enumerate_layouts(num_devices: int, axes: Sequence[str], stage_counts: Sequence[int],
                       microbatches: Sequence[int], schedules: Sequence[str],
-                      rule_sets: Sequence[str] = ("standard",)) -> Iterator[Layout]:
+                      rule_sets: Sequence[str] = ("standard",), required: Sequence[str] = ()) -> Iterator[Layout]:
     """Every layout of ``num_devices``: per stage count dividing them, every mesh of the devices per stage
     over ``axes`` with each of ``rule_sets`` (``sequence`` only on a mesh with a tensor axis), and for a
-    pipeline every microbatch count and schedule (duplicates left out)."""
+    pipeline every microbatch count and schedule (duplicates left out). Every mesh has the ``required`` axes
+    (the model's own, `model_axes`), of size 1 where it does not split them."""
     unknown = [r for r in rule_sets if r not in RULE_SETS]
     if unknown or not rule_sets:
         raise ValueError(f"rule_sets={tuple(rule_sets)!r}: give names among {RULE_SETS}")
@@ -110,10 +115,10 @@ def enumerate_layouts(num_devices: int, axes: Sequence[str], stage_counts: Seque
     for stages in stage_counts:
         if num_devices % stages:
             continue
-        meshes = [_mesh(axes, sizes) for sizes in factorizations(num_devices // stages, len(axes))]
+        meshes = [_mesh(axes, sizes, required) for sizes in factorizations(num_devices // stages, len(axes))]
         runs = itertools.product(microbatches, schedules) if stages > 1 else [(None, None)]
         for (m, schedule), mesh, rules in itertools.product(list(runs), meshes, rule_sets):
-            if rules == "sequence" and not any(a in mesh for a in _TENSOR_AXES):
+            if rules == "sequence" and not any(mesh.get(a, 1) > 1 for a in _TENSOR_AXES):
                 continue
             layout = Layout(mesh, rules, stages, m, schedule, _CHUNKS.get(schedule, 1) if schedule else 1)
             if layout not in seen:

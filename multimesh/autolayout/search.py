@@ -29,6 +29,7 @@ from ..estimate.report import bytes_per_device
 from .building import PipelineFactory, build_on
 from .checks import batch_misfit, idle_axis, idle_rules, pipeline_misfit, shapes_of
 from .layouts import AXES, RULE_SETS, Layout, enumerate_layouts
+from .model_axes import AxisTypes, axes_made_explicit, model_axes
 from .table import search_table
 from .timing import check_timing, time_layout
 
@@ -62,14 +63,15 @@ class Candidate:
 @dataclasses.dataclass(frozen=True)
 class LayoutSearch:
     """What `auto_layout` found: every ``candidates`` ranked (those timed by measured time, then those that
-    fit by predicted time, then the rejected), the ``profile``, the per-device ``memory_limit``, the devices
-    and how long it took."""
+    fit by predicted time, then the rejected), the ``profile``, the per-device ``memory_limit``, the devices,
+    how long it took, and the mesh axes it made Explicit (None: as the mesh in context)."""
 
     candidates: tuple[Candidate, ...]
     profile: HardwareProfile
     memory_limit: int
     num_devices: int
     seconds: float
+    explicit_axes: frozenset[str] | None = None
 
     @property
     def fitting(self) -> tuple[Candidate, ...]:
@@ -140,13 +142,19 @@ def _nothing_fits(search: LayoutSearch) -> LayoutSearchError:
         search)
 
 
-def _check_axes(axes: Sequence[str]) -> tuple[str, ...]:
+def _search_axes(axes: Sequence[str] | None, model: tuple[str, ...]) -> tuple[str, ...]:
+    """The axes to factorize the devices over: ``axes``, checked, or by default data, fsdp and tensor (or the
+    model's ``model``) and the axes the model names itself (`model_axes`)."""
+    if axes is None:
+        tensor = "model" if "model" in model else "tensor"
+        return ("data", "fsdp", tensor, *(a for a in model if a not in ("data", "fsdp", tensor)))
     axes = tuple(axes) if not isinstance(axes, str) else (axes,)
-    unknown = [a for a in axes if a not in AXES]
+    unknown = [a for a in axes if a not in AXES and a not in model]
     if not axes or unknown or len(set(axes)) != len(axes):
+        own = f"; the model's parameters name {', '.join(map(repr, model))}" if model else ""
         raise ValueError(f"auto_layout: axes={axes!r}; give distinct mesh axes among {AXES} (standard_rules gives "
                          f"each a role: data and fsdp split the batch, fsdp the parameters, tensor/model the "
-                         f"Megatron dimensions)")
+                         f"Megatron dimensions) or among those the model's parameters name themselves{own}")
     if "tensor" in axes and "model" in axes:
         raise ValueError("auto_layout: axes names both 'tensor' and 'model', which standard_rules treats as one "
                          "(tensor parallelism); keep one of them")
@@ -179,11 +187,11 @@ def _progress(total: int, progress: bool | None, what: str = "auto_layout") -> A
 def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_batch: Callable[[], Any],
                 profile: str | HardwareProfile, devices: Sequence[Any] | None = None,
                 num_devices: int | None = None, memory_limit: int | None = None,
-                axes: Sequence[str] = ("data", "fsdp", "tensor"), pipeline: PipelineFactory | None = None,
-                stage_counts: Sequence[int] = (1,), microbatches: Sequence[int] = (4, 8),
-                schedules: Sequence[str] = ("1f1b", "zb-h2"), rule_sets: Sequence[str] = RULE_SETS,
-                progress: bool | None = None, time_top: int = 0, time_steps: int = 3,
-                **parallelize_kwargs: Any) -> LayoutSearch:
+                axes: Sequence[str] | None = None, axis_types: AxisTypes = None,
+                pipeline: PipelineFactory | None = None, stage_counts: Sequence[int] = (1,),
+                microbatches: Sequence[int] = (4, 8), schedules: Sequence[str] = ("1f1b", "zb-h2"),
+                rule_sets: Sequence[str] = RULE_SETS, progress: bool | None = None, time_top: int = 0,
+                time_steps: int = 3, **parallelize_kwargs: Any) -> LayoutSearch:
     """Search the layouts of ``step`` on the devices; return them ranked (`LayoutSearch`, print it).
 
     Args:
@@ -191,7 +199,13 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
       profile: a `HardwareProfile` or a name (``"h100-sxm"``, ...) to predict step times with.
       devices / num_devices: the devices to lay out (default: all); ``num_devices`` takes the first.
       memory_limit: bytes per device (default: the profile's memory).
-      axes: the mesh axes whose sizes are searched (factorizations of the devices per stage).
+      axes: the mesh axes whose sizes are searched (factorizations of the devices per stage). Default:
+        data, fsdp and tensor, and any the model's parameters name themselves (``nn.with_partitioning``, NNX
+        sharding metadata; e.g. ``tp``), which every mesh tried has, of size 1 where it does not split them.
+      axis_types: ``"explicit"``: the axes the model names itself are Explicit (for code in JAX's
+        explicit-sharding style, ``out_sharding=P(...)``), the others Auto (every searched axis Explicit when
+        it names none); ``"auto"``: every axis Auto; default: the types of the mesh in context
+        (``jax.set_mesh``) for the axes it names, Auto for the others.
       pipeline: ``pipeline(stages, chunks)`` -> a context manager that registers the model's parts on the
         stages (e.g. with ``register_task(..., callback=... stage_task(s))``); needed for stage counts > 1.
       stage_counts: pipeline stage counts to try (1: SPMD).
@@ -216,7 +230,9 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
         warnings.warn(f"auto_layout: memory_limit={limit:,} B is above {profile.name}'s device memory "
                       f"({format_bytes(profile.memory_bytes)}, {profile.memory_bytes:,} B): a layout that fits it "
                       f"may not fit the device", stacklevel=2)
-    axes = _check_axes(axes)
+    model = model_axes(init_params)
+    axes = _search_axes(axes, model)
+    explicit = axes_made_explicit(axis_types, model, axes)
     stage_counts = tuple(stage_counts)
     if any(not isinstance(s, int) or s < 1 for s in stage_counts) or not stage_counts:
         raise ValueError(f"auto_layout: stage_counts={stage_counts!r}; give positive ints (1: SPMD)")
@@ -230,8 +246,9 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
     check_timing(time_top, time_steps, profile, pool)
     batch_shapes = shapes_of(jax.eval_shape(get_input_batch))  # once for every candidate
     layouts = list(enumerate_layouts(len(pool), axes, stage_counts, tuple(microbatches), tuple(schedules),
-                                     tuple(rule_sets)))
-    kwargs = dict(init_params=init_params, get_input_batch=get_input_batch, **parallelize_kwargs)
+                                     tuple(rule_sets), required=model))
+    kwargs = dict(init_params=init_params, get_input_batch=get_input_batch, explicit_axes=explicit,
+                  **parallelize_kwargs)
     candidates = []
     with _progress(len(layouts), progress) as bar:
         for layout in layouts:
@@ -239,7 +256,7 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
             bar.update(1)
     ranked = _timed(sorted(candidates, key=_rank), time_top, time_steps, progress,
                     lambda layout: build_on(layout, step, pool, pipeline, quiet=True, **{**kwargs, "donate": False}))
-    search = LayoutSearch(tuple(ranked), profile, limit, len(pool), time.perf_counter() - start)
+    search = LayoutSearch(tuple(ranked), profile, limit, len(pool), time.perf_counter() - start, explicit)
     if not search.fitting:
         raise _nothing_fits(search)
     return search
@@ -271,6 +288,15 @@ def _rank(c: Candidate) -> tuple:
     return (2, 0, 0.0, c.layout.describe())
 
 
+def _explicit_hint(error: Exception) -> str:
+    """Advice when JAX refused the step's explicit-sharding code on a mesh of Auto axes (or none in context)."""
+    text = str(error)
+    if "of type Auto" not in text and "not under a mesh context" not in text:
+        return ""
+    return ("; the step's code uses JAX's explicit sharding (PartitionSpecs on Explicit mesh axes): pass "
+            "axis_types='explicit', or search under jax.set_mesh of a mesh whose axes are Explicit")
+
+
 def _over(limit: int, device: int, need: int, what: str) -> str:
     return (f"device {device} needs {format_bytes(need)} ({need:,} B){what}, {format_bytes(need - limit)} "
             f"({need - limit:,} B) over the limit {format_bytes(limit)}")
@@ -284,8 +310,10 @@ def _try(layout: Layout, step: Callable, pool: list, pipeline: PipelineFactory |
         return Candidate(layout, rejected=_INVALID + misfit)
     try:
         built = build_on(layout, step, pool, pipeline, quiet=True, **kwargs)
-    except (ValueError, NotImplementedError) as e:  # the layout's own misfit, e.g. more stages than layers
-        return Candidate(layout, rejected=f"{_INVALID}cannot be built: {type(e).__name__}: {e}")
+    except Exception as e:  # the layout's own misfit, e.g. more stages than layers, a dimension that won't split
+        if not isinstance(e, (ValueError, NotImplementedError)) and type(e).__name__ != "ShardingTypeError":
+            raise
+        return Candidate(layout, rejected=f"{_INVALID}cannot be built: {type(e).__name__}: {e}{_explicit_hint(e)}")
     step_fn = built[0]
     misfit = pipeline_misfit(layout, step_fn) or idle_axis(layout, step_fn) or idle_rules(layout, step_fn)
     if misfit is not None:

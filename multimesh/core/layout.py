@@ -27,7 +27,7 @@ from .metadata import Annotation, map_with_annotations
 from .placement import Placement
 from .rules import Dropped, PathRules, RuleError
 
-__all__ = ["Layout", "LeafLayout", "constrained_inputs", "derive_layout"]
+__all__ = ["Layout", "LeafLayout", "constrained_inputs", "derive_layout", "own_spec"]
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def derive_layout(
         label = f"{what} {path!r}" if path else what
         if ann is None or ann.spec is None:
             matched = path_rules.match(path)
-            own = _own_spec(leaf)
+            own = own_spec(leaf)
             if matched is not None:
                 ann = Annotation(matched, "path rule", physical=isinstance(matched, PartitionSpec))
             elif own is not None:
@@ -133,7 +133,7 @@ def derive_layout(
     return Layout(shardings, tuple(records))
 
 
-def _own_spec(leaf: Any) -> PartitionSpec | None:
+def own_spec(leaf: Any) -> PartitionSpec | None:
     """The spec an abstract leaf's type carries, when it names a mesh axis (explicit sharding), else None."""
     sharding = getattr(leaf, "sharding", None)
     spec = getattr(sharding, "spec", None)

@@ -12,8 +12,8 @@ import numpy as np
 from jax._src import core as jcore
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["abstract_mesh_context", "build_mesh", "constrain", "drop_axes", "explicit_axes", "mesh_context",
-           "mesh_devices", "no_mesh_context", "place_mesh", "slice_mesh", "spec_names"]
+__all__ = ["abstract_mesh_context", "build_mesh", "constrain", "context_axis_types", "drop_axes", "explicit_axes",
+           "mesh_context", "mesh_devices", "no_mesh_context", "place_mesh", "slice_mesh", "spec_names"]
 
 MeshLike = Mesh | Mapping[str, int] | None
 
@@ -88,7 +88,7 @@ def build_mesh(mesh: MeshLike = None, devices: Any | None = None, *, default_axi
             f"{math.prod(sizes)}; change the shape or pass devices=jax.devices()[:{math.prod(sizes)}]"
             f"{_simulate_hint(math.prod(sizes))}"
         )
-    return Mesh(devs.reshape(-1).reshape(sizes), names, axis_types=_context_axis_types(names))
+    return Mesh(devs.reshape(-1).reshape(sizes), names, axis_types=context_axis_types(names))
 
 
 def _simulate_hint(needed: int) -> str:
@@ -99,7 +99,7 @@ def _simulate_hint(needed: int) -> str:
             f"XLA_FLAGS=--xla_force_host_platform_device_count={needed} before JAX starts)")
 
 
-def _context_axis_types(names: Sequence[str]) -> tuple:
+def context_axis_types(names: Sequence[str]) -> tuple:
     """The axis types that the mesh in context (``jax.set_mesh``) gives ``names``; Auto for the others."""
     context = jax.sharding.get_abstract_mesh()
     types = dict(zip(context.axis_names, context.axis_types)) if not context.empty else {}

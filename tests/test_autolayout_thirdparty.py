@@ -1,0 +1,95 @@
+"""The layout search on public model code (the vendored models of ``test_thirdparty_models.py``), as a user
+would call it: ``parallelize(step, layout="auto", ...)`` on the model as it is.
+
+Two of them name mesh axes themselves: nanodo's parameters are sharded over ``data``
+(``nn.with_partitioning``), and the Gemma example's over ``fsdp`` and ``tp`` (NNX ``out_sharding``
+metadata), which its code names again in ``einsum(..., out_sharding=P(...))`` on Explicit axes. Every
+mesh the search tries must have those axes. Each chosen layout trains 3 steps that equal the same steps
+on one device (losses, parameters and optimizer state), and its shardings are checked on the arrays.
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+import test_thirdparty_models as T
+
+from multimesh.autolayout import auto_layout
+from multimesh.autolayout.layouts import Layout
+from multimesh.autolayout.model_axes import model_axes
+from multimesh.core.meshes import spec_names
+from multimesh.jax import parallelize
+
+pytestmark = pytest.mark.devices(8)
+
+PROFILE = "h100-sxm"
+#: the mesh axes each model's parameters name themselves
+OWN_AXES = {"flax_lm1b": (), "flax_wmt": (), "nanodo": ("data",), "flax_gemma": ("fsdp", "tp"),
+            "flax_on_pjit": ()}
+
+
+def _search_kwargs(m: T.Model) -> dict:
+    return {"init_params": m.init, "get_input_batch": m.batch, "profile": PROFILE, "rule_sets": ("standard",),
+            **({"param_rules": m.param_rules} if m.param_rules else {})}
+
+
+def _assert_built_on(name: str, layout: Layout, built, state) -> None:
+    """Every array of the state and the batch lies on the layout's whole mesh, and each axis it splits
+    shards some array."""
+    with T.model(name).context():
+        arrays = jax.tree.leaves((state, built[2]()))
+    assert {tuple(a.sharding.mesh.shape.items()) for a in arrays} == {tuple(layout.whole_mesh.items())}
+    used = set().union(*(spec_names(a.sharding.spec) for a in arrays))
+    assert {a for a, n in layout.mesh.items() if n > 1} <= used, (layout, used)
+
+
+@pytest.mark.parametrize("name", list(OWN_AXES))
+def test_model_axes_are_the_ones_its_parameters_name(name):
+    assert model_axes(T.model(name).init) == OWN_AXES[name]
+
+
+#: the Linen models with logical names only, like this repository's own (`test_autolayout.py`): 25 s each
+_LONG = ("flax_lm1b", "flax_wmt")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _LONG else n for n in OWN_AXES])
+def test_auto_layout_equals_one_device(name):
+    """The search on the model as it is, then the layout that shards the most (the least peak memory,
+    forced by memory_limit=) built by parallelize(layout="auto") and trained against one device."""
+    m = T.model(name)
+    with m.context():
+        search = auto_layout(T.make_step(m.loss), **_search_kwargs(m))
+    for c in search.candidates:  # the model's own axes are on every mesh tried, of size 1 where not split
+        assert set(OWN_AXES[name]) <= set(c.layout.mesh), c.layout
+    least = min(search.fitting, key=lambda c: c.peak_bytes)
+    with m.context():
+        built = parallelize(T.make_step(m.loss), layout="auto", memory_limit=least.peak_bytes, **_search_kwargs(m))
+    chosen = built[0].layout_search.best
+    assert built[0].layout_search.best_candidate.peak_bytes == least.peak_bytes
+    losses, state = T.run(name, built, T.SAVE_AT)
+    T.assert_matches_reference(name, losses, state)
+    _assert_built_on(name, chosen, built, state)
+
+
+def test_explicit_sharding_code_without_a_mesh_in_context():
+    """The Gemma example's code names Explicit axes: with no mesh in context every candidate fails, and the
+    error says what to pass; with axis_types="explicit" the model's own axes are Explicit and the search
+    runs."""
+    m = T.model("flax_gemma")
+    with pytest.raises(ValueError, match=r"uses JAX's explicit sharding.*axis_types='explicit'"):
+        auto_layout(T.make_step(m.loss), **_search_kwargs(m))
+    built = parallelize(T.make_step(m.loss), layout="auto", axis_types="explicit", **_search_kwargs(m))
+    assert built[0].layout_search.explicit_axes == frozenset({"fsdp", "tp"})
+    losses, state = T.run("flax_gemma", built, T.SAVE_AT)
+    T.assert_matches_reference("flax_gemma", losses, state)
+    _assert_built_on("flax_gemma", built[0].layout_search.best, built, state)
+
+
+def test_axes_may_name_the_models_own():
+    m = T.model("flax_gemma")
+    with m.context():
+        search = auto_layout(T.make_step(m.loss), axes=("fsdp", "tp"), **_search_kwargs(m))
+    meshes = sorted((c.layout.mesh["fsdp"], c.layout.mesh["tp"]) for c in search.candidates)
+    assert meshes == [(1, 8), (2, 4), (4, 2), (8, 1)]
+    with pytest.raises(ValueError, match=r"axes=\('fsdp', 'mp'\).*the model's parameters name 'fsdp', 'tp'"):
+        auto_layout(T.make_step(m.loss), axes=("fsdp", "mp"), **_search_kwargs(m))
