@@ -93,3 +93,27 @@ def test_axes_may_name_the_models_own():
     assert meshes == [(1, 8), (2, 4), (4, 2), (8, 1)]
     with pytest.raises(ValueError, match=r"axes=\('fsdp', 'mp'\).*the model's parameters name 'fsdp', 'tp'"):
         auto_layout(T.make_step(m.loss), axes=("fsdp", "mp"), **_search_kwargs(m))
+
+
+def test_rules_for_the_models_own_logical_names():
+    """Flax's guide names its MLP's hidden dimension "hidden", which the standard rules do not know: without
+    a rule no tensor-parallel layout is valid; with rules=[("hidden", "tensor")] they are, and the one that
+    shards the most trains as on one device."""
+    m = T.model("flax_on_pjit")
+    step = T.make_step(m.loss)
+    plain = auto_layout(step, **_search_kwargs(m))
+    assert not any(c.layout.mesh.get("tensor", 1) > 1 for c in plain.fitting)
+    tensor = [c for c in plain.candidates if c.layout.mesh.get("tensor", 1) > 1]
+    assert tensor and all("no rule maps the model's own logical names 'hidden', 'layer' to an axis: give them "
+                          "rules=, e.g. rules=[('hidden', 'tensor')]" in c.rejected for c in tensor)
+    own = [("hidden", "tensor"), ("layer", None)]
+    search = auto_layout(step, rules=own, **_search_kwargs(m))
+    assert any(c.layout.mesh.get("tensor", 1) > 1 for c in search.fitting)
+    least = min(search.fitting, key=lambda c: c.peak_bytes)
+    assert least.layout.mesh.get("tensor", 1) > 1, least.layout
+    built = parallelize(step, layout="auto", rules=own, memory_limit=least.peak_bytes, **_search_kwargs(m))
+    losses, state = T.run("flax_on_pjit", built, T.SAVE_AT)
+    T.assert_matches_reference("flax_on_pjit", losses, state)
+    _assert_built_on("flax_on_pjit", least.layout, built, state)
+    with pytest.raises(ValueError, match=r"\('hidden', 'model'\) in rules= names mesh axis 'model', which no mesh"):
+        auto_layout(step, rules=[("hidden", "model")], **_search_kwargs(m))

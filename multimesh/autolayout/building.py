@@ -27,7 +27,7 @@ from ..trace.pipeline_choice import choose_pipeline
 from ..trace.taskspec import Task, current_global_mesh, use_global_mesh
 from .layouts import STAGE_AXIS, Layout
 
-__all__ = ["PipelineFactory", "build_on", "layout_mesh", "stage_task"]
+__all__ = ["PipelineFactory", "build_on", "layout_mesh", "layout_rules", "stage_task"]
 
 #: ``pipeline(stages, chunks)``: a context manager under which `parallelize` builds a pipeline of that many
 #: stages (each running ``chunks`` groups of layers).
@@ -66,11 +66,23 @@ def layout_mesh(layout: Layout, devices: Sequence[Any], explicit_axes: frozenset
     return Mesh(picked.reshape(tuple(shape.values())), names, axis_types=types)
 
 
+def layout_rules(layout: Layout, own_rules: Rules | None = None) -> Rules:
+    """The layout's rule set, after ``own_rules`` (rules for the model's own logical names), each of which
+    keeps the mesh axes this layout's mesh has (none: that name stays whole here)."""
+    rules = layout.rule_set()
+    if not own_rules:
+        return rules
+    axes = set(layout.whole_mesh)
+    kept = [(name, tuple(a for a in ((named,) if isinstance(named, str) else named or ()) if a in axes) or None)
+            for name, named in own_rules]
+    return Rules(kept) + rules
+
+
 @contextlib.contextmanager
-def _placed(layout: Layout, mesh: Mesh, pipeline: PipelineFactory | None) -> Iterator[None]:
+def _placed(layout: Layout, rules: Rules, mesh: Mesh, pipeline: PipelineFactory | None) -> Iterator[None]:
     """The mesh in force for `stage_task`, and for a pipeline its registrations and chosen microbatches."""
     with use_global_mesh(mesh), contextlib.ExitStack() as stack:
-        token = _LAYOUT_RULES.set(layout.rule_set())
+        token = _LAYOUT_RULES.set(rules)
         stack.callback(_LAYOUT_RULES.reset, token)
         if layout.is_pipeline:
             if pipeline is None:
@@ -83,11 +95,14 @@ def _placed(layout: Layout, mesh: Mesh, pipeline: PipelineFactory | None) -> Ite
 
 
 def build_on(layout: Layout, fun: Callable, devices: Sequence[Any], pipeline: PipelineFactory | None,
-             quiet: bool = False, explicit_axes: frozenset[str] | None = None, **kwargs: Any) -> Any:
+             quiet: bool = False, explicit_axes: frozenset[str] | None = None, own_rules: Rules | None = None,
+             **kwargs: Any) -> Any:
     """``parallelize(fun, **kwargs)`` on ``layout`` (what `parallelize` returns), ``explicit_axes`` as for
-    `layout_mesh`. ``quiet``: without its warnings (a search judges layouts by its own checks)."""
+    `layout_mesh`, ``own_rules`` as for `layout_rules`. ``quiet``: without its warnings (a search judges
+    layouts by its own checks)."""
     mesh = layout_mesh(layout, devices, explicit_axes)
-    with _placed(layout, mesh, pipeline), warnings.catch_warnings():
+    rules = layout_rules(layout, own_rules)
+    with _placed(layout, rules, mesh, pipeline), warnings.catch_warnings():
         if quiet:
             warnings.simplefilter("ignore")
-        return parallelize(fun, mesh=mesh, rules=layout.rule_set(), **kwargs)
+        return parallelize(fun, mesh=mesh, rules=rules, **kwargs)

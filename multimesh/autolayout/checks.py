@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from ..core.meshes import spec_names
-from ..core.rules import standard_rules
+from ..core.rules import Rules, standard_rules
 from ..run.rule_coverage import constraint_names
 from .layouts import STAGE_AXIS, Layout
 
@@ -46,16 +47,22 @@ def batch_misfit(layout: Layout, batch_shapes: Sequence[tuple[int, ...]]) -> str
     return None
 
 
-def idle_axis(layout: Layout, step_fn: Any) -> str | None:
-    """A mesh axis of size > 1 that shards no parameter and no batch array of the built step."""
+def idle_axis(layout: Layout, step_fn: Any, rules: Rules) -> str | None:
+    """A mesh axis of size > 1 that shards no parameter and no batch array of the step built with ``rules``."""
     used: set[str] = set()
     for leaf in (*step_fn.param_layout.leaves, *step_fn.batch_layout.leaves):
         used |= spec_names(leaf.spec)
+    logical = {n for leaf in step_fn.param_layout.leaves if not isinstance(leaf.logical, PartitionSpec)
+               for n in spec_names(leaf.logical)}
+    unruled = sorted(logical - rules.logical_names - rules.generic - set(layout.whole_mesh))
     for axis, size in layout.mesh.items():
         if size > 1 and axis != STAGE_AXIS and axis not in used:
             if not any(spec_names(leaf.logical) for leaf in step_fn.param_layout.leaves):
                 why = ("no parameter has logical axis names for the rules to map (such as 'embed', 'mlp'): name "
                        "them with param_rules= or Flax metadata (nn.with_logical_partitioning)")
+            elif unruled:
+                why = (f"no rule maps the model's own logical names {', '.join(map(repr, unruled))} to an axis: "
+                       f"give them rules=, e.g. rules=[({unruled[0]!r}, {axis!r})]")
             else:
                 why = f"no dimension its rules name is divisible by {size}"
             return (f"mesh axis {axis}={size} shards no parameter or batch array ({why}), so its {size} devices "

@@ -62,9 +62,9 @@ def parallelize(fun: Callable, *, layout: str | None = None, profile: str | Hard
     ``layout="auto"``: the mesh, rules and pipeline are chosen by `auto_layout` (``profile=`` required;
     ``devices=``/``num_devices=``, ``memory_limit=``, ``axes=``, ``axis_types=``, ``pipeline=``,
     ``stage_counts=``, ``microbatches=``, ``schedules=``, ``rule_sets=``, ``progress=``, ``time_top=``,
-    ``time_steps=`` as there),
-    then built like any other layout with the real ``init_params``. The returned step has ``.layout_search``,
-    the `LayoutSearch`.
+    ``time_steps=`` as there, and ``rules=``: rules for the model's own logical names, given before the
+    search's), then built like any other layout with the real ``init_params``. The returned step has
+    ``.layout_search``, the `LayoutSearch`.
     """
     auto_only = {"profile": profile, "num_devices": num_devices, "memory_limit": memory_limit,
                  "pipeline": pipeline, "time_top": time_top or None, "axes": axes, "axis_types": axis_types}
@@ -82,9 +82,8 @@ def parallelize(fun: Callable, *, layout: str | None = None, profile: str | Hard
         raise TypeError("parallelize(layout='auto') needs profile= (a name such as 'h100-sxm', or a "
                         "HardwareProfile, e.g. multimesh.estimate.calibrate()) to predict step times with"
                         + (f"; is {near[0]}= a misspelling of profile=?" if near else ""))
-    for key in ("mesh", "rules"):
-        if kwargs.get(key) is not None:
-            raise TypeError(f"parallelize(layout='auto') chooses {key}=; leave it out, or drop layout='auto'")
+    if kwargs.get("mesh") is not None:
+        raise TypeError("parallelize(layout='auto') chooses mesh=; leave it out, or drop layout='auto'")
     if "initial_batch" in kwargs:
         raise TypeError("parallelize(layout='auto') needs get_input_batch= (it is evaluated abstractly for every "
                         "layout tried), not initial_batch=")
@@ -94,6 +93,8 @@ def parallelize(fun: Callable, *, layout: str | None = None, profile: str | Hard
                          microbatches=microbatches, schedules=schedules, rule_sets=rule_sets, progress=progress,
                          time_top=time_top, time_steps=time_steps, **kwargs)
     pool = list(devices) if devices is not None else jax.devices()[:search.num_devices]
-    made = _call(build_on, search.best, fun, pool, pipeline, explicit_axes=search.explicit_axes, **kwargs)
+    kwargs.pop("rules", None)
+    made = _call(build_on, search.best, fun, pool, pipeline, explicit_axes=search.explicit_axes,
+                 own_rules=search.own_rules, **kwargs)
     made[0].layout_search = search
     return made

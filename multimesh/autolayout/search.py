@@ -24,9 +24,10 @@ from typing import Any
 import jax
 
 from ..core.fmt import format_bytes
+from ..core.rules import Rules
 from ..estimate import Estimate, HardwareProfile, get_profile, held_bytes
 from ..estimate.report import bytes_per_device
-from .building import PipelineFactory, build_on
+from .building import PipelineFactory, build_on, layout_rules
 from .checks import batch_misfit, idle_axis, idle_rules, pipeline_misfit, shapes_of
 from .layouts import AXES, RULE_SETS, Layout, enumerate_layouts
 from .model_axes import AxisTypes, axes_made_explicit, model_axes
@@ -64,7 +65,8 @@ class Candidate:
 class LayoutSearch:
     """What `auto_layout` found: every ``candidates`` ranked (those timed by measured time, then those that
     fit by predicted time, then the rejected), the ``profile``, the per-device ``memory_limit``, the devices,
-    how long it took, and the mesh axes it made Explicit (None: as the mesh in context)."""
+    how long it took, the mesh axes it made Explicit (None: as the mesh in context), and the rules given for
+    the model's own logical names."""
 
     candidates: tuple[Candidate, ...]
     profile: HardwareProfile
@@ -72,6 +74,7 @@ class LayoutSearch:
     num_devices: int
     seconds: float
     explicit_axes: frozenset[str] | None = None
+    own_rules: Rules | None = None
 
     @property
     def fitting(self) -> tuple[Candidate, ...]:
@@ -161,6 +164,20 @@ def _search_axes(axes: Sequence[str] | None, model: tuple[str, ...]) -> tuple[st
     return axes
 
 
+def _own_rules(rules: Any, axes: tuple[str, ...], model: tuple[str, ...]) -> Rules | None:
+    """``rules=`` checked: pairs naming only axes some mesh of the search has."""
+    if rules is None:
+        return None
+    own = Rules(rules)
+    for name, named in own:
+        missing = sorted(Rules([(name, named)]).mesh_axes - set(axes) - set(model))
+        if missing:
+            raise ValueError(f"auto_layout: the rule ({name!r}, {named!r}) in rules= names mesh axis {missing[0]!r}, "
+                             f"which no mesh of the search has (axes={axes!r}); name one of those, or search it "
+                             f"with axes=")
+    return own
+
+
 def _pick_devices(devices: Sequence[Any] | None, num_devices: int | None) -> list[Any]:
     if devices is not None and num_devices is not None:
         raise TypeError("auto_layout: give devices= or num_devices=, not both")
@@ -187,7 +204,7 @@ def _progress(total: int, progress: bool | None, what: str = "auto_layout") -> A
 def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_batch: Callable[[], Any],
                 profile: str | HardwareProfile, devices: Sequence[Any] | None = None,
                 num_devices: int | None = None, memory_limit: int | None = None,
-                axes: Sequence[str] | None = None, axis_types: AxisTypes = None,
+                axes: Sequence[str] | None = None, axis_types: AxisTypes = None, rules: Any = None,
                 pipeline: PipelineFactory | None = None, stage_counts: Sequence[int] = (1,),
                 microbatches: Sequence[int] = (4, 8), schedules: Sequence[str] = ("1f1b", "zb-h2"),
                 rule_sets: Sequence[str] = RULE_SETS, progress: bool | None = None, time_top: int = 0,
@@ -206,6 +223,9 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
         explicit-sharding style, ``out_sharding=P(...)``), the others Auto (every searched axis Explicit when
         it names none); ``"auto"``: every axis Auto; default: the types of the mesh in context
         (``jax.set_mesh``) for the axes it names, Auto for the others.
+      rules: rules for the model's own logical names, which `standard_rules` does not know (e.g.
+        ``[("hidden", "tensor")]``), given before each rule set's; on a mesh without an axis a rule names,
+        that dimension stays whole. Their mesh axes must be among the searched ones (``axes``).
       pipeline: ``pipeline(stages, chunks)`` -> a context manager that registers the model's parts on the
         stages (e.g. with ``register_task(..., callback=... stage_task(s))``); needed for stage counts > 1.
       stage_counts: pipeline stage counts to try (1: SPMD).
@@ -233,21 +253,21 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
     model = model_axes(init_params)
     axes = _search_axes(axes, model)
     explicit = axes_made_explicit(axis_types, model, axes)
+    own = _own_rules(rules, axes, model)
     stage_counts = tuple(stage_counts)
     if any(not isinstance(s, int) or s < 1 for s in stage_counts) or not stage_counts:
         raise ValueError(f"auto_layout: stage_counts={stage_counts!r}; give positive ints (1: SPMD)")
     if pipeline is None and any(s > 1 for s in stage_counts):
         raise ValueError(f"auto_layout: stage_counts={stage_counts} tries pipelines, which need pipeline= "
                          f"(stages, chunks) -> a context registering the model's stages")
-    for key in ("mesh", "rules"):
-        if key in parallelize_kwargs:
-            raise TypeError(f"auto_layout chooses {key}=; leave it out")
+    if "mesh" in parallelize_kwargs:
+        raise TypeError("auto_layout chooses mesh=; leave it out")
     pool = _pick_devices(devices, num_devices)
     check_timing(time_top, time_steps, profile, pool)
     batch_shapes = shapes_of(jax.eval_shape(get_input_batch))  # once for every candidate
     layouts = list(enumerate_layouts(len(pool), axes, stage_counts, tuple(microbatches), tuple(schedules),
                                      tuple(rule_sets), required=model))
-    kwargs = dict(init_params=init_params, get_input_batch=get_input_batch, explicit_axes=explicit,
+    kwargs = dict(init_params=init_params, get_input_batch=get_input_batch, explicit_axes=explicit, own_rules=own,
                   **parallelize_kwargs)
     candidates = []
     with _progress(len(layouts), progress) as bar:
@@ -256,7 +276,7 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
             bar.update(1)
     ranked = _timed(sorted(candidates, key=_rank), time_top, time_steps, progress,
                     lambda layout: build_on(layout, step, pool, pipeline, quiet=True, **{**kwargs, "donate": False}))
-    search = LayoutSearch(tuple(ranked), profile, limit, len(pool), time.perf_counter() - start, explicit)
+    search = LayoutSearch(tuple(ranked), profile, limit, len(pool), time.perf_counter() - start, explicit, own)
     if not search.fitting:
         raise _nothing_fits(search)
     return search
@@ -315,7 +335,8 @@ def _try(layout: Layout, step: Callable, pool: list, pipeline: PipelineFactory |
             raise
         return Candidate(layout, rejected=f"{_INVALID}cannot be built: {type(e).__name__}: {e}{_explicit_hint(e)}")
     step_fn = built[0]
-    misfit = pipeline_misfit(layout, step_fn) or idle_axis(layout, step_fn) or idle_rules(layout, step_fn)
+    misfit = (pipeline_misfit(layout, step_fn) or idle_axis(layout, step_fn, layout_rules(layout, kwargs["own_rules"]))
+              or idle_rules(layout, step_fn))
     if misfit is not None:
         return Candidate(layout, rejected=_INVALID + misfit)
     held = held_bytes(step_fn.param_layout.leaves, step_fn.batch_layout.leaves)
