@@ -63,11 +63,19 @@ def idle_axis(layout: Layout, step_fn: Any, rules: Rules) -> str | None:
             elif unruled:
                 why = (f"no rule maps the model's own logical names {', '.join(map(repr, unruled))} to an axis: "
                        f"give them rules=, e.g. rules=[({unruled[0]!r}, {axis!r})]")
+            elif not logical & (given := _names_given(rules, axis)):
+                why = (f"its rules give it {', '.join(map(repr, sorted(given))) or 'no name'}, which no parameter "
+                       f"has")
             else:
                 why = f"no dimension its rules name is divisible by {size}"
             return (f"mesh axis {axis}={size} shards no parameter or batch array ({why}), so its {size} devices "
                     f"would hold the same")
     return None
+
+
+def _names_given(rules: Rules, axis: str) -> set[str]:
+    """The logical names ``rules`` map to mesh ``axis``."""
+    return {name for name, named in rules if axis in ((named,) if isinstance(named, str) else named or ())}
 
 
 def idle_rules(layout: Layout, step_fn: Any) -> str | None:

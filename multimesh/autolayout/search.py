@@ -139,10 +139,13 @@ def _nothing_fits(search: LayoutSearch) -> LayoutSearchError:
     for c in search.candidates:
         reasons.setdefault((c.rejected or "").removeprefix(_INVALID), []).append(c.layout.describe())
     why = "; ".join(f"{', '.join(ls)}: {r}" for r, ls in reasons.items())
-    return NoValidLayoutError(
-        f"auto_layout: no valid layout of {search.num_devices} devices: {why}. Use a device count whose factors "
-        f"divide the batch and the model's dimensions (e.g. a power of two), or other axes=/stage_counts=",
-        search)
+    if all(r.startswith("cannot be built") for r in reasons):  # the step's own error, on every mesh alike
+        advice = "No layout could be built; the step's error above says what to change"
+    else:
+        advice = ("Use a device count whose factors divide the batch and the model's dimensions (e.g. a power of "
+                  "two), or other axes=/stage_counts=")
+    return NoValidLayoutError(f"auto_layout: no valid layout of {search.num_devices} devices: {why}. {advice}",
+                              search)
 
 
 def _search_axes(axes: Sequence[str] | None, model: tuple[str, ...]) -> tuple[str, ...]:
