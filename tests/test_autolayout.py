@@ -441,3 +441,23 @@ def test_trainer_search_builds_its_pipelines(scanned):
     assert only.rejected is None and only.layout.describe() == "2 stages of data=4, 1f1b, 2 microbatches"
     chosen = chosen_config(cfg, found.best).layout
     assert chosen.mesh == {"data": 4} and (chosen.pipeline.stages, chosen.pipeline.microbatches) == (2, 2)
+
+
+def test_a_layout_that_cannot_be_estimated_is_reported_and_the_others_ranked(monkeypatch):
+    """An estimate that fails on one layout (say a program XLA cannot compile for it) rejects that layout,
+    with the error, and the search ranks the rest."""
+    from multimesh.run.spmd import Parallelized
+
+    real = Parallelized.estimate
+
+    def estimate(self, *args, **kwargs):
+        if "tensor" in self.placement.mesh.axis_names:
+            raise ValueError("no program for this mesh")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Parallelized, "estimate", estimate)
+    found = search(rule_sets=("standard",))
+    refused = {c.layout.describe(): c.rejected for c in found.candidates if c.rejected}
+    assert refused == {d: "invalid: cannot be estimated: ValueError: no program for this mesh"
+                       for d in ("data=2 x tensor=2", "tensor=4")}
+    assert [c.layout.describe() for c in found.fitting] == ["data=4"]

@@ -349,7 +349,10 @@ def _try(layout: Layout, step: Callable, pool: list, pipeline: PipelineFactory |
     if most > limit:  # no need to compile: what it holds alone does not fit
         return Candidate(layout, peak_bytes=most,
                          rejected=_over(limit, device, most, " for parameters, optimizer state and batch alone"))
-    est = step_fn.estimate(profile=profile)
+    try:
+        est = step_fn.estimate(profile=profile)
+    except (ValueError, NotImplementedError) as e:  # a layout the estimate cannot compile; the others still rank
+        return Candidate(layout, rejected=f"{_INVALID}cannot be estimated: {type(e).__name__}: {e}")
     over = est.overflow(limit)
     rejected = None
     if over:
