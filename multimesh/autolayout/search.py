@@ -167,7 +167,7 @@ def _search_axes(axes: Sequence[str] | None, model: tuple[str, ...]) -> tuple[st
     return axes
 
 
-def _own_rules(rules: Any, axes: tuple[str, ...], model: tuple[str, ...]) -> Rules | None:
+def _own_rules(rules: Sequence[tuple[str, Any]] | None, axes: tuple[str, ...], model: tuple[str, ...]) -> Rules | None:
     """``rules=`` checked: pairs naming only axes some mesh of the search has."""
     if rules is None:
         return None
@@ -207,7 +207,8 @@ def _progress(total: int, progress: bool | None, what: str = "auto_layout") -> A
 def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_batch: Callable[[], Any],
                 profile: str | HardwareProfile, devices: Sequence[Any] | None = None,
                 num_devices: int | None = None, memory_limit: int | None = None,
-                axes: Sequence[str] | None = None, axis_types: AxisTypes = None, rules: Any = None,
+                axes: Sequence[str] | None = None, axis_types: AxisTypes = None,
+                rules: Sequence[tuple[str, Any]] | None = None,
                 pipeline: PipelineFactory | None = None, stage_counts: Sequence[int] = (1,),
                 microbatches: Sequence[int] = (4, 8), schedules: Sequence[str] = ("1f1b", "zb-h2"),
                 rule_sets: Sequence[str] = RULE_SETS, progress: bool | None = None, time_top: int = 0,
