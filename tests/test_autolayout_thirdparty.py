@@ -10,6 +10,8 @@ on one device (losses, parameters and optimizer state), and its shardings are ch
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import pytest
 import test_thirdparty_models as T
@@ -18,7 +20,7 @@ from multimesh.autolayout import auto_layout
 from multimesh.autolayout.layouts import Layout
 from multimesh.autolayout.model_axes import model_axes
 from multimesh.core.meshes import spec_names
-from multimesh.jax import parallelize
+from multimesh.jax import parallelize, register_task, stage_task
 
 pytestmark = pytest.mark.devices(8)
 
@@ -118,3 +120,25 @@ def test_rules_for_the_models_own_logical_names():
     _assert_built_on("flax_on_pjit", least.layout, built, state)
     with pytest.raises(ValueError, match=r"\('hidden', 'model'\) in rules= names mesh axis 'model', which no mesh"):
         auto_layout(step, rules=[("hidden", "model")], **_search_kwargs(m))
+
+
+@pytest.mark.slow  # about 40 s: every 2-stage layout compiled and estimated
+def test_gemma_pipelines_are_searched_and_the_chosen_one_equals_one_device():
+    """2-stage layouts of the Gemma example (its layers registered on the stages with stage_task): on
+    Explicit axes its embedding's values cross stages typed on Auto axes, which the estimate follows."""
+    m = T.model("flax_gemma")
+
+    @contextlib.contextmanager
+    def stages(count: int, chunks: int):
+        with contextlib.ExitStack() as registered:
+            for i, pattern in enumerate(m.stages):
+                registered.enter_context(register_task(pattern, callback=lambda *_, i=i: stage_task(i * count // 2)))
+            yield
+
+    with m.context():
+        built = parallelize(T.make_step(m.loss, T.MICROBATCHES), layout="auto", pipeline=stages, stage_counts=(2,),
+                            microbatches=(T.MICROBATCHES,), schedules=("1f1b",), **_search_kwargs(m))
+    search = built[0].layout_search
+    assert search.best.stages == 2 and len(search.fitting) >= 4
+    losses, state = T.run("flax_gemma", built, T.SAVE_AT)
+    T.assert_matches_reference("flax_gemma", losses, state)

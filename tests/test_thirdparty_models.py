@@ -617,6 +617,24 @@ def test_pipeline_equals_one_device(name):
         assert array.sharding.device_set in on_stage
 
 
+def test_gemma_pipeline_estimate_holds_what_it_built():
+    """The Gemma pipeline on Explicit axes: Flax NNX's Embed with out_sharding takes its rows under
+    jax.sharding.auto_axes, so a value crosses from stage to stage typed on Auto axes of the Explicit mesh.
+    The estimate compiles every program from abstract inputs typed as the run's arrays are, and its bytes
+    per device equal the shards the built step holds."""
+    fn, init_fn, batch_fn = pipeline("flax_gemma")
+    with model("flax_gemma").context():
+        state, batch = init_fn(), batch_fn()
+    est = fn.estimate(profile="h100-sxm")
+    assert len(est.programs) == len(fn.runtime.programs)
+    for kind, tree in (("params", state["params"]), ("optimizer", state["opt"]), ("batch", batch)):
+        held: dict[int, int] = {}
+        for array in jax.tree.leaves(tree):
+            for shard in array.addressable_shards:
+                held[shard.device.id] = held.get(shard.device.id, 0) + shard.data.nbytes
+        assert {d: getattr(m, kind) for d, m in est.memory.items() if getattr(m, kind)} == held, kind
+
+
 def test_pipeline_flax_on_pjit_guide():
     """The guide's LogicalMLP with its for-loop of blocks (use_scan=False), one block per stage."""
     m = model("flax_on_pjit")

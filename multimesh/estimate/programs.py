@@ -158,8 +158,12 @@ def compiled_once(lowered: Any, mesh: Mesh) -> Any:
 
 
 def _moved_to(sharding: Any, mesh: Mesh) -> Any:
-    """A program's output sharding on ``mesh``: the same spec, where it was compiled for a like mesh."""
+    """A program's output sharding on ``mesh``: the same spec, where it was compiled for a like mesh, and the
+    same axis types (a value the program made under `jax.sharding.auto_axes` is typed on Auto axes of an
+    Explicit mesh, as the run's arrays are, and the program that takes it was traced so)."""
     if isinstance(sharding, NamedSharding) and sharding.mesh.devices.shape == mesh.devices.shape:
+        if sharding.mesh.axis_types != mesh.axis_types:
+            mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=sharding.mesh.axis_types)
         return NamedSharding(mesh, sharding.spec)
     return sharding
 
