@@ -335,6 +335,27 @@ def test_in_place_step_through_functional_step(jitted):
     _assert_same_params(_params(model), _params(ref_model))
 
 
+def test_in_place_step_with_the_layout_chosen_by_the_search():
+    """``parallelize(functional_step(train_step), layout="auto")`` on (model, optimizer): the search reads the
+    NNX variables' names ("embed", "mlp") as the standard rules' logical names, and the layout it picks trains
+    like plain NNX on one device."""
+    step_fn, init_fn, batch_fn = parallelize(functional_step(train_step), init_params=make_objects,
+                                             get_input_batch=get_batch, layout="auto", profile="h100-sxm",
+                                             num_devices=4, axes=("data", "tensor"), rule_sets=("standard",),
+                                             progress=False)
+    search = step_fn.layout_search
+    assert any(c.layout.mesh.get("tensor", 1) > 1 for c in search.fitting)  # "mlp" has a rule: tensor layouts
+    losses, (model, _) = _train(step_fn, init_fn, batch_fn)
+    with nnx.use_eager_sharding(False):
+        ref_model, ref_opt = make_objects()
+    ref_step, batch = nnx.jit(train_step), get_batch()
+    ref_losses = [float(ref_step(ref_model, ref_opt, batch)) for _ in range(STEPS)]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    _assert_same_params(_params(model), _params(ref_model))
+    kernel = _params(model)["blocks"][0]["mlp"]["up"]["kernel"][...]
+    assert len(kernel.sharding.device_set) == search.best.num_devices
+
+
 def test_functional_step_split_merge_form():
     """The ``nnx.split`` form: the state is the nnx.State of (model, optimizer), merged and split each step."""
     with nnx.use_eager_sharding(False):
