@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from ..core.meshes import context_axis_types
-from ..core.rules import Rules, standard_rules
+from ..core.rules import Rules, as_axes, standard_rules
 from ..run.parallelize import parallelize
 from ..trace.pipeline_choice import choose_pipeline
 from ..trace.taskspec import Task, current_global_mesh, use_global_mesh
@@ -73,8 +73,7 @@ def layout_rules(layout: Layout, own_rules: Rules | None = None) -> Rules:
     if not own_rules:
         return rules
     axes = set(layout.whole_mesh)
-    kept = [(name, tuple(a for a in ((named,) if isinstance(named, str) else named or ()) if a in axes) or None)
-            for name, named in own_rules]
+    kept = [(name, tuple(a for a in as_axes(named) if a in axes) or None) for name, named in own_rules]
     return Rules(kept) + rules
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from ..core.meshes import spec_names
-from ..core.rules import Rules, standard_rules
+from ..core.rules import Rules, as_axes, standard_rules
 from ..run.rule_coverage import constraint_names
 from .layouts import STAGE_AXIS, Layout
 
@@ -75,7 +75,7 @@ def idle_axis(layout: Layout, step_fn: Any, rules: Rules) -> str | None:
 
 def _names_given(rules: Rules, axis: str) -> set[str]:
     """The logical names ``rules`` map to mesh ``axis``."""
-    return {name for name, named in rules if axis in ((named,) if isinstance(named, str) else named or ())}
+    return {name for name, named in rules if axis in as_axes(named)}
 
 
 def idle_rules(layout: Layout, step_fn: Any) -> str | None:

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 
 from ..core.fmt import format_bytes
-from ..core.rules import Rules
+from ..core.rules import Rules, as_axes
 from ..estimate import Estimate, HardwareProfile, get_profile, held_bytes
 from ..estimate.report import bytes_per_device
 from .building import PipelineFactory, build_on, layout_rules
@@ -173,7 +173,7 @@ def _own_rules(rules: Sequence[tuple[str, Any]] | None, axes: tuple[str, ...], m
         return None
     own = Rules(rules)
     for name, named in own:
-        missing = sorted(Rules([(name, named)]).mesh_axes - set(axes) - set(model))
+        missing = [a for a in as_axes(named) if a not in axes and a not in model]
         if missing:
             raise ValueError(f"auto_layout: the rule ({name!r}, {named!r}) in rules= names mesh axis {missing[0]!r}, "
                              f"which no mesh of the search has (axes={axes!r}); name one of those, or search it "

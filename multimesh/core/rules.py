@@ -68,6 +68,7 @@ __all__ = [
     "Resolution",
     "RuleError",
     "Rules",
+    "as_axes",
     "named_rules",
     "resolution",
     "resolve",
@@ -83,7 +84,8 @@ class RuleError(ValueError):
     """A logical spec cannot be resolved with the given rules and mesh."""
 
 
-def _as_axes(axes: MeshAxes) -> tuple[str, ...]:
+def as_axes(axes: MeshAxes) -> tuple[str, ...]:
+    """A rule's mesh axes as a tuple (None: none)."""
     if axes is None:
         return ()
     if isinstance(axes, str):
@@ -167,12 +169,12 @@ class Rules:
 
     @property
     def mesh_axes(self) -> frozenset[str]:
-        return frozenset(a for _, axes in self.rules for a in _as_axes(axes))
+        return frozenset(a for _, axes in self.rules for a in as_axes(axes))
 
     def check_mesh(self, axis_sizes: Mapping[str, int]) -> None:
         """Raise if a rule names a mesh axis that the mesh does not have."""
         for name, axes in self.rules:
-            unknown = [a for a in _as_axes(axes) if a not in axis_sizes]
+            unknown = [a for a in as_axes(axes) if a not in axis_sizes]
             if unknown:
                 raise RuleError(
                     f"rule ({name!r}, {axes!r}) names mesh axis {unknown[0]!r}, but the mesh has "
@@ -317,7 +319,7 @@ def resolution(
         if axes is None:
             closed.add((d, name))
             continue
-        axes_t = _as_axes(axes)
+        axes_t = as_axes(axes)
         if used.intersection(axes_t):
             continue
         wanted[d].extend(a for a in axes_t if a not in wanted[d])
@@ -365,7 +367,7 @@ def check_physical(
     for d, entry in enumerate(spec):
         if entry is None or entry is PartitionSpec.UNCONSTRAINED:
             continue
-        axes = _as_axes(entry)
+        axes = as_axes(entry)
         for a in axes:
             if a not in axis_sizes:
                 raise RuleError(
