@@ -257,7 +257,10 @@ def test_a_device_count_with_no_valid_mesh_says_why():
     message = str(caught.value)
     assert "data=3" in message and "16 rows do not split over data x fsdp = 3" in message
     assert "tensor=3" in message and "shards no parameter or batch array" in message
-    assert "device count" in message
+    assert message.endswith("or other axes=/stage_counts=")
+    # a caller that sets the arguments under other names (the trainer's config keys) gets its own words
+    worded = caught.value.explain({"axes": "layout.search.axes", "stage_counts": "layout.search.stages"})
+    assert worded == message.replace("axes=/stage_counts=", "layout.search.axes=/layout.search.stages=")
 
 
 def test_a_pipeline_that_builds_no_stages_is_named():

@@ -60,10 +60,9 @@ def _microbatched(loss_fn: Callable, batch_size: int) -> Callable:
     return microbatch(loss_fn, 0, batch_size, argnum=1)
 
 
-#: `auto_layout`'s arguments, as its errors name them, and the config keys that set them
-_CONFIG_KEYS = {"memory_limit=": "layout.memory_limit=", "other axes=/stage_counts=":
-                "other layout.search.axes/layout.search.stages", "axes=": "layout.search.axes=",
-                "stage_counts=": "layout.search.stages="}
+#: `auto_layout`'s arguments its errors advise changing, and the config keys that set them
+_CONFIG_KEYS = {"memory_limit": "layout.memory_limit", "axes": "layout.search.axes",
+                "stage_counts": "layout.search.stages"}
 
 
 def _yaml(value: Any) -> str:
@@ -104,9 +103,7 @@ def search_layout(cfg: Config, devices: Any = None, progress: bool | None = None
     except TimingError as e:
         raise ConfigError(f"layout.search.time_top={lay.search.time_top}: {e}") from None
     except LayoutSearchError as e:
-        message = str(e)
-        for argument, key in _CONFIG_KEYS.items():  # the search's advice in the config's words
-            message = message.replace(argument, key)
+        message = e.explain(_CONFIG_KEYS)  # the search's advice in the config's words
         searched = ", ".join(f"{k}: {_yaml(getattr(lay.search, k))}" for k in ("axes", "stages", "microbatches",
                                                                                "schedules", "rules"))
         error = ConfigError(f"layout.mesh=auto: {message} (layout.memory_limit: {_yaml(lay.memory_limit)}, "

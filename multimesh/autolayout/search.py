@@ -18,7 +18,7 @@ import dataclasses
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -103,11 +103,19 @@ class LayoutSearch:
 
 
 class LayoutSearchError(ValueError):
-    """No layout can be chosen; ``search`` holds every candidate and why it was rejected."""
+    """No layout can be chosen; ``search`` holds every candidate and why it was rejected. The message names
+    `auto_layout`'s arguments; `explain` words it for a caller that sets them under other names."""
 
-    def __init__(self, message: str, search: LayoutSearch):
-        super().__init__(message)
+    def __init__(self, search: LayoutSearch, words: Callable[[Callable[[str], str]], str]):
         self.search = search
+        self._words = words
+        super().__init__(self.explain())
+
+    def explain(self, names: Mapping[str, str] | None = None) -> str:
+        """The message, each `auto_layout` argument it advises changing (``memory_limit``, ``axes``,
+        ``stage_counts``) called by ``names`` (e.g. ``{"memory_limit": "layout.memory_limit"}``)."""
+        names = names or {}
+        return self._words(lambda arg: f"{names.get(arg, arg)}=")
 
 
 class NoLayoutFitsError(LayoutSearchError):
@@ -125,27 +133,34 @@ def _nothing_fits(search: LayoutSearch) -> LayoutSearchError:
         estimated = [c for c in valid if c.estimate is not None]
         least = min(estimated or valid, key=lambda c: c.peak_bytes)
         needs = f"{format_bytes(least.peak_bytes)} ({least.peak_bytes:,} B) per device"
-        if least.estimate is None:  # refused on its held bytes before its programs were compiled
-            needs = (f"more than {needs}: that is its parameters, optimizer state and batch alone, and its "
-                     f"programs' temporaries (not estimated) come on top. Raise memory_limit= well above "
-                     f"{least.peak_bytes:,}")
-        else:
-            needs += f". Raise memory_limit= to at least {least.peak_bytes:,}"
-        return NoLayoutFitsError(
-            f"auto_layout: no layout of {search.num_devices} devices fits the memory limit "
-            f"{format_bytes(search.memory_limit)} ({search.memory_limit:,} B) per device; the smallest found, "
-            f"{least.layout.describe()}, needs {needs}, use more devices, or shrink the model or the batch", search)
+
+        def fits(arg: Callable[[str], str]) -> str:
+            if least.estimate is None:  # refused on its held bytes before its programs were compiled
+                advice = (f"more than {needs}: that is its parameters, optimizer state and batch alone, and its "
+                          f"programs' temporaries (not estimated) come on top. Raise {arg('memory_limit')} well "
+                          f"above {least.peak_bytes:,}")
+            else:
+                advice = f"{needs}. Raise {arg('memory_limit')} to at least {least.peak_bytes:,}"
+            return (f"auto_layout: no layout of {search.num_devices} devices fits the memory limit "
+                    f"{format_bytes(search.memory_limit)} ({search.memory_limit:,} B) per device; the smallest "
+                    f"found, {least.layout.describe()}, needs {advice}, use more devices, or shrink the model or "
+                    f"the batch")
+
+        return NoLayoutFitsError(search, fits)
     reasons: dict[str, list[str]] = {}
     for c in search.candidates:
         reasons.setdefault((c.rejected or "").removeprefix(_INVALID), []).append(c.layout.describe())
     why = "; ".join(f"{', '.join(ls)}: {r}" for r, ls in reasons.items())
-    if all(r.startswith("cannot be built") for r in reasons):  # the step's own error, on every mesh alike
-        advice = "No layout could be built; the step's error above says what to change"
-    else:
-        advice = ("Use a device count whose factors divide the batch and the model's dimensions (e.g. a power of "
-                  "two), or other axes=/stage_counts=")
-    return NoValidLayoutError(f"auto_layout: no valid layout of {search.num_devices} devices: {why}. {advice}",
-                              search)
+
+    def invalid(arg: Callable[[str], str]) -> str:
+        if all(r.startswith("cannot be built") for r in reasons):  # the step's own error, on every mesh alike
+            advice = "No layout could be built; the step's error above says what to change"
+        else:
+            advice = (f"Use a device count whose factors divide the batch and the model's dimensions (e.g. a power "
+                      f"of two), or other {arg('axes')}/{arg('stage_counts')}")
+        return f"auto_layout: no valid layout of {search.num_devices} devices: {why}. {advice}"
+
+    return NoValidLayoutError(search, invalid)
 
 
 def _search_axes(axes: Sequence[str] | None, model: tuple[str, ...]) -> tuple[str, ...]:
