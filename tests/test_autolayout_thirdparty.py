@@ -55,7 +55,7 @@ _LONG = ("flax_lm1b", "flax_wmt")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _LONG else n for n in OWN_AXES])
-def test_auto_layout_equals_one_device(name):
+def test_auto_layout_equals_one_device(name, capfd):
     """The search on the model as it is, then the layout that shards the most (the least peak memory,
     forced by memory_limit=) built by parallelize(layout="auto") and trained against one device."""
     m = T.model(name)
@@ -63,6 +63,11 @@ def test_auto_layout_equals_one_device(name):
         search = auto_layout(T.make_step(m.loss), **_search_kwargs(m))
     for c in search.candidates:  # the model's own axes are on every mesh tried, of size 1 where not split
         assert set(OWN_AXES[name]) <= set(c.layout.mesh), c.layout
+    # XLA's resharding warnings are the table's, each with its layout, not stderr's
+    resharding = [c.layout.describe() for c in search.candidates if c.estimate is not None and c.estimate.reshards]
+    notes = [line for line in str(search).splitlines() if line.startswith("note: XLA reshards")]
+    assert all(f"{d} (" in notes[0] for d in resharding) if resharding else not notes
+    assert "Involuntary full rematerialization" not in capfd.readouterr().err
     least = min(search.fitting, key=lambda c: c.peak_bytes)
     with m.context():
         built = parallelize(T.make_step(m.loss), layout="auto", memory_limit=least.peak_bytes, **_search_kwargs(m))

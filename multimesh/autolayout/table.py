@@ -41,6 +41,12 @@ def search_table(search: Any) -> str:
         cells = [r[0].rjust(widths[0]), r[1].ljust(widths[1]), *(x.rjust(w) for x, w in zip(r[2:-1], widths[2:])),
                  r[-1]]
         lines.append("  ".join(cells).rstrip())
+    resharding = [f"{c.layout.describe()} ({len(c.estimate.reshards)})" for c in search.candidates
+                  if c.estimate is not None and c.estimate.reshards]
+    if resharding:
+        lines.append(f"note: XLA reshards arrays by gathering them whole on every device (its 'involuntary full "
+                     f"rematerialization' warning) in {', '.join(resharding)}; print a candidate's estimate for "
+                     f"which arrays")
     close = _near_the_best(search)
     if close > 1 and search.profile.alone_speedup > 1 and not timed:
         near = f"{NEAR_THE_BEST - 1:.0%}"

@@ -114,8 +114,9 @@ def estimate_mjit(fn: Any, args: tuple, profile: str | HardwareProfile | None = 
         def spmd() -> ProgramCost:
             traced = compiled.jitted.trace(*jax.tree.leaves(abstract))
             mesh = compiled.plan.placements[0].mesh
-            return analyse_compiled(fn.__name__, compiled_once(traced.lower(), mesh), mesh,
-                                    matmuls=matmul_flops(traced.jaxpr))
+            program, reshards = compiled_once(traced.lower(), mesh)
+            return analyse_compiled(fn.__name__, program, mesh, matmuls=matmul_flops(traced.jaxpr),
+                                    reshards=reshards)
     else:
         spmd = None
     return _estimate(fn.__name__, compiled.plan, compiled.runtime, spmd, compiled.plan.placements, leaves, (),

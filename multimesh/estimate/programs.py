@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from ..core.meshes import mesh_context, no_mesh_context
 from ..core.transfer import target_on
 from .collectives import Collective, find_collectives
+from .compiler_log import Reshard, compile_noting_reshards
 from .held import slice_bytes
 from .hlo import parse_module
 from .kernels import Kernel, find_kernels
@@ -39,7 +40,8 @@ class ProgramCost:
     """One compiled program, per device of its mesh: XLA's memory analysis (bytes), its ``flops`` (XLA's
     cost analysis, at least its matrix products'), ``bytes_accessed`` (its kernels' bytes, a loop body's once
     per iteration; XLA's count where no kernel was read), its collectives, its ``kernels`` (those of the
-    ``platform`` it was compiled for), and how often a step runs it (``executions``)."""
+    ``platform`` it was compiled for), how often a step runs it (``executions``), and the arrays XLA
+    warned it reshards by gathering them whole (``reshards``)."""
 
     name: str
     devices: frozenset[int]
@@ -54,6 +56,7 @@ class ProgramCost:
     kernels: tuple[Kernel, ...] = field(default=(), repr=False)
     #: the JAX platform it was compiled for (its kernels are that platform's)
     platform: str = ""
+    reshards: tuple[Reshard, ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -83,10 +86,12 @@ def _read_hlo(compiled: Any, mesh: Mesh) -> tuple[tuple[Collective, ...], tuple[
     return read[axes]
 
 
-def analyse_compiled(name: str, compiled: Any, mesh: Mesh, executions: int = 1, matmuls: float = 0.0) -> ProgramCost:
+def analyse_compiled(name: str, compiled: Any, mesh: Mesh, executions: int = 1, matmuls: float = 0.0,
+                     reshards: tuple[Reshard, ...] = ()) -> ProgramCost:
     """A `ProgramCost` from a `jax.stages.Compiled` of a program on ``mesh``. ``matmuls``: the flops of its
     matrix products counted from its jaxpr (`matmul_flops`, global arrays): the flops per device are at least
-    those over the devices, where XLA's count misses some (a loop body counted once, GPU library calls)."""
+    those over the devices, where XLA's count misses some (a loop body counted once, GPU library calls).
+    ``reshards``: what XLA warned of while compiling it (`compiled_once`)."""
     memory = compiled.memory_analysis()
     cost = _cost(compiled)
     collectives, kernels = _read_hlo(compiled, mesh)
@@ -97,7 +102,7 @@ def analyse_compiled(name: str, compiled: Any, mesh: Mesh, executions: int = 1, 
         alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
         flops=max(float(cost.get("flops", 0.0)), matmuls / mesh.devices.size), bytes_accessed=float(moved),
         collectives=collectives, executions=executions, kernels=kernels,
-        platform=mesh.devices.flat[0].platform)
+        platform=mesh.devices.flat[0].platform, reshards=reshards)
 
 
 def _abstract(tree: Any, shardings: Any) -> Any:
@@ -110,9 +115,9 @@ def spmd_program(step_fn: Any, args: tuple = ()) -> ProgramCost:
     batch = _abstract(step_fn._abstract_batch, step_fn.batch_shardings)
     with mesh_context(step_fn.mesh):
         traced = step_fn.trace(step_fn.abstract_params, batch, *args)
-        compiled = compiled_once(traced.lower(), step_fn.mesh)
+        compiled, reshards = compiled_once(traced.lower(), step_fn.mesh)
     return analyse_compiled(getattr(step_fn.fun, "__name__", "step"), compiled, step_fn.mesh,
-                            matmuls=matmul_flops(traced.jaxpr))
+                            matmuls=matmul_flops(traced.jaxpr), reshards=reshards)
 
 
 @dataclass(frozen=True)
@@ -136,21 +141,22 @@ def _unnamed(module: str) -> str:
 
 
 #: Programs compiled for estimates, the most recently used last: (module digest, platform, device kind, mesh
-#: shape, axis names) -> compiled. Kept across estimates, so that a stage like another, the same step on
+#: shape, axis names) -> (compiled, what XLA warned of while compiling it). Kept across estimates, so that a stage like another, the same step on
 #: another profile and a layout a search tried before are compiled once.
 _COMPILED: OrderedDict[tuple, Any] = OrderedDict()
 _KEPT = 64
 
 
-def compiled_once(lowered: Any, mesh: Mesh) -> Any:
+def compiled_once(lowered: Any, mesh: Mesh) -> tuple[Any, tuple[Reshard, ...]]:
     """``lowered`` compiled, or the program compiled before from the same module (but for its name) for a mesh
-    of the same shape and kind of device: XLA's analyses of it, per device, are the same."""
+    of the same shape and kind of device: XLA's analyses of it, per device, are the same; and the arrays XLA
+    warned it reshards by gathering them whole (`compile_noting_reshards`), which it says only when compiling."""
     device = mesh.devices.flat[0]
     key = (hashlib.sha256(_unnamed(lowered.as_text()).encode()).digest(), device.platform, device.device_kind,
            mesh.devices.shape, mesh.axis_names)
     compiled = _COMPILED.pop(key, None)
     if compiled is None:
-        compiled = lowered.compile()
+        compiled = compile_noting_reshards(lowered)
     _COMPILED[key] = compiled
     while len(_COMPILED) > _KEPT:
         _COMPILED.popitem(last=False)
@@ -199,7 +205,7 @@ def mpmd_programs(runtime: Any) -> MPMDPrograms:
             key = (id(step.fn), tuple(getattr(a, "sharding", None) for a in args))
             if key not in compiled:
                 traced = step.fn.trace(*args, *step.literals)
-                compiled[key] = (compiled_once(traced.lower(), mesh), program_of[seg.index], mesh,
+                compiled[key] = (*compiled_once(traced.lower(), mesh), program_of[seg.index], mesh,
                                  matmul_flops(traced.jaxpr))
             calls[key] = calls.get(key, 0) + 1
             runs[seg.index] = key
@@ -207,12 +213,12 @@ def mpmd_programs(runtime: Any) -> MPMDPrograms:
             for (v, _), k, s in zip([(o[0], None) for o in step.outs], step.outs, outs):
                 held[k] = jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=s)
     programs, position = [], {}
-    for key, (c, program, mesh, matmuls) in compiled.items():
+    for key, (c, reshards, program, mesh, matmuls) in compiled.items():
         name = f"{program.placement.name or 'default'}_program{program.index}"
         if any(p.name == name for p in programs):  # one program compiled for two sets of input shardings
             name += f".{sum(p.name.startswith(name) for p in programs)}"
         position[key] = len(programs)
-        programs.append(analyse_compiled(name, c, mesh, executions=calls[key], matmuls=matmuls))
+        programs.append(analyse_compiled(name, c, mesh, executions=calls[key], matmuls=matmuls, reshards=reshards))
     stash = tuple((stage, label, slice_bytes(tuple(held[k].shape), held[k].dtype.itemsize, held[k].sharding)) for k, (stage, label) in runtime.stashed().items()
                   if k in held)
     return MPMDPrograms(tuple(programs), stash, {k: position[key] for k, key in runs.items()})

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from ..core.fmt import device_span, format_bytes
 from .profiles import HardwareProfile
+from .compiler_log import Reshard
 from .programs import ProgramCost
 from .timing import ProgramTime
 
@@ -124,6 +125,13 @@ class Estimate:
                                    f"with a profile (estimate(step, profile='h100-sxm')) for its device memory")
         return self.profile.memory_bytes
 
+    @property
+    def reshards(self) -> tuple[tuple[str, Reshard], ...]:
+        """(program name, `Reshard`) for each array XLA warned, while compiling, that it reshards by gathering
+        it whole on every device ("involuntary full rematerialization"): a collective the layout did not ask
+        for, counted in the programs' costs, and a sign that a layout or a sharding constraint could avoid it."""
+        return tuple((p.name, r) for p in self.programs for r in p.reshards)
+
     def collectives(self) -> dict[tuple[str, str], tuple[int, int]]:
         """(kind, mesh axes) -> (count, bytes) per step, over every program and its executions."""
         out: dict[tuple[str, str], tuple[int, int]] = {}
@@ -172,5 +180,9 @@ class Estimate:
                      if self.time.pipeline else "")
             lines.append(f"predicted step time on {self.profile.name} ({self.time.dtype}): "
                          f"{self.time.total * 1e3:.4g} ms{parts}, MFU {self.time.mfu:.1%}")
+        if self.reshards:
+            lines.append(f"XLA reshards {len(self.reshards)} array{'s' * (len(self.reshards) != 1)} by gathering it "
+                         f"whole on every device (its 'involuntary full rematerialization' warning):")
+            lines += [f"  {name}: {r.describe()}" for name, r in self.reshards]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
