@@ -7,8 +7,8 @@ import numbers
 from dataclasses import dataclass, field
 
 from ..core.fmt import device_span, format_bytes
-from .profiles import HardwareProfile
 from .compiler_log import Reshard
+from .profiles import HardwareProfile
 from .programs import ProgramCost
 from .timing import ProgramTime
 
