@@ -11,7 +11,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from multimesh.autolayout import auto_layout
-from multimesh.estimate.compiler_log import Reshard, compile_noting_reshards, split_reshards
+from multimesh.estimate import Reshard
+from multimesh.estimate.compiler_log import compile_noting_reshards, split_reshards
 from multimesh.jax import parallelize
 
 pytestmark = pytest.mark.devices(8)

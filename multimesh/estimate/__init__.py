@@ -20,6 +20,7 @@ import types
 from .build import estimate, estimate_mjit
 from .calibrate import CalibratedProfile, calibrate
 from .collectives import Collective, find_collectives
+from .compiler_log import Reshard
 from .held import DEFAULT_OPTIMIZER_PATHS, HeldBytes, held_bytes, shard_bytes
 from .profiles import PROFILES, HardwareProfile, UnknownProfileError, get_profile
 from .programs import ProgramCost
@@ -38,6 +39,7 @@ __all__ = [
     "MemoryLimitError",
     "ProgramCost",
     "ProgramTime",
+    "Reshard",
     "StepTime",
     "UnknownProfileError",
     "calibrate",
