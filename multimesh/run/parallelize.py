@@ -27,6 +27,7 @@ from ..trace.implicit import names_in, registered_tasks
 from ..trace.linen_constraints import flax_context_rules
 from ..trace.microbatch import collect_pipelines
 from ..trace.nnx_scopes import scopes_for_tasks
+from ..trace.pmap_axes import unbound_axis, with_axes_of_one
 from ..trace.taskspec import current_global_mesh, use_global_mesh
 from .advice import warn_replicated_batch
 from .checks import check_arrays, check_in_place_nnx, check_outputs, checked, fun_name
@@ -155,8 +156,8 @@ def parallelize(
             check_arrays(initial_batch, "initial_batch", "batch")
             abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)), initial_batch)
     # Traced once, logical constraints deferred: only the plan knows where glue runs.
-    with use_placement(placement.deferring()), collect_pipelines() as pipelines:
-        traced = _trace(fun, *_typed(placement, abstract_params, abstract_batch, path_rules, batch_spec))
+    fun, traced, pipelines = _trace_binding_pmap_axes(
+        fun, placement, *_typed(placement, abstract_params, abstract_batch, path_rules, batch_spec))
     closed, out_shape = traced if traced is not None else (None, None)
     plan = make_plan(closed, placement, pipelines) if closed is not None else None
     if plan is not None and plan.placements != [placement] and explicit_axes(the_mesh):
@@ -316,6 +317,24 @@ def _input_layouts(plan: Plan | None, placement: Placement, abstract_params: Any
         params = widen_layout(params, plan.boundary.inputs[:n_params])
         batch = widen_layout(batch, plan.boundary.inputs[n_params:])
     return dataclasses.replace(params, advice=advice), dataclasses.replace(batch, advice=advice)
+
+
+def _trace_binding_pmap_axes(fun: Callable, placement: Placement, params: Any, batch: Any) -> tuple[Callable, Any, list]:
+    """``fun`` traced (`_trace`) with the registered pipelines; where its code names an axis that only
+    ``jax.pmap`` would bind (``nn.BatchNorm(axis_name="batch")``), traced again with that axis bound to one
+    device (`with_axes_of_one`), and that ``fun`` returned for every later trace and compilation."""
+    names: list[str] = []
+    step = fun
+    while True:
+        try:
+            with use_placement(placement.deferring()), collect_pipelines() as pipelines:
+                return step, _trace(step, params, batch), pipelines
+        except NameError as e:
+            name = unbound_axis(e)
+            if name is None or name in names:
+                raise
+            names.append(name)
+            step = with_axes_of_one(fun, names)
 
 
 def _trace(fun: Callable, params: Any, batch: Any):

@@ -33,6 +33,7 @@ from ..core.nonarrays import non_arrays
 from ..core.placement import Placement, current_placement, use_placement
 from ..core.rules import MeshAxes, Rules, identity_rules
 from ..core.transfer import reshard_to
+from .pmap_axes import axes_of_one_in_force, with_axes_of_one
 from .scopes import microbatch_iterations, scope_stack
 from .taskspec import Task, TaskMesh, current_global_mesh
 
@@ -103,6 +104,8 @@ def _is_float(x: Any) -> bool:
 
 
 def _bind(placement: Placement, kind: str, fn: Callable[..., list], *flat: Any) -> list:
+    if names := axes_of_one_in_force():  # pmap's axes in the step: bound in the task's own jaxpr too
+        fn = with_axes_of_one(fn, names)
     with use_placement(placement):
         closed = jax.make_jaxpr(fn)(*flat)
     return task_call_p.bind(*flat, jaxpr=closed, placement=placement, kind=kind)
