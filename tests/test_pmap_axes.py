@@ -140,3 +140,13 @@ def test_a_name_error_of_the_steps_own_is_left_as_it_is():
 
     with pytest.raises(NameError, match="undefined_name"):
         parallelize(step, init_params=init, get_input_batch=get_batch, mesh={"data": 8}, rules=[("batch", "data")])
+
+
+def test_a_per_device_index_in_the_results_is_named():
+    def step(state, batch):
+        key = jax.random.fold_in(jax.random.key(0), lax.axis_index("batch"))
+        return jnp.mean(batch["x"] * jax.random.uniform(key, batch["x"].shape)), state
+
+    with pytest.raises(ValueError, match=r"step 'step' computes a per-device value over pmap's axis 'batch'.*"
+                                         r"lax.axis_index\('batch'\)"):
+        parallelize(step, init_params=init, get_input_batch=get_batch, mesh={"data": 8}, rules=[("batch", "data")])

@@ -27,7 +27,7 @@ from ..trace.implicit import names_in, registered_tasks
 from ..trace.linen_constraints import flax_context_rules
 from ..trace.microbatch import collect_pipelines
 from ..trace.nnx_scopes import scopes_for_tasks
-from ..trace.pmap_axes import unbound_axis, with_axes_of_one
+from ..trace.pmap_axes import per_device_value_error, unbound_axis, with_axes_of_one
 from ..trace.taskspec import current_global_mesh, use_global_mesh
 from .advice import warn_replicated_batch
 from .checks import check_arrays, check_in_place_nnx, check_outputs, checked, fun_name
@@ -335,6 +335,10 @@ def _trace_binding_pmap_axes(fun: Callable, placement: Placement, params: Any, b
                 raise
             names.append(name)
             step = with_axes_of_one(fun, names)
+        except ValueError as e:
+            if not names or "has mapped output" not in str(e):
+                raise
+            raise ValueError(per_device_value_error(fun_name(fun), names)) from None
 
 
 def _trace(fun: Callable, params: Any, batch: Any):

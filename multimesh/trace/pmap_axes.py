@@ -31,7 +31,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["axes_of_one_in_force", "unbound_axis", "with_axes_of_one"]
+__all__ = ["axes_of_one_in_force", "per_device_value_error", "unbound_axis", "with_axes_of_one"]
 
 _UNBOUND = re.compile(r"unbound axis name: (?P<name>[^\s.,;]+)")
 _IN_FORCE: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("axes_of_one", default=())
@@ -67,3 +67,12 @@ def with_axes_of_one(fun: Callable, names: Sequence[str]) -> Callable:
 def axes_of_one_in_force() -> tuple[str, ...]:
     """The axis names `with_axes_of_one` binds around the code running now (none outside it)."""
     return _IN_FORCE.get()
+
+
+def per_device_value_error(step: str, names: Sequence[str]) -> str:
+    """The message for a step whose results depend on which pmap device computes them (``lax.axis_index``)."""
+    listed = ", ".join(map(repr, names))
+    return (f"parallelize: step {step!r} computes a per-device value over pmap's axis {listed} that reaches its "
+            f"results, such as lax.axis_index({names[0]!r}) folded into a random key. parallelize runs the step "
+            f"as one device does, on the whole batch, where that index is always 0: use the key as it is (or "
+            f"fold in 0); the sharded step's random numbers then cover the whole batch, as on one device")
