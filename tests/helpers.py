@@ -279,6 +279,15 @@ def check_mpmd_against_reference(step: Callable, init: Callable[[], Any], batch:
     return fn, state
 
 
+def train_steps(step_fn: Callable, init_fn: Callable, batch_fn: Callable, steps: int) -> tuple[list[float], Any]:
+    """``steps`` steps of a built step on one batch: the losses and the last state."""
+    state, batch, losses = init_fn(), batch_fn(), []
+    for _ in range(steps):
+        loss, state = step_fn(state, batch)
+        losses.append(float(loss))
+    return losses, state
+
+
 # ----------------------------------------------------------------------------
 # Comparisons and expected shardings
 # ----------------------------------------------------------------------------

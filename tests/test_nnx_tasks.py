@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import train_steps
 from jax.sharding import PartitionSpec as P
 
 from multimesh.jax import build_mesh, ignore_transforms, microbatch, mjit, parallelize, register_task
@@ -108,11 +109,7 @@ def _reference(step_fn, make_state, steps=STEPS):
 
 
 def _train(step_fn, init_fn, batch_fn, steps=STEPS):
-    state, batch, losses = init_fn(), batch_fn(), []
-    for _ in range(steps):
-        loss, state = step_fn(state, batch)
-        losses.append(float(loss))
-    return losses, state
+    return train_steps(step_fn, init_fn, batch_fn, steps)
 
 
 def _assert_same_params(got, want):

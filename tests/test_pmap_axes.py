@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_trees_close, train_steps
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -90,18 +91,12 @@ def one_device(step, steps=3):
 
 
 def run(built, steps=3):
-    step_fn, init_fn, batch_fn = built
-    state, batch, losses = init_fn(), batch_fn(), []
-    for _ in range(steps):
-        loss, state = step_fn(state, batch)
-        losses.append(float(loss))
-    return losses, state
+    return train_steps(*built, steps)
 
 
 def assert_same(got, want):
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6),
-                 got[1], want[1])
+    assert_trees_close(got[1], want[1], rtol=1e-4, atol=1e-6)
 
 
 def test_an_spmd_step_with_two_pmap_axes_equals_one_device():
