@@ -127,6 +127,28 @@ def test_rules_for_the_models_own_logical_names():
         auto_layout(step, rules=[("hidden", "model")], **_search_kwargs(m))
 
 
+def test_an_axis_its_arrays_cannot_use_is_set_aside_without_building(monkeypatch):
+    """Once one layout is built, the search knows what the step's arrays call their dimensions: a layout
+    with an axis that none of them can be sharded over (the guide's model has no rule for its 'hidden') is
+    set aside unbuilt, for the reason that building it would give."""
+    import multimesh.autolayout.search as search_module
+
+    m = T.model("flax_on_pjit")
+    built = []
+    build_on = search_module.build_on
+    monkeypatch.setattr(search_module, "build_on",
+                        lambda layout, *a, **k: built.append(layout) or build_on(layout, *a, **k))
+    pruned = auto_layout(T.make_step(m.loss), **_search_kwargs(m))
+    pruned_builds = len(built)
+    monkeypatch.setattr(search_module, "idle_by_names", lambda *a: None)  # every layout built, as before
+    every = auto_layout(T.make_step(m.loss), **_search_kwargs(m))
+    assert [(c.layout, c.rejected, c.peak_bytes) for c in pruned.candidates] == \
+        [(c.layout, c.rejected, c.peak_bytes) for c in every.candidates]
+    idle = [c for c in every.candidates if c.rejected and "shards no parameter" in c.rejected]
+    assert idle and len(built) - pruned_builds == len(every.candidates)
+    assert pruned_builds <= len(every.candidates) - len(idle) + 1  # only the first layout built, if idle
+
+
 @pytest.mark.slow  # about 40 s: every 2-stage layout compiled and estimated
 def test_gemma_pipelines_are_searched_and_the_chosen_one_equals_one_device():
     """2-stage layouts of the Gemma example (its layers registered on the stages with stage_task): on

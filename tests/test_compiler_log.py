@@ -104,7 +104,8 @@ def test_an_estimate_names_the_arrays_xla_reshards_whole_and_stderr_stays_clean(
                            param_rules=rules, rules=BATCH_RULES)
     est = fn.estimate("h100-sxm")
     assert est.reshards and all(name == est.programs[0].name for name, _ in est.reshards)
-    assert [(r.instruction, r.shape.split("{")[0]) for _, r in est.reshards] == [("gather", "f32[2,8,16]")]  # rows per device
+    # the gather's rows per device
+    assert [(r.instruction, r.shape.split("{")[0]) for _, r in est.reshards] == [("gather", "f32[2,8,16]")]
     assert "Involuntary full rematerialization" not in capfd.readouterr().err
     assert "XLA reshards" in str(est) and est.reshards[0][1].describe() in str(est)
     assert fn.estimate("a100-80gb").reshards == est.reshards  # its compiled program reused, the warnings with it

@@ -1,15 +1,18 @@
 """Why a layout cannot serve a step, found before compiling it (None: no reason).
 
 Checks, cheapest first: `batch_misfit` reads only the batch's shapes (no
-trace), `idle_axis` the layouts of a built but not compiled step. A layout
-that fails them would run, but with devices holding the same rows or the same
-shards as their neighbours: not a layout worth compiling. `idle_rules`: a
+trace), `idle_by_names` the names the step's arrays had on a layout built
+before (they are the same on every layout), `idle_axis` the layouts of a
+built but not compiled step. A layout that fails them would run, but with
+devices holding the same rows or the same shards as their neighbours: not a
+layout worth compiling. `idle_rules`: a
 rule set whose extra rules name nothing of the step builds the standard
 layout again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -22,7 +25,8 @@ from ..core.rules import Rules, as_axes, standard_rules
 from ..run.rule_coverage import constraint_names
 from .layouts import STAGE_AXIS, Layout
 
-__all__ = ["batch_misfit", "idle_axis", "idle_rules", "pipeline_misfit", "shapes_of"]
+__all__ = ["LeafNames", "batch_misfit", "idle_axis", "idle_by_names", "idle_rules", "pipeline_misfit",
+           "shapes_of"]
 
 #: The axes `standard_rules` splits the batch over, in order.
 _BATCH_AXES = ("data", "fsdp")
@@ -47,30 +51,67 @@ def batch_misfit(layout: Layout, batch_shapes: Sequence[tuple[int, ...]]) -> str
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class LeafNames:
+    """What a step's parameters and batch call their dimensions, the same on every layout: ``logical`` names
+    (for the rules to map) and mesh ``axes`` named directly (a PartitionSpec of the model's own or of
+    ``param_rules``); ``params_named``: whether any parameter has logical names."""
+
+    logical: frozenset[str]
+    axes: frozenset[str]
+    params_named: bool
+    params_logical: frozenset[str]
+
+    @classmethod
+    def of(cls, step_fn: Any) -> LeafNames:
+        logical: set[str] = set()
+        axes: set[str] = set()
+        for leaf in (*step_fn.param_layout.leaves, *step_fn.batch_layout.leaves):
+            (axes if isinstance(leaf.logical, PartitionSpec) else logical).update(spec_names(leaf.logical))
+        params = [leaf for leaf in step_fn.param_layout.leaves]
+        return cls(frozenset(logical), frozenset(axes), any(spec_names(leaf.logical) for leaf in params),
+                   frozenset(n for leaf in params if not isinstance(leaf.logical, PartitionSpec)
+                             for n in spec_names(leaf.logical)))
+
+
 def idle_axis(layout: Layout, step_fn: Any, rules: Rules) -> str | None:
     """A mesh axis of size > 1 that shards no parameter and no batch array of the step built with ``rules``."""
     used: set[str] = set()
     for leaf in (*step_fn.param_layout.leaves, *step_fn.batch_layout.leaves):
         used |= spec_names(leaf.spec)
-    logical = {n for leaf in step_fn.param_layout.leaves if not isinstance(leaf.logical, PartitionSpec)
-               for n in spec_names(leaf.logical)}
-    unruled = sorted(logical - rules.logical_names - rules.generic - set(layout.whole_mesh))
+    names = LeafNames.of(step_fn)
     for axis, size in layout.mesh.items():
         if size > 1 and axis != STAGE_AXIS and axis not in used:
-            if not any(spec_names(leaf.logical) for leaf in step_fn.param_layout.leaves):
-                why = ("no parameter has logical axis names for the rules to map (such as 'embed', 'mlp'): name "
-                       "them with param_rules= or Flax metadata (nn.with_logical_partitioning)")
-            elif unruled:
-                why = (f"no rule maps the model's own logical names {', '.join(map(repr, unruled))} to an axis: "
-                       f"give them rules=, e.g. rules=[({unruled[0]!r}, {axis!r})]")
-            elif not logical & (given := _names_given(rules, axis)):
-                why = (f"its rules give it {', '.join(map(repr, sorted(given))) or 'no name'}, which no parameter "
-                       f"has")
-            else:
-                why = f"no dimension its rules name is divisible by {size}"
-            return (f"mesh axis {axis}={size} shards no parameter or batch array ({why}), so its {size} devices "
-                    f"would hold the same")
+            return _idle(layout, axis, size, names, rules)
     return None
+
+
+def idle_by_names(layout: Layout, names: LeafNames, rules: Rules) -> str | None:
+    """`idle_axis` before building: a mesh axis of size > 1 that nothing the step holds can be sharded over,
+    whatever the mesh, because no array names it and ``rules`` map it no logical name that an array has
+    (``names``: read from the step built on another layout)."""
+    for axis, size in layout.mesh.items():
+        if size > 1 and axis != STAGE_AXIS and axis not in names.axes | names.logical \
+                and not names.logical & _names_given(rules, axis):
+            return _idle(layout, axis, size, names, rules)
+    return None
+
+
+def _idle(layout: Layout, axis: str, size: int, names: LeafNames, rules: Rules) -> str:
+    """Why mesh ``axis`` shards nothing, in words."""
+    unruled = sorted(names.params_logical - rules.logical_names - rules.generic - set(layout.whole_mesh))
+    if not names.params_named:
+        why = ("no parameter has logical axis names for the rules to map (such as 'embed', 'mlp'): name "
+               "them with param_rules= or Flax metadata (nn.with_logical_partitioning)")
+    elif unruled:
+        why = (f"no rule maps the model's own logical names {', '.join(map(repr, unruled))} to an axis: "
+               f"give them rules=, e.g. rules=[({unruled[0]!r}, {axis!r})]")
+    elif not names.params_logical & (given := _names_given(rules, axis)):
+        why = f"its rules give it {', '.join(map(repr, sorted(given))) or 'no name'}, which no parameter has"
+    else:
+        why = f"no dimension its rules name is divisible by {size}"
+    return (f"mesh axis {axis}={size} shards no parameter or batch array ({why}), so its {size} devices would hold "
+            f"the same")
 
 
 def _names_given(rules: Rules, axis: str) -> set[str]:

@@ -28,7 +28,7 @@ from ..core.rules import Rules, as_axes
 from ..estimate import Estimate, HardwareProfile, get_profile, held_bytes
 from ..estimate.report import bytes_per_device
 from .building import PipelineFactory, build_on, layout_rules
-from .checks import batch_misfit, idle_axis, idle_rules, pipeline_misfit, shapes_of
+from .checks import LeafNames, batch_misfit, idle_axis, idle_by_names, idle_rules, pipeline_misfit, shapes_of
 from .layouts import AXES, RULE_SETS, Layout, enumerate_layouts
 from .model_axes import AxisTypes, axes_made_explicit, model_axes
 from .table import search_table
@@ -288,10 +288,12 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
                                      tuple(rule_sets), required=model))
     kwargs = dict(init_params=init_params, get_input_batch=get_input_batch, explicit_axes=explicit, own_rules=own,
                   **parallelize_kwargs)
-    candidates = []
+    candidates: list[Candidate] = []
+    names: LeafNames | None = None  # what the step's arrays call their dimensions, once one layout is built
     with _progress(len(layouts), progress) as bar:
         for layout in layouts:
-            candidates.append(_try(layout, step, pool, pipeline, limit, profile, kwargs, batch_shapes))
+            candidate, names = _try(layout, step, pool, pipeline, limit, profile, kwargs, batch_shapes, names)
+            candidates.append(candidate)
             bar.update(1)
     ranked = _timed(sorted(candidates, key=_rank), time_top, time_steps, progress,
                     lambda layout: build_on(layout, step, pool, pipeline, quiet=True, **{**kwargs, "donate": False}))
@@ -342,22 +344,33 @@ def _over(limit: int, device: int, need: int, what: str) -> str:
 
 
 def _try(layout: Layout, step: Callable, pool: list, pipeline: PipelineFactory | None, limit: int,
-         profile: HardwareProfile, kwargs: dict, batch_shapes: list) -> Candidate:
-    """One layout through the checks, cheapest first (see the module docstring)."""
+         profile: HardwareProfile, kwargs: dict, batch_shapes: list,
+         names: LeafNames | None) -> tuple[Candidate, LeafNames | None]:
+    """One layout through the checks, cheapest first (see the module docstring); and the names of the step's
+    arrays (``names``, read from the first layout built)."""
     misfit = batch_misfit(layout, batch_shapes)
+    rules = layout_rules(layout, kwargs["own_rules"])
+    if misfit is None and names is not None:
+        misfit = idle_by_names(layout, names, rules)
     if misfit is not None:
-        return Candidate(layout, rejected=_INVALID + misfit)
+        return Candidate(layout, rejected=_INVALID + misfit), names
     try:
         built = build_on(layout, step, pool, pipeline, quiet=True, **kwargs)
     except Exception as e:  # the layout's own misfit, e.g. more stages than layers, a dimension that won't split
         if not isinstance(e, (ValueError, NotImplementedError)) and type(e).__name__ != "ShardingTypeError":
             raise
-        return Candidate(layout, rejected=f"{_INVALID}cannot be built: {type(e).__name__}: {e}{_explicit_hint(e)}")
+        why = f"{_INVALID}cannot be built: {type(e).__name__}: {e}{_explicit_hint(e)}"
+        return Candidate(layout, rejected=why), names
     step_fn = built[0]
-    misfit = (pipeline_misfit(layout, step_fn) or idle_axis(layout, step_fn, layout_rules(layout, kwargs["own_rules"]))
-              or idle_rules(layout, step_fn))
+    names = names or LeafNames.of(step_fn)
+    misfit = pipeline_misfit(layout, step_fn) or idle_axis(layout, step_fn, rules) or idle_rules(layout, step_fn)
     if misfit is not None:
-        return Candidate(layout, rejected=_INVALID + misfit)
+        return Candidate(layout, rejected=_INVALID + misfit), names
+    return _estimated(layout, step_fn, limit, profile), names
+
+
+def _estimated(layout: Layout, step_fn: Any, limit: int, profile: HardwareProfile) -> Candidate:
+    """A built layout's candidate: refused on the bytes it holds, else compiled, estimated and checked."""
     held = held_bytes(step_fn.param_layout.leaves, step_fn.batch_layout.leaves)
     per_device = {d: held.params.get(d, 0) + held.optimizer.get(d, 0) + held.batch.get(d, 0)
                   for d in set(held.params) | set(held.optimizer) | set(held.batch)}

@@ -319,7 +319,8 @@ def _input_layouts(plan: Plan | None, placement: Placement, abstract_params: Any
     return dataclasses.replace(params, advice=advice), dataclasses.replace(batch, advice=advice)
 
 
-def _trace_binding_pmap_axes(fun: Callable, placement: Placement, params: Any, batch: Any) -> tuple[Callable, Any, list]:
+def _trace_binding_pmap_axes(fun: Callable, placement: Placement, params: Any,
+                             batch: Any) -> tuple[Callable, Any, list]:
     """``fun`` traced (`_trace`) with the registered pipelines; where its code names an axis that only
     ``jax.pmap`` would bind (``nn.BatchNorm(axis_name="batch")``), traced again with that axis bound to one
     device (`with_axes_of_one`), and that ``fun`` returned for every later trace and compilation."""
