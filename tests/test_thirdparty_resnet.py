@@ -11,6 +11,7 @@ example's own way to scale, ``jax.pmap`` over the 8 devices with a slice of the 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from flax.training import train_state
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from multimesh.jax import parallelize
+from multimesh.jax import build_mesh, microbatch, parallelize, register_task
 
 pytestmark = pytest.mark.devices(8)
 
@@ -140,3 +141,61 @@ def test_auto_layout_searches_it_and_the_choice_trains_like_one_device(one_devic
     assert_same(*run(built), one_device)
     image = built[2]()["image"]  # the batch split over every device of the chosen layout
     assert len({s.device for s in image.addressable_shards}) == 8 and image.addressable_shards[0].data.shape[0] == 2
+
+
+MICROBATCHES = 2
+
+
+def pipelined_step(average_statistics: bool):
+    """The example's step with its loss microbatched for a pipeline: summed over the microbatches, which is
+    right for the loss (normalized by the whole batch) and wrong for BatchNorm's running averages unless
+    they are divided by the number of microbatches."""
+
+    def step(state, batch):
+        def loss_fn(params, b):
+            logits, new_model_state = state.apply_fn({"params": params, "batch_stats": state.batch_stats},
+                                                     b["image"], mutable=["batch_stats"])
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, b["label"]).sum() / BATCH
+            if average_statistics:
+                new_model_state = jax.tree.map(lambda s: s / MICROBATCHES, new_model_state)
+            return loss, new_model_state
+
+        microbatched = microbatch(loss_fn, 0, BATCH // MICROBATCHES, argnum=1, schedule="1f1b")
+        (loss, new_model_state), grads = jax.value_and_grad(microbatched, has_aux=True)(state.params, batch)
+        grads = lax.pmean(grads, axis_name="batch")
+        stats = lax.pmean(new_model_state["batch_stats"], "batch")
+        return lax.pmean(loss, axis_name="batch"), state.apply_gradients(grads=grads, batch_stats=stats)
+
+    return step
+
+
+def test_a_two_stage_pipeline_equals_the_same_program_on_one_device(one_device):
+    """Two stages of 4 devices (the stem and first block, then the second block and the head), 2 microbatches,
+    each normalized by its own statistics: against the same program on one device (its microbatches one after
+    the other). `microbatch` sums its function's results, so the step averages the statistics itself."""
+    stages = (r"conv_init|bn_init|ResNetBlock_0", r"ResNetBlock_1|Dense_0")
+    devices = jax.devices()
+
+    def build(step):
+        with contextlib.ExitStack() as registered:
+            for s, pattern in enumerate(stages):
+                registered.enter_context(register_task(pattern, mesh=build_mesh({"data": 4}, devices[4 * s:4 * s + 4]),
+                                                       logical_axes=[("batch", "data")]))
+            return parallelize(step, init_params=init, get_input_batch=get_batch)
+
+    built = build(pipelined_step(average_statistics=True))
+    assert len(built[0].plan.placements) == 2
+    losses, state = run(built)
+    step = pipelined_step(average_statistics=True)
+    # the reference: no task registered, the microbatches summed one after the other on one device
+    mesh = jax.make_mesh((1,), ("batch",), devices=devices[:1])
+    reference_step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P(), out_specs=P()))
+    reference, ref_losses = init(), []
+    for i in range(STEPS):
+        loss, reference = reference_step(reference, get_batch(i))
+        ref_losses.append(float(loss))
+    assert_same(losses, state, (ref_losses, reference))
+    assert not np.allclose(np.asarray(state.batch_stats["bn_init"]["mean"]),
+                           np.asarray(one_device[1].batch_stats["bn_init"]["mean"]), rtol=1e-3)  # not the whole batch's
+    for leaf in jax.tree.leaves(state.params["ResNetBlock_1"]):  # the second stage's parameters on its devices
+        assert {d.id for d in leaf.sharding.device_set} == {4, 5, 6, 7}
