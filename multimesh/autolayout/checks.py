@@ -5,9 +5,8 @@ trace), `idle_by_names` the names the step's arrays had on a layout built
 before (they are the same on every layout), `idle_axis` the layouts of a
 built but not compiled step. A layout that fails them would run, but with
 devices holding the same rows or the same shards as their neighbours: not a
-layout worth compiling. `idle_rules`: a
-rule set whose extra rules name nothing of the step builds the standard
-layout again.
+layout worth compiling. `idle_rules`: a rule set whose extra rules name
+nothing of the step builds the standard layout again.
 """
 
 from __future__ import annotations
@@ -55,7 +54,8 @@ def batch_misfit(layout: Layout, batch_shapes: Sequence[tuple[int, ...]]) -> str
 class LeafNames:
     """What a step's parameters and batch call their dimensions, the same on every layout: ``logical`` names
     (for the rules to map) and mesh ``axes`` named directly (a PartitionSpec of the model's own or of
-    ``param_rules``); ``params_named``: whether any parameter has logical names."""
+    ``param_rules``); ``params_named``: whether any parameter names a dimension at all; ``params_logical``:
+    the parameters' logical names alone."""
 
     logical: frozenset[str]
     axes: frozenset[str]
@@ -68,7 +68,7 @@ class LeafNames:
         axes: set[str] = set()
         for leaf in (*step_fn.param_layout.leaves, *step_fn.batch_layout.leaves):
             (axes if isinstance(leaf.logical, PartitionSpec) else logical).update(spec_names(leaf.logical))
-        params = [leaf for leaf in step_fn.param_layout.leaves]
+        params = step_fn.param_layout.leaves
         return cls(frozenset(logical), frozenset(axes), any(spec_names(leaf.logical) for leaf in params),
                    frozenset(n for leaf in params if not isinstance(leaf.logical, PartitionSpec)
                              for n in spec_names(leaf.logical)))

@@ -3,9 +3,9 @@
 Each candidate (`layouts.enumerate_layouts`: meshes, rule sets, pipelines)
 goes through the cheapest test that can reject it first: the batch's shapes
 (read once, `jax.eval_shape`), the names the step's arrays give their
-dimensions (read from the first layout built: a mesh axis none of them can be
-sharded over sets a layout aside unbuilt), then the step built on it by `parallelize`
-(traced and planned, not compiled): a mesh axis that shards nothing, a rule
+dimensions (read from the first layout built: a mesh axis none of them can
+be sharded over sets a layout aside unbuilt), then the step built on it by
+`parallelize` (traced and planned, not compiled): a mesh axis that shards nothing, a rule
 set that changes nothing, or parameters, optimizer state and batch that alone
 overflow the memory limit. Only the rest are compiled, from abstract inputs,
 and estimated (`multimesh.estimate`): their peak memory per device against

@@ -64,17 +64,17 @@ def split_reshards(text: str) -> tuple[tuple[Reshard, ...], str]:
 
 
 @contextlib.contextmanager
-def _stderr_to(file: Any) -> Iterator[bool]:
-    """File descriptor 2 (where C++ logs) sent to ``file`` for the block; yields whether it could be."""
+def _stderr_to(file: Any) -> Iterator[None]:
+    """File descriptor 2 (where C++ logs) sent to ``file`` for the block, where the process has one."""
     try:
         saved = os.dup(2)
     except OSError:  # no standard error to redirect
-        yield False
+        yield
         return
     _flush_python_stderr()
     os.dup2(file.fileno(), 2)
     try:
-        yield True
+        yield
     finally:
         _flush_python_stderr()
         os.dup2(saved, 2)

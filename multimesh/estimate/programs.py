@@ -141,8 +141,8 @@ def _unnamed(module: str) -> str:
 
 
 #: Programs compiled for estimates, the most recently used last: (module digest, platform, device kind, mesh
-#: shape, axis names) -> (compiled, what XLA warned of while compiling it). Kept across estimates, so that a stage like another, the same step on
-#: another profile and a layout a search tried before are compiled once.
+#: shape, axis names) -> (compiled, what XLA warned of while compiling it). Kept across estimates, so that a
+#: stage like another, the same step on another profile and a layout a search tried before are compiled once.
 _COMPILED: OrderedDict[tuple, Any] = OrderedDict()
 _KEPT = 64
 
