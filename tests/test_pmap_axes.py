@@ -105,6 +105,7 @@ def test_an_spmd_step_with_two_pmap_axes_equals_one_device():
     assert reference[0][-1] < reference[0][0]
     built = parallelize(step, init_params=init, get_input_batch=get_batch, mesh={"data": 8}, rules=[("batch", "data")])
     assert built[0].fun.axes_of_one == ("batch", "model")  # in the order the trace met them
+    assert repr(built[0]).endswith("params, pmap axes bound to one device: 'batch', 'model')")
     assert_same(run(built), reference)
 
 
@@ -119,7 +120,7 @@ def test_a_pipeline_whose_stages_use_a_pmap_axis_equals_one_device():
 
     built = parallelize(pmap_step(lambda p, b: microbatch(loss, 0, B // 2, argnum=1, schedule="1f1b")(p, b)),
                         init_params=init, get_input_batch=get_batch, rules=[("batch", "data")])
-    assert len(built[0].plan.placements) == 2
+    assert len(built[0].plan.placements) == 2 and repr(built[0]).endswith("one device: 'batch', 'model')")
 
     def summed(p, b):  # the reference: the microbatches one after the other, tasks as plain calls
         return sum(loss(p, jax.tree.map(lambda x: x[i * B // 2:(i + 1) * B // 2], b)) for i in range(2))

@@ -15,7 +15,7 @@ from ..core.report import ShardingReport
 from ..core.rules import Rules
 from ..core.treecheck import check_same_structure, static_difference
 from ..plan.partition import Plan
-from .runtime import RunStats
+from ..trace.pmap_axes import pmap_axes_note
 from .checks import (
     StepInputError,
     check_outputs,
@@ -23,6 +23,7 @@ from .checks import (
     explain_call_error,
     place_batch,
 )
+from .runtime import RunStats
 
 __all__ = ["Parallelized", "ShardedFunction", "place_batch"]
 
@@ -215,6 +216,7 @@ class ShardedFunction(Parallelized):
 
     def __repr__(self) -> str:
         name = getattr(self.fun, "__name__", "fun")
-        return f"ShardedFunction({name}, mesh={dict(self.mesh.shape)}, {len(self.param_layout.leaves)} params)"
+        return (f"ShardedFunction({name}, mesh={dict(self.mesh.shape)}, {len(self.param_layout.leaves)} params"
+                f"{pmap_axes_note(self.fun)})")
 
 

@@ -31,7 +31,8 @@ from typing import Any
 
 import jax
 
-__all__ = ["axes_of_one_in_force", "per_device_value_error", "unbound_axis", "with_axes_of_one"]
+__all__ = ["axes_of_one_in_force", "per_device_value_error", "pmap_axes_note", "unbound_axis",
+           "with_axes_of_one"]
 
 _UNBOUND = re.compile(r"unbound axis name: (?P<name>[^\s.,;]+)")
 _IN_FORCE: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("axes_of_one", default=())
@@ -76,3 +77,9 @@ def per_device_value_error(step: str, names: Sequence[str]) -> str:
             f"results, such as lax.axis_index({names[0]!r}) folded into a random key. parallelize runs the step "
             f"as one device does, on the whole batch, where that index is always 0: use the key as it is (or "
             f"fold in 0); the sharded step's random numbers then cover the whole batch, as on one device")
+
+
+def pmap_axes_note(fun: Callable) -> str:
+    """``", pmap axes bound to one device: 'batch'"`` for a step `with_axes_of_one` wraps (for a repr), else ""."""
+    names = getattr(fun, "axes_of_one", ())
+    return f", pmap axes bound to one device: {', '.join(map(repr, names))}" if names else ""
