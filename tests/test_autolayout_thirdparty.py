@@ -63,6 +63,13 @@ def test_auto_layout_equals_one_device(name, capfd):
         search = auto_layout(T.make_step(m.loss), **_search_kwargs(m))
     for c in search.candidates:  # the model's own axes are on every mesh tried, of size 1 where not split
         assert set(OWN_AXES[name]) <= set(c.layout.mesh), c.layout
+    # a data x fsdp mesh set aside as data by other names names a layout that was tried; never where the
+    # model shards its parameters over data itself (nanodo's FSDP)
+    tried = {c.layout.describe(): c for c in search.candidates}
+    for c in search.candidates:
+        if c.rejected and "splits only the batch, as data does" in c.rejected:
+            assert "data" not in OWN_AXES[name]
+            assert tried[c.rejected.rsplit("the same layout as ", 1)[1]].valid
     # XLA's resharding warnings are the table's, each with its layout, not stderr's
     resharding = [c.layout.describe() for c in search.candidates if c.estimate is not None and c.estimate.reshards]
     notes = [line for line in str(search).splitlines() if line.startswith("note: XLA reshards")]

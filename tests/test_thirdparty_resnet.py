@@ -137,7 +137,11 @@ def test_auto_layout_searches_it_and_the_choice_trains_like_one_device(one_devic
     search = built[0].layout_search
     reasons = {c.layout.describe(): c.rejected for c in search.candidates}
     assert "no parameter has logical axis names" in reasons["tensor=8"]  # its parameters name nothing
-    assert search.fitting and all("tensor" not in c.layout.describe() for c in search.fitting)
+    # fsdp shards no parameter either: every data x fsdp mesh is data=8 by other names, searched once
+    assert [c.layout.describe() for c in search.fitting] == ["data=8"]
+    for mesh in ("fsdp=8", "data=2 x fsdp=4", "data=4 x fsdp=2"):
+        assert reasons[mesh].endswith("splits only the batch, as data does (no parameter is sharded over data or "
+                                      "fsdp): the same layout as data=8"), reasons[mesh]
     assert_same(*run(built), one_device)
     image = built[2]()["image"]  # the batch split over every device of the chosen layout
     assert len({s.device for s in image.addressable_shards}) == 8 and image.addressable_shards[0].data.shape[0] == 2

@@ -1,8 +1,8 @@
 """Why a layout cannot serve a step, found before compiling it (None: no reason).
 
 Checks, cheapest first: `batch_misfit` reads only the batch's shapes (no
-trace), `idle_by_names` the names the step's arrays had on a layout built
-before (they are the same on every layout), `idle_axis` the layouts of a
+trace), `idle_by_names` and `fsdp_as_data` the names the step's arrays had
+on a layout built before (they are the same on every layout), `idle_axis` the layouts of a
 built but not compiled step. A layout that fails them would run, but with
 devices holding the same rows or the same shards as their neighbours: not a
 layout worth compiling. `idle_rules`: a rule set whose extra rules name
@@ -24,8 +24,8 @@ from ..core.rules import Rules, as_axes, standard_rules
 from ..run.rule_coverage import constraint_names
 from .layouts import STAGE_AXIS, Layout
 
-__all__ = ["LeafNames", "batch_misfit", "idle_axis", "idle_by_names", "idle_rules", "pipeline_misfit",
-           "shapes_of"]
+__all__ = ["LeafNames", "batch_misfit", "fsdp_as_data", "idle_axis", "idle_by_names", "idle_rules",
+           "pipeline_misfit", "shapes_of"]
 
 #: The axes `standard_rules` splits the batch over, in order.
 _BATCH_AXES = ("data", "fsdp")
@@ -95,6 +95,22 @@ def idle_by_names(layout: Layout, names: LeafNames, rules: Rules) -> str | None:
                 and not names.logical & _names_given(rules, axis):
             return _idle(layout, axis, size, names, rules)
     return None
+
+
+def fsdp_as_data(layout: Layout, names: LeafNames, rules: Rules, axes: Sequence[str]) -> str | None:
+    """A layout whose ``fsdp`` axis, like ``data``, splits only the batch (``rules`` give neither a name any
+    parameter has, and no parameter names either): the same layout as the one with both merged into
+    ``data``, which the search over ``axes`` tries too."""
+    fsdp = layout.mesh.get("fsdp", 1)
+    if fsdp == 1 or "data" not in axes:
+        return None
+    for axis in ("data", "fsdp"):
+        if axis in names.axes or names.params_logical & _names_given(rules, axis):
+            return None
+    merged = {"data": layout.mesh.get("data", 1) * fsdp, **{a: n for a, n in layout.mesh.items() if a not in
+                                                             ("data", "fsdp")}}
+    return (f"fsdp={fsdp} splits only the batch, as data does (no parameter is sharded over data or fsdp): the "
+            f"same layout as {dataclasses.replace(layout, mesh=merged).describe()}")
 
 
 def _idle(layout: Layout, axis: str, size: int, names: LeafNames, rules: Rules) -> str:

@@ -30,7 +30,16 @@ from ..core.rules import Rules, as_axes
 from ..estimate import Estimate, HardwareProfile, get_profile, held_bytes
 from ..estimate.report import bytes_per_device
 from .building import PipelineFactory, build_on, layout_rules
-from .checks import LeafNames, batch_misfit, idle_axis, idle_by_names, idle_rules, pipeline_misfit, shapes_of
+from .checks import (
+    LeafNames,
+    batch_misfit,
+    fsdp_as_data,
+    idle_axis,
+    idle_by_names,
+    idle_rules,
+    pipeline_misfit,
+    shapes_of,
+)
 from .layouts import AXES, RULE_SETS, Layout, enumerate_layouts
 from .model_axes import AxisTypes, axes_made_explicit, model_axes
 from .table import search_table
@@ -294,7 +303,7 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
     names: LeafNames | None = None  # what the step's arrays call their dimensions, once one layout is built
     with _progress(len(layouts), progress) as bar:
         for layout in layouts:
-            candidate, names = _try(layout, step, pool, pipeline, limit, profile, kwargs, batch_shapes, names)
+            candidate, names = _try(layout, step, pool, pipeline, limit, profile, kwargs, batch_shapes, names, axes)
             candidates.append(candidate)
             bar.update(1)
     ranked = _timed(sorted(candidates, key=_rank), time_top, time_steps, progress,
@@ -346,14 +355,14 @@ def _over(limit: int, device: int, need: int, what: str) -> str:
 
 
 def _try(layout: Layout, step: Callable, pool: list, pipeline: PipelineFactory | None, limit: int,
-         profile: HardwareProfile, kwargs: dict, batch_shapes: list,
-         names: LeafNames | None) -> tuple[Candidate, LeafNames | None]:
+         profile: HardwareProfile, kwargs: dict, batch_shapes: list, names: LeafNames | None,
+         axes: tuple[str, ...]) -> tuple[Candidate, LeafNames | None]:
     """One layout through the checks, cheapest first (see the module docstring); and the names of the step's
-    arrays (``names``, read from the first layout built)."""
+    arrays (``names``, read from the first layout built). ``axes``: the searched ones."""
     misfit = batch_misfit(layout, batch_shapes)
     rules = layout_rules(layout, kwargs["own_rules"])
     if misfit is None and names is not None:
-        misfit = idle_by_names(layout, names, rules)
+        misfit = idle_by_names(layout, names, rules) or fsdp_as_data(layout, names, rules, axes)
     if misfit is not None:
         return Candidate(layout, rejected=_INVALID + misfit), names
     try:
@@ -365,7 +374,8 @@ def _try(layout: Layout, step: Callable, pool: list, pipeline: PipelineFactory |
         return Candidate(layout, rejected=why), names
     step_fn = built[0]
     names = names or LeafNames.of(step_fn)
-    misfit = pipeline_misfit(layout, step_fn) or idle_axis(layout, step_fn, rules) or idle_rules(layout, step_fn)
+    misfit = (pipeline_misfit(layout, step_fn) or idle_axis(layout, step_fn, rules)
+              or fsdp_as_data(layout, names, rules, axes) or idle_rules(layout, step_fn))
     if misfit is not None:
         return Candidate(layout, rejected=_INVALID + misfit), names
     return _estimated(layout, step_fn, limit, profile), names
