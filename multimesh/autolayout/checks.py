@@ -104,8 +104,8 @@ def fsdp_as_data(layout: Layout, names: LeafNames, rules: Rules, axes: Sequence[
     fsdp = layout.mesh.get("fsdp", 1)
     if fsdp == 1 or "data" not in axes:
         return None
-    for axis in ("data", "fsdp"):
-        if axis in names.axes or names.params_logical & _names_given(rules, axis):
+    for axis in ("data", "fsdp"):  # named by a parameter itself (a PartitionSpec, NNX metadata) or by a rule
+        if axis in names.axes | names.params_logical or names.params_logical & _names_given(rules, axis):
             return None
     merged = {"data": layout.mesh.get("data", 1) * fsdp, **{a: n for a, n in layout.mesh.items() if a not in
                                                              ("data", "fsdp")}}
