@@ -1,12 +1,13 @@
 """Why a layout cannot serve a step, found before compiling it (None: no reason).
 
 Checks, cheapest first: `batch_misfit` reads only the batch's shapes (no
-trace), `idle_by_names` and `fsdp_as_data` the names the step's arrays had
-on a layout built before (they are the same on every layout), `idle_axis` the layouts of a
-built but not compiled step. A layout that fails them would run, but with
-devices holding the same rows or the same shards as their neighbours: not a
-layout worth compiling. `idle_rules`: a rule set whose extra rules name
-nothing of the step builds the standard layout again.
+trace); `idle_by_names` and `fsdp_as_data` the names the step's arrays had
+on a layout built before (they are the same on every layout); `idle_axis`
+the layouts of a built but not compiled step. A layout that fails them would
+run, but with devices holding the same rows or the same shards as their
+neighbours (or as another layout): not a layout worth compiling.
+`idle_rules`: a rule set whose extra rules name nothing of the step builds
+the standard layout again.
 """
 
 from __future__ import annotations
