@@ -15,7 +15,7 @@ from helpers import assert_trees_close, train_steps
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from multimesh.jax import build_mesh, microbatch, parallelize, task
+from multimesh.jax import build_mesh, microbatch, mjit, parallelize, task
 from multimesh.trace.pmap_axes import unbound_axis, with_axes_of_one
 from multimesh.trace.task import ignore_transforms
 
@@ -109,6 +109,21 @@ def test_an_spmd_step_with_two_pmap_axes_equals_one_device():
     assert_same(run(built), reference)
 
 
+def test_mjit_takes_a_pmap_step_too():
+    """`mjit` (jax.jit-like, tasks included) binds pmap's axes as `parallelize` does: the same step, its batch
+    split over 8 devices, equals one device; its estimate compiles the bound program."""
+    step = pmap_step(whole_loss)
+    fn = mjit(step, mesh=build_mesh({"data": 8}), in_shardings=(P(), P("batch")), rules=[("batch", "data")])
+    state, batch, losses = init(), get_batch(), []
+    for _ in range(3):
+        loss, state = fn(state, batch)
+        losses.append(float(loss))
+    assert_same((losses, state), one_device(step))
+    assert fn.estimate(init(), get_batch(), profile="h100-sxm").flops > 0  # compiled from the bound step
+    with pytest.raises(ValueError, match=r"mjit\(<lambda>\) computes a per-device value over pmap's axis 'batch'"):
+        mjit(lambda x: x * lax.axis_index("batch"), mesh=build_mesh({"data": 8}))(jnp.ones(8))
+
+
 def test_a_pipeline_whose_stages_use_a_pmap_axis_equals_one_device():
     """Two stages of 4 devices, 2 microbatches: each microbatch normalized by its own statistics, as the same
     program computes them on one device (microbatches summed one after the other)."""
@@ -143,6 +158,6 @@ def test_a_per_device_index_in_the_results_is_named():
         key = jax.random.fold_in(jax.random.key(0), lax.axis_index("batch"))
         return jnp.mean(batch["x"] * jax.random.uniform(key, batch["x"].shape)), state
 
-    with pytest.raises(ValueError, match=r"step 'step' computes a per-device value over pmap's axis 'batch'.*"
-                                         r"lax.axis_index\('batch'\)"):
+    with pytest.raises(ValueError, match=r"parallelize: step 'step' computes a per-device value over pmap's "
+                                         r"axis 'batch'.*lax.axis_index\('batch'\)"):
         parallelize(step, init_params=init, get_input_batch=get_batch, mesh={"data": 8}, rules=[("batch", "data")])

@@ -26,6 +26,7 @@ from ..core.rules import MeshAxes, Rules
 from ..plan.partition import Plan, make_plan
 from ..trace.microbatch import collect_pipelines
 from ..trace.nnx_scopes import scopes_for_tasks
+from ..trace.pmap_axes import traced_binding_pmap_axes
 from ..trace.taskspec import current_global_mesh
 from .runtime import Runtime
 from .stacked import from_parts, part_shardings, to_parts, union_for
@@ -185,18 +186,22 @@ class MJitFunction:
     def _compile(self, args: tuple, flat: list, tree: Any, placement: Placement) -> _Compiled:
         avals = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)) for x in flat]
 
-        def traced(*leaves: Any) -> Any:  # a fresh function: JAX's trace cache cannot see our placement
-            args = jax.tree.unflatten(tree, list(leaves))
-            with scopes_for_tasks(args):  # registered tasks find NNX submodules by attribute path
-                return self.fun(*args)
+        def trace(fun: Callable) -> tuple[Any, Any, list]:
+            def traced(*leaves: Any) -> Any:  # a fresh function: JAX's trace cache cannot see our placement
+                args = jax.tree.unflatten(tree, list(leaves))
+                with scopes_for_tasks(args):  # registered tasks find NNX submodules by attribute path
+                    return fun(*args)
 
-        with use_placement(placement.deferring()), collect_pipelines() as pipelines:
-            closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(*avals)
+            with use_placement(placement.deferring()), collect_pipelines() as pipelines:
+                return (*jax.make_jaxpr(traced, return_shape=True)(*avals), pipelines)
+
+        # pmap-style collectives (nn.BatchNorm(axis_name="batch")) bound to one device, as parallelize does
+        fun, (closed, out_shape, pipelines) = traced_binding_pmap_axes(trace, self.fun, f"mjit({self.__name__})")
         out_tree = jax.tree.structure(out_shape)
         plan = make_plan(closed, placement, pipelines)
         donated_leaves = self._donated_leaves(args)
         if plan.placements == [placement]:
-            return self._spmd(plan, tree, out_tree, out_shape, placement, donated_leaves)
+            return self._spmd(fun, plan, tree, out_tree, out_shape, placement, donated_leaves)
         if plan.boundary is not None:
             return self._split_stack(plan, flat, out_tree, donated_leaves)
         donated = {plan.jaxpr.invars[i] for i in donated_leaves}
@@ -236,10 +241,8 @@ class MJitFunction:
             offset += n
         return out
 
-    def _spmd(self, plan: Plan, tree: Any, out_tree: Any, out_shape: Any, placement: Placement,
+    def _spmd(self, fun: Callable, plan: Plan, tree: Any, out_tree: Any, out_shape: Any, placement: Placement,
               donated: list[int]) -> _Compiled:
-        fun = self.fun
-
         def body(*leaves: Any) -> Any:
             with use_placement(placement):
                 return fun(*jax.tree.unflatten(tree, list(leaves)))

@@ -27,7 +27,7 @@ from ..trace.implicit import names_in, registered_tasks
 from ..trace.linen_constraints import flax_context_rules
 from ..trace.microbatch import collect_pipelines
 from ..trace.nnx_scopes import scopes_for_tasks
-from ..trace.pmap_axes import per_device_value_error, unbound_axis, with_axes_of_one
+from ..trace.pmap_axes import traced_binding_pmap_axes
 from ..trace.taskspec import current_global_mesh, use_global_mesh
 from .advice import warn_replicated_batch
 from .checks import check_arrays, check_in_place_nnx, check_outputs, checked, fun_name
@@ -323,23 +323,13 @@ def _trace_binding_pmap_axes(fun: Callable, placement: Placement, params: Any,
                              batch: Any) -> tuple[Callable, Any, list]:
     """``fun`` traced (`_trace`) with the registered pipelines; where its code names an axis that only
     ``jax.pmap`` would bind (``nn.BatchNorm(axis_name="batch")``), traced again with that axis bound to one
-    device (`with_axes_of_one`), and that ``fun`` returned for every later trace and compilation."""
-    names: list[str] = []
-    step = fun
-    while True:
-        try:
-            with use_placement(placement.deferring()), collect_pipelines() as pipelines:
-                return step, _trace(step, params, batch), pipelines
-        except NameError as e:
-            name = unbound_axis(e)
-            if name is None or name in names:
-                raise
-            names.append(name)
-            step = with_axes_of_one(fun, names)
-        except ValueError as e:
-            if not names or "has mapped output" not in str(e):
-                raise
-            raise ValueError(per_device_value_error(fun_name(fun), names)) from None
+    device (`traced_binding_pmap_axes`), and that ``fun`` returned for every later trace and compilation."""
+    def trace(step: Callable) -> tuple[Any, list]:
+        with use_placement(placement.deferring()), collect_pipelines() as pipelines:
+            return _trace(step, params, batch), pipelines
+
+    fun, (traced, pipelines) = traced_binding_pmap_axes(trace, fun, f"parallelize: step {fun_name(fun)!r}")
+    return fun, traced, pipelines
 
 
 def _trace(fun: Callable, params: Any, batch: Any):

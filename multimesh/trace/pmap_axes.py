@@ -13,8 +13,9 @@ collective over it returns its operand (``pmean``, ``psum``, ``pmax``, and
 global batch, as that one device does, so its statistics and gradients are
 already the whole batch's: the same values that the pmap program on ``n``
 devices gets by averaging ``n`` equal shards. `with_axes_of_one` binds the
-names that way (``jax.vmap`` of size 1 over no argument), and `unbound_axis`
-reads the name a trace lacked from JAX's error. A task's body, which multimesh
+names that way (``jax.vmap`` of size 1 over no argument), `unbound_axis`
+reads the name a trace lacked from JAX's error, and `traced_binding_pmap_axes`
+traces a step again with each such name bound (`parallelize` and `mjit` do). A task's body, which multimesh
 traces into a jaxpr of its own inside the step's trace, is bound the same way
 (`axes_of_one_in_force`): a collective traced there, e.g. under the ``jax.vjp``
 of a task's forward pass, would otherwise stay in that jaxpr, over an axis no
@@ -27,14 +28,15 @@ import contextvars
 import functools
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 
-__all__ = ["axes_of_one_in_force", "per_device_value_error", "pmap_axes_note", "unbound_axis",
+__all__ = ["axes_of_one_in_force", "pmap_axes_note", "traced_binding_pmap_axes", "unbound_axis",
            "with_axes_of_one"]
 
 _UNBOUND = re.compile(r"unbound axis name: (?P<name>[^\s.,;]+)")
+T = TypeVar("T")
 _IN_FORCE: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("axes_of_one", default=())
 
 
@@ -70,13 +72,30 @@ def axes_of_one_in_force() -> tuple[str, ...]:
     return _IN_FORCE.get()
 
 
-def per_device_value_error(step: str, names: Sequence[str]) -> str:
-    """The message for a step whose results depend on which pmap device computes them (``lax.axis_index``)."""
-    listed = ", ".join(map(repr, names))
-    return (f"parallelize: step {step!r} computes a per-device value over pmap's axis {listed} that reaches its "
-            f"results, such as lax.axis_index({names[0]!r}) folded into a random key. parallelize runs the step "
-            f"as one device does, on the whole batch, where that index is always 0: use the key as it is (or "
-            f"fold in 0); the sharded step's random numbers then cover the whole batch, as on one device")
+def traced_binding_pmap_axes(trace: Callable[[Callable], T], fun: Callable, where: str) -> tuple[Callable, T]:
+    """``(fun, trace(fun))``; where JAX finds an axis name in ``fun`` that only ``jax.pmap`` binds, ``fun`` with
+    that name bound to one device (`with_axes_of_one`) and traced again, for the caller to use from then on.
+    ``where`` starts the error for a per-device value (``lax.axis_index``) that reaches the results."""
+    names: list[str] = []
+    bound = fun
+    while True:
+        try:
+            return bound, trace(bound)
+        except NameError as e:
+            name = unbound_axis(e)
+            if name is None or name in names:
+                raise
+            names.append(name)
+            bound = with_axes_of_one(fun, names)
+        except ValueError as e:
+            if not names or "has mapped output" not in str(e):
+                raise
+            listed = ", ".join(map(repr, names))
+            raise ValueError(
+                f"{where} computes a per-device value over pmap's axis {listed} that reaches its results, such "
+                f"as lax.axis_index({names[0]!r}) folded into a random key. It runs as one device does, on the "
+                f"whole batch, where that index is always 0: use the key as it is (or fold in 0); the sharded "
+                f"step's random numbers then cover the whole batch, as on one device") from None
 
 
 def pmap_axes_note(fun: Callable) -> str:
