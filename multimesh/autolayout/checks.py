@@ -75,12 +75,12 @@ class LeafNames:
                              for n in spec_names(leaf.logical)))
 
 
-def idle_axis(layout: Layout, step_fn: Any, rules: Rules) -> str | None:
-    """A mesh axis of size > 1 that shards no parameter and no batch array of the step built with ``rules``."""
+def idle_axis(layout: Layout, step_fn: Any, rules: Rules, names: LeafNames) -> str | None:
+    """A mesh axis of size > 1 that shards no parameter and no batch array of the step built with ``rules``
+    (``names``: `LeafNames.of` the step, for the reason)."""
     used: set[str] = set()
     for leaf in (*step_fn.param_layout.leaves, *step_fn.batch_layout.leaves):
         used |= spec_names(leaf.spec)
-    names = LeafNames.of(step_fn)
     for axis, size in layout.mesh.items():
         if size > 1 and axis != STAGE_AXIS and axis not in used:
             return _idle(layout, axis, size, names, rules)

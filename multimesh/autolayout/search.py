@@ -373,9 +373,10 @@ def _try(layout: Layout, step: Callable, pool: list, pipeline: PipelineFactory |
         why = f"{_INVALID}cannot be built: {type(e).__name__}: {e}{_explicit_hint(e)}"
         return Candidate(layout, rejected=why), names
     step_fn = built[0]
+    known = names is not None  # then fsdp_as_data was checked above, before building
     names = names or LeafNames.of(step_fn)
-    misfit = (pipeline_misfit(layout, step_fn) or idle_axis(layout, step_fn, rules)
-              or fsdp_as_data(layout, names, rules, axes) or idle_rules(layout, step_fn))
+    misfit = (pipeline_misfit(layout, step_fn) or idle_axis(layout, step_fn, rules, names)
+              or (None if known else fsdp_as_data(layout, names, rules, axes)) or idle_rules(layout, step_fn))
     if misfit is not None:
         return Candidate(layout, rejected=_INVALID + misfit), names
     return _estimated(layout, step_fn, limit, profile), names
