@@ -266,10 +266,17 @@ def test_batch_with_different_tree_structure(mlp_step):
 
 
 def test_no_rules_warns_everything_replicated():
-    with pytest.warns(UserWarning, match=r"no rules=.*every parameter is replicated on all 8 devices"):
+    """The batch too, unless the mesh has an axis named ``batch``: the warning names the rule for data
+    parallelism over the mesh's own axis."""
+    with pytest.warns(UserWarning, match=r"no rules=.*every parameter and the batch are replicated on all 8 "
+                                         r"devices: each computes the whole step. Pass rules=\[\('batch', 'data'\)\]"):
         fun, _ = _build()
     assert all(norm_spec(s.spec) == () for s in jax.tree.leaves(fun.param_shardings))
+    assert all(norm_spec(s.spec) == () for s in jax.tree.leaves(fun.batch_shardings))
     assert dict(fun.mesh.shape) == {"data": 8}
+    with pytest.warns(UserWarning, match=r"no rules=.*every parameter is replicated on all 8 devices; pass"):
+        fun, _ = _build(mesh={"batch": 8})
+    assert all(norm_spec(s.spec) == ("batch",) for s in jax.tree.leaves(fun.batch_shardings))
 
 
 def test_no_warning_with_rules_or_mesh_axis_annotations():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -12,8 +13,9 @@ import numpy as np
 from jax._src import core as jcore
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["abstract_mesh_context", "build_mesh", "constrain", "context_axis_types", "drop_axes", "explicit_axes",
-           "mesh_context", "mesh_devices", "no_mesh_context", "place_mesh", "slice_mesh", "spec_names"]
+__all__ = ["abstract_mesh_context", "auto_meshes_in_context", "build_mesh", "constrain", "context_axis_types",
+           "drop_axes", "explicit_axes", "mesh_context", "mesh_devices", "no_mesh_context", "place_mesh",
+           "slice_mesh", "spec_names"]
 
 MeshLike = Mesh | Mapping[str, int] | None
 
@@ -142,7 +144,8 @@ def mesh_context(mesh: Mesh | None) -> Iterator[None]:
     style (``out_sharding=P(...)``, ``jax.sharding.reshard``) resolves its
     specs there. A mesh of Auto axes only is not (Flax would then apply its
     boxes' names as constraints itself, while multimesh resolves them by the
-    rules of wherever they run), but a different mesh the caller put in
+    rules of wherever they run), unless `auto_meshes_in_context` is in force
+    (a step whose own code needs it), but a different mesh the caller put in
     context is taken out of it: computations on other devices than the
     context's are refused by `jax.jit`. Inside a trace JAX allows only its
     abstract mesh to be set, which is what tracing reads.
@@ -151,7 +154,7 @@ def mesh_context(mesh: Mesh | None) -> Iterator[None]:
         yield
         return
     context = jax.sharding.get_abstract_mesh()
-    if explicit_axes(mesh):
+    if explicit_axes(mesh) or (_AUTO_IN_CONTEXT.get() and context != mesh.abstract_mesh):
         target = mesh
     elif context.empty or context == mesh.abstract_mesh:
         yield
@@ -170,6 +173,21 @@ def mesh_context(mesh: Mesh | None) -> Iterator[None]:
         return
     with jax.set_mesh(target):
         yield
+
+
+_AUTO_IN_CONTEXT: contextvars.ContextVar[bool] = contextvars.ContextVar("auto_meshes_in_context", default=False)
+
+
+@contextlib.contextmanager
+def auto_meshes_in_context() -> Iterator[None]:
+    """`mesh_context` puts meshes of Auto axes in context too, while this is in force: for code that names mesh
+    axes in a bare `PartitionSpec` (``jax.lax.with_sharding_constraint(x, P("data", None))``), which JAX
+    resolves on the mesh in context, each placement's own (a task's code sees its submesh)."""
+    token = _AUTO_IN_CONTEXT.set(True)
+    try:
+        yield
+    finally:
+        _AUTO_IN_CONTEXT.reset(token)
 
 
 @contextlib.contextmanager

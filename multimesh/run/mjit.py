@@ -26,7 +26,7 @@ from ..core.rules import MeshAxes, Rules
 from ..plan.partition import Plan, make_plan
 from ..trace.microbatch import collect_pipelines
 from ..trace.nnx_scopes import scopes_for_tasks
-from ..trace.pmap_axes import traced_binding_pmap_axes
+from ..trace.step_context import traced_in_context
 from ..trace.taskspec import current_global_mesh
 from .runtime import Runtime
 from .stacked import from_parts, part_shardings, to_parts, union_for
@@ -195,8 +195,8 @@ class MJitFunction:
             with use_placement(placement.deferring()), collect_pipelines() as pipelines:
                 return (*jax.make_jaxpr(traced, return_shape=True)(*avals), pipelines)
 
-        # pmap-style collectives (nn.BatchNorm(axis_name="batch")) bound to one device, as parallelize does
-        fun, (closed, out_shape, pipelines) = traced_binding_pmap_axes(trace, self.fun, f"mjit({self.__name__})")
+        # pmap-style collectives bound to one device, a bare PartitionSpec's mesh in context, as parallelize does
+        fun, (closed, out_shape, pipelines) = traced_in_context(trace, self.fun, f"mjit({self.__name__})")
         out_tree = jax.tree.structure(out_shape)
         plan = make_plan(closed, placement, pipelines)
         donated_leaves = self._donated_leaves(args)

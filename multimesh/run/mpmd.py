@@ -13,7 +13,7 @@ from ..core.meshes import no_mesh_context
 from ..core.processes import is_failed_exchange, lost_process_error
 from ..core.transfer import everywhere, move
 from ..plan.partition import Plan
-from ..trace.pmap_axes import pmap_axes_note
+from ..trace.step_context import step_context_note
 from .checks import StepInputError, check_shapes
 from .runtime import Runtime
 from .spmd import Parallelized
@@ -100,7 +100,7 @@ class MPMDFunction(Parallelized):
         name = getattr(self.fun, "__name__", "fun")
         stages = ", ".join(p.name for p in self.plan.placements)
         return (f"MPMDFunction({name}, {len(self.plan.segments)} segments in {len(self.runtime.programs)} programs "
-                f"on [{stages}], {len(self.param_layout.leaves)} params{pmap_axes_note(self.fun)})")
+                f"on [{stages}], {len(self.param_layout.leaves)} params{step_context_note(self.fun)})")
 
 
 

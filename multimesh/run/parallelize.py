@@ -27,7 +27,7 @@ from ..trace.implicit import names_in, registered_tasks
 from ..trace.linen_constraints import flax_context_rules
 from ..trace.microbatch import collect_pipelines
 from ..trace.nnx_scopes import scopes_for_tasks
-from ..trace.pmap_axes import traced_binding_pmap_axes
+from ..trace.step_context import traced_in_context
 from ..trace.taskspec import current_global_mesh, use_global_mesh
 from .advice import warn_replicated_batch
 from .checks import check_arrays, check_in_place_nnx, check_outputs, checked, fun_name
@@ -156,7 +156,7 @@ def parallelize(
             check_arrays(initial_batch, "initial_batch", "batch")
             abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)), initial_batch)
     # Traced once, logical constraints deferred: only the plan knows where glue runs.
-    fun, traced, pipelines = _trace_binding_pmap_axes(
+    fun, traced, pipelines = _trace_in_context(
         fun, placement, *_typed(placement, abstract_params, abstract_batch, path_rules, batch_spec))
     closed, out_shape = traced if traced is not None else (None, None)
     plan = make_plan(closed, placement, pipelines) if closed is not None else None
@@ -171,16 +171,27 @@ def parallelize(
         sharded = MPMDFunction(fun, plan, params, batch, abstract_params, abstract_batch,
                                jax.tree.structure(out_shape), out_shape, donate)
         return with_initializers(sharded, init_params, get_input_batch, None)
-    if rules is None and params.leaves and all(leaf.spec == jax.sharding.PartitionSpec() or not any(leaf.spec)
-                                               for leaf in params.leaves):
-        warnings.warn(
-            f"parallelize: no rules= and no annotation names a mesh axis, so every parameter is replicated "
-            f"on all {the_mesh.size} devices; pass rules=[(logical_name, mesh_axis), ...] to shard",
-            stacklevel=2,
-        )
+    if rules is None and params.leaves and all(_replicated(leaf) for leaf in params.leaves):
+        warnings.warn(_replicated_warning(the_mesh, all(_replicated(leaf) for leaf in batch.leaves)), stacklevel=2)
 
     sharded = ShardedFunction(fun, placement, params, batch, abstract_params, abstract_batch, donate, plan)
     return with_initializers(sharded, init_params, get_input_batch, placement)
+
+
+def _replicated(leaf: Any) -> bool:
+    return not any(leaf.spec)
+
+
+def _replicated_warning(mesh: Any, batch_too: bool) -> str:
+    """What `parallelize` says when nothing names a mesh axis: what is replicated, and the rules that fix it."""
+    if not batch_too:
+        return (f"parallelize: no rules= and no annotation names a mesh axis, so every parameter is replicated "
+                f"on all {mesh.size} devices; pass rules=[(logical_name, mesh_axis), ...] to shard")
+    axis = next((a for a, n in mesh.shape.items() if n > 1), next(iter(mesh.shape)))
+    return (f"parallelize: no rules= and no annotation names a mesh axis, so every parameter and the batch are "
+            f"replicated on all {mesh.size} devices: each computes the whole step. Pass rules=[('batch', "
+            f"{axis!r})] to split the batch over {axis!r} (data parallelism), and rules for your parameters' "
+            f"logical names to shard them")
 
 
 def _typed(placement: Placement, abstract_params: Any, abstract_batch: Any, path_rules: PathRules,
@@ -319,16 +330,15 @@ def _input_layouts(plan: Plan | None, placement: Placement, abstract_params: Any
     return dataclasses.replace(params, advice=advice), dataclasses.replace(batch, advice=advice)
 
 
-def _trace_binding_pmap_axes(fun: Callable, placement: Placement, params: Any,
-                             batch: Any) -> tuple[Callable, Any, list]:
-    """``fun`` traced (`_trace`) with the registered pipelines; where its code names an axis that only
-    ``jax.pmap`` would bind (``nn.BatchNorm(axis_name="batch")``), traced again with that axis bound to one
-    device (`traced_binding_pmap_axes`), and that ``fun`` returned for every later trace and compilation."""
+def _trace_in_context(fun: Callable, placement: Placement, params: Any, batch: Any) -> tuple[Callable, Any, list]:
+    """``fun`` traced (`_trace`) with the registered pipelines; where its code assumes what a step under
+    ``jax.pmap`` or ``jax.set_mesh`` has (an axis only pmap binds, a bare `PartitionSpec`), traced again with
+    it supplied (`traced_in_context`), and that ``fun`` returned for every later trace and compilation."""
     def trace(step: Callable) -> tuple[Any, list]:
         with use_placement(placement.deferring()), collect_pipelines() as pipelines:
             return _trace(step, params, batch), pipelines
 
-    fun, (traced, pipelines) = traced_binding_pmap_axes(trace, fun, f"parallelize: step {fun_name(fun)!r}")
+    fun, (traced, pipelines) = traced_in_context(trace, fun, f"parallelize: step {fun_name(fun)!r}")
     return fun, traced, pipelines
 
 

@@ -15,7 +15,7 @@ from ..core.report import ShardingReport
 from ..core.rules import Rules
 from ..core.treecheck import check_same_structure, static_difference
 from ..plan.partition import Plan
-from ..trace.pmap_axes import pmap_axes_note
+from ..trace.step_context import step_context_note
 from .checks import (
     StepInputError,
     check_outputs,
@@ -217,6 +217,6 @@ class ShardedFunction(Parallelized):
     def __repr__(self) -> str:
         name = getattr(self.fun, "__name__", "fun")
         return (f"ShardedFunction({name}, mesh={dict(self.mesh.shape)}, {len(self.param_layout.leaves)} params"
-                f"{pmap_axes_note(self.fun)})")
+                f"{step_context_note(self.fun)})")
 
 

@@ -126,8 +126,8 @@ def resolve_deferred(eqn: Any, ins: list) -> list:
     """An `interpret` rule: a deferred constraint is resolved with the rules in scope; the rest as is.
 
     A constraint the user's code made to a `NamedSharding` on other devices than the submesh running it
-    (the whole mesh, in a pipeline stage; another stage, for a body JAX traced once for two tasks) keeps
-    its spec, resolved on that submesh by its rules. Constraints inside nested jaxprs (a remat's body, a
+    (the whole mesh, in a pipeline stage, also a bare spec resolved on it; another stage, for a body JAX
+    traced once for two tasks) keeps its spec, resolved on that submesh by its rules. Constraints inside nested jaxprs (a remat's body, a
     scan's) are resolved alike (`nested.rebind_nested`).
     """
     if eqn.primitive is logical_constraint_p:
@@ -148,11 +148,16 @@ def _to_resolve(eqn: Any) -> bool:
 
 
 def _on_other_devices(sharding: Any) -> bool:
-    """Whether ``sharding`` is a concrete `NamedSharding` over other devices than the placement in force."""
+    """Whether ``sharding`` is a `NamedSharding` over other devices than the placement in force: a concrete
+    mesh of other devices, or an abstract one (a bare spec resolved on the whole mesh in context) of
+    another shape than the placement's."""
     placement = current_placement()
-    mesh = getattr(sharding, "mesh", None)
-    return (placement is not None and isinstance(sharding, NamedSharding) and isinstance(mesh, Mesh)
-            and frozenset(mesh.devices.flat) != placement.devices)
+    if placement is None or not isinstance(sharding, NamedSharding):
+        return False
+    mesh = sharding.mesh
+    if isinstance(mesh, Mesh):
+        return frozenset(mesh.devices.flat) != placement.devices
+    return mesh != placement.mesh.abstract_mesh
 
 
 def _per_leaf(x: Any, shardings: Any, one: Callable) -> Any:

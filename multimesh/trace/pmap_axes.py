@@ -14,7 +14,7 @@ global batch, as that one device does, so its statistics and gradients are
 already the whole batch's: the same values that the pmap program on ``n``
 devices gets by averaging ``n`` equal shards. `with_axes_of_one` binds the
 names that way (``jax.vmap`` of size 1 over no argument), `unbound_axis`
-reads the name a trace lacked from JAX's error, and `traced_binding_pmap_axes`
+reads the name a trace lacked from JAX's error, and `step_context.traced_in_context`
 traces a step again with each such name bound (`parallelize` and `mjit` do). A task's body, which multimesh
 traces into a jaxpr of its own inside the step's trace, is bound the same way
 (`axes_of_one_in_force`): a collective traced there, e.g. under the ``jax.vjp``
@@ -28,15 +28,13 @@ import contextvars
 import functools
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import jax
 
-__all__ = ["axes_of_one_in_force", "pmap_axes_note", "traced_binding_pmap_axes", "unbound_axis",
-           "with_axes_of_one"]
+__all__ = ["axes_of_one_in_force", "unbound_axis", "with_axes_of_one"]
 
 _UNBOUND = re.compile(r"unbound axis name: (?P<name>[^\s.,;]+)")
-T = TypeVar("T")
 _IN_FORCE: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("axes_of_one", default=())
 
 
@@ -70,35 +68,3 @@ def with_axes_of_one(fun: Callable, names: Sequence[str]) -> Callable:
 def axes_of_one_in_force() -> tuple[str, ...]:
     """The axis names `with_axes_of_one` binds around the code running now (none outside it)."""
     return _IN_FORCE.get()
-
-
-def traced_binding_pmap_axes(trace: Callable[[Callable], T], fun: Callable, where: str) -> tuple[Callable, T]:
-    """``(fun, trace(fun))``; where JAX finds an axis name in ``fun`` that only ``jax.pmap`` binds, ``fun`` with
-    that name bound to one device (`with_axes_of_one`) and traced again, for the caller to use from then on.
-    ``where`` starts the error for a per-device value (``lax.axis_index``) that reaches the results."""
-    names: list[str] = []
-    bound = fun
-    while True:
-        try:
-            return bound, trace(bound)
-        except NameError as e:
-            name = unbound_axis(e)
-            if name is None or name in names:
-                raise
-            names.append(name)
-            bound = with_axes_of_one(fun, names)
-        except ValueError as e:
-            if not names or "has mapped output" not in str(e):
-                raise
-            listed = ", ".join(map(repr, names))
-            raise ValueError(
-                f"{where} computes a per-device value over pmap's axis {listed} that reaches its results, such "
-                f"as lax.axis_index({names[0]!r}) folded into a random key. It runs as one device does, on the "
-                f"whole batch, where that index is always 0: use the key as it is (or fold in 0); the sharded "
-                f"step's random numbers then cover the whole batch, as on one device") from None
-
-
-def pmap_axes_note(fun: Callable) -> str:
-    """``", pmap axes bound to one device: 'batch'"`` for a step `with_axes_of_one` wraps (for a repr), else ""."""
-    names = getattr(fun, "axes_of_one", ())
-    return f", pmap axes bound to one device: {', '.join(map(repr, names))}" if names else ""
