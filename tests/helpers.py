@@ -13,6 +13,7 @@ configurations are chosen so that no divisibility or stacking decision arises.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import flax.linen as nn
@@ -277,6 +278,18 @@ def check_mpmd_against_reference(step: Callable, init: Callable[[], Any], batch:
     for a, r in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(r, np.float32), rtol=grad_rtol, atol=ATOL)
     return fn, state
+
+
+def guide_cells(page: Path, *markers: str) -> list[str]:
+    """The code cells (```{code-cell} ...) of a MyST notebook page that contain one of ``markers``, in order."""
+    cells, lines, i = [], page.read_text().splitlines(), 0
+    while i < len(lines):
+        if lines[i].startswith("```{code-cell}"):
+            end = lines.index("```", i + 1)
+            cells.append("\n".join(lines[i + 1:end]) + "\n")
+            i = end
+        i += 1
+    return [c for c in cells if any(m in c for m in markers)]
 
 
 def train_steps(step_fn: Callable, init_fn: Callable, batch_fn: Callable, steps: int) -> tuple[list[float], Any]:

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import guide_cells
 from jax.sharding import AxisType, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -289,18 +290,6 @@ def gemma() -> Model:
         stage_params=(("layers/0",), ("layers/1",)),
         reference_init=reference_init, reference_loss=reference_loss,
         context=lambda: jax.set_mesh(mesh))
-
-
-def guide_cells(page: Path, *markers: str) -> list[str]:
-    """The code cells (```{code-cell} ...) of a MyST notebook page that contain one of ``markers``, in order."""
-    cells, lines, i = [], page.read_text().splitlines(), 0
-    while i < len(lines):
-        if lines[i].startswith("```{code-cell}"):
-            end = lines.index("```", i + 1)
-            cells.append("\n".join(lines[i + 1:end]) + "\n")
-            i = end
-        i += 1
-    return [c for c in cells if any(m in c for m in markers)]
 
 
 def flax_on_pjit() -> Model:

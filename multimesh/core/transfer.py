@@ -78,9 +78,11 @@ except (ImportError, AttributeError):  # pragma: no cover - another jaxlib
 def _shard_for_shard(x: Any, target: NamedSharding) -> bool:
     """Whether moving ``x`` onto ``target`` copies each shard whole to one device (what `jax.device_put`
     hands to the runtime's batched copy): a live, fully addressable array whose sharding has
-    ``target``'s spec, mesh shape, axis names and memory kind."""
+    ``target``'s spec, mesh shape, axis names and memory kind. Not a typed PRNG key (``nnx.Rngs``'
+    state): the batched copy takes plain arrays only, `jax.device_put` moves keys."""
     s = getattr(x, "sharding", None)
     return (isinstance(s, NamedSharding) and isinstance(target, NamedSharding) and s.spec == target.spec
+            and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
             and s.mesh.shape_tuple == target.mesh.shape_tuple and s.memory_kind == target.memory_kind
             and not x.is_deleted() and x.is_fully_addressable and target.is_fully_addressable)
 

@@ -1,0 +1,262 @@
+"""Flax NNX's own guides, their code run as it is, trained through multimesh against one device.
+
+Vendored unmodified from google/flax under ``tests/thirdparty/flax_nnx_guides/`` (MyST pages; the test
+runs some of their code cells, each page in a namespace of its own):
+
+* ``flax_gspmd.md``, "Scale up on multiple devices": the page NNX users shard from. Its ``MultiDotReluDot``
+  names mesh axes in ``nnx.with_partitioning`` and ``nnx.Param(sharding=...)``, stacks its layers with
+  ``nnx.vmap`` and runs them with ``jax.lax.scan``, and puts an activation in place with
+  ``jax.lax.with_sharding_constraint(y, P('data', 'model'))``: a bare spec, which JAX resolves on the mesh in
+  context (``jax.set_mesh``), so under plain ``jax.jit`` with no mesh set the step fails. Its
+  ``LogicalMultiDotReluDot`` uses logical names with the page's ``sharding_rules``; its
+  ``ExplicitMultiDotReluDot`` JAX's explicit sharding (``out_sharding=`` in initializers and ``jnp.dot``).
+* ``mnist_tutorial.md``, "MNIST tutorial": the page NNX users start from. A CNN with ``nnx.BatchNorm`` and
+  ``nnx.Dropout`` (its random keys from an ``nnx.Rngs`` the step is given), ``nnx.Optimizer(adamw)``, an
+  ``nnx.MultiMetric``, and a ``train_step`` decorated with ``@nnx.jit`` that updates the model (its train
+  view, ``nnx.view``), the optimizer, the metrics and the ``Rngs`` in place.
+
+Adapted only by the test: sizes, the batch (random images), the mesh of the gspmd page's "auto-mode" cell
+made with Auto axes (``jax.make_mesh`` now makes Explicit ones, on which JAX refuses the page's own
+``DotReluDot``), and the cells that train or print at the page's sizes cut before their loops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from helpers import guide_cells
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from multimesh.checkpoint import CheckpointManager
+from multimesh.jax import build_mesh, parallelize, register_task
+from multimesh.jax.flax import functional_step
+
+pytestmark = pytest.mark.devices(8)
+
+GUIDES = Path(__file__).resolve().parent / "thirdparty" / "flax_nnx_guides"
+GSPMD, MNIST = GUIDES / "flax_gspmd.md", GUIDES / "mnist_tutorial.md"
+STEPS, DEPTH, BATCH = 3, 64, 8
+AUTO = (AxisType.Auto, AxisType.Auto)
+
+
+def run_cells(page: Path, *markers: str, cut: str | None = None) -> dict[str, Any]:
+    """The page's cells that contain one of ``markers``, run in order in a fresh namespace; a cell holding
+    ``cut`` runs up to that line (the page's own loop at its own sizes is left out)."""
+    namespace: dict[str, Any] = {}
+    with contextlib.redirect_stdout(None):  # the cells print and display
+        for cell in guide_cells(page, *markers):
+            if cut is not None and cut in cell:
+                cell = cell[:cell.index(cut)]
+            exec(compile(cell, str(page), "exec"), namespace)
+            if "auto_mesh = jax.make_mesh" in cell:  # the page means an Auto mesh, as it says
+                namespace["auto_mesh"] = jax.make_mesh((2, 4), ("data", "model"), axis_types=AUTO)
+    return namespace
+
+
+def state_leaves(objects: Any) -> list[np.ndarray]:
+    """The arrays of NNX objects, random keys as their data, on the host."""
+    leaves = jax.tree.leaves(nnx.state(objects))
+    return [np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+            for x in leaves]
+
+
+def assert_states_close(got: Any, want: Any, rtol: float = 1e-4, atol: float = 1e-5) -> None:
+    got, want = state_leaves(got), state_leaves(want)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+
+
+# ----------------------------------------------------------------- "Scale up on multiple devices"
+@pytest.fixture(scope="module")
+def gspmd() -> dict[str, Any]:
+    return run_cells(GSPMD, "from functools import partial", "auto_mesh = jax.make_mesh", "class DotReluDot",
+                     "def train_step", "sharding_rules = ", "explicit_mesh = jax.make_mesh", cut="with jax.set_mesh")
+
+
+def gspmd_parts(page: dict, cls: str):
+    """The page's model class and its ``train_step`` (the function under its ``@jax.jit``, which updates
+    the model and optimizer in place and returns ``(model, loss)``), in `parallelize`'s form."""
+    def objects():
+        model = page[cls](DEPTH, 2, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+    def batch():
+        rngs = nnx.Rngs(1)
+        return rngs.normal((BATCH, DEPTH)), rngs.normal((BATCH, DEPTH))
+
+    in_place = page["train_step"].__wrapped__
+    step = functional_step(lambda model, optimizer, xy: in_place(model, optimizer, *xy)[1])
+    return objects, batch, in_place, step
+
+
+VARIANTS = {  # the page's model class, its mesh, the rules (the batch over data, as the page places it)
+    "MultiDotReluDot": ("auto_mesh", (("batch", "data"),)),
+    "LogicalMultiDotReluDot": ("auto_mesh", "sharding_rules"),
+    "ExplicitMultiDotReluDot": ("explicit_mesh", (("batch", "data"),)),
+}
+
+
+def gspmd_reference(page: dict, cls: str) -> tuple[list[float], Any]:
+    """The page's step under `nnx.jit` on one device, a 1 x 1 mesh of the page's axis names in context
+    (of its mesh's axis types), built with eager sharding off."""
+    objects, batch, in_place, _ = gspmd_parts(page, cls)
+    types = page[VARIANTS[cls][0]].axis_types
+    mesh = jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1], axis_types=types)
+    losses = []
+    with jax.set_mesh(mesh):
+        with nnx.use_eager_sharding(False):
+            model, optimizer = objects()
+        x, y = (jax.device_put(a, P("data", None)) for a in batch())  # as the page places its batch
+        for _ in range(STEPS):
+            losses.append(float(nnx.jit(in_place)(model, optimizer, x, y)[1]))
+    return losses, (model, optimizer)
+
+
+def test_the_page_needs_its_mesh_in_context_under_plain_jit(gspmd):
+    objects, batch, in_place, _ = gspmd_parts(gspmd, "MultiDotReluDot")
+    with nnx.use_eager_sharding(False):
+        model, optimizer = objects()
+    with pytest.raises(RuntimeError, match="with_sharding_constraint requires a non-empty mesh in context"):
+        nnx.jit(in_place)(model, optimizer, *batch())
+
+
+@pytest.mark.parametrize("cls", list(VARIANTS))
+def test_gspmd_page_models_equal_one_device(gspmd, cls):
+    mesh_name, rules = VARIANTS[cls]
+    objects, batch, _, step = gspmd_parts(gspmd, cls)
+    built = parallelize(step, init_params=objects, get_input_batch=batch, mesh=gspmd[mesh_name],
+                        rules=gspmd[rules] if isinstance(rules, str) else rules)
+    # Explicit axes are in context for every step; Auto ones only for a step whose code needs it
+    assert repr(built[0]).endswith(")" if cls.startswith("Explicit") else ", its mesh in context)")
+    state, batch_ = built[1](), built[2]()
+    losses = []
+    for _ in range(STEPS):
+        loss, state = built[0](state, batch_)
+        losses.append(float(loss))
+    ref_losses, ref_state = gspmd_reference(gspmd, cls)
+    assert ref_losses[-1] < ref_losses[0]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_states_close(state, ref_state)
+    # where the page says its parameters go (the layer axis of the stack replicated), and the batch over data
+    layers = state[0].layers
+    assert layers.dot1.kernel[...].sharding.spec == P(None, None, "model")
+    assert layers.w2[...].sharding.is_equivalent_to(jax.NamedSharding(gspmd[mesh_name], P(None, "model")), 3)
+    assert layers.dot1.kernel[...].addressable_shards[0].data.shape == (2, DEPTH, DEPTH // 4)
+    assert batch_[0].sharding.spec == P("data")
+
+
+def test_gspmd_page_checkpoint_restores_onto_another_mesh(gspmd, tmp_path):
+    """The page's last section saves a sharded NNX state and loads it onto a mesh: here, saved from the
+    2 x 4 mesh after 2 steps, restored onto a 4 x 2 one, its third step equals one device's."""
+    objects, batch, _, step = gspmd_parts(gspmd, "MultiDotReluDot")
+    rules = VARIANTS["MultiDotReluDot"][1]
+    source = parallelize(step, init_params=objects, get_input_batch=batch, mesh=gspmd["auto_mesh"], rules=rules)
+    other = jax.make_mesh((4, 2), ("data", "model"), axis_types=AUTO)
+    target = parallelize(step, init_params=objects, get_input_batch=batch, mesh=other, rules=rules)
+    state, batch_ = source[1](), source[2]()
+    for _ in range(STEPS - 1):
+        _, state = source[0](state, batch_)
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        mgr.save(STEPS - 1, state)
+    with CheckpointManager(tmp_path / "ckpt", read_only=True) as mgr:
+        restored = mgr.restore(STEPS - 1, target=target[0]).state
+    kernel = restored[0].layers.dot1.kernel[...]
+    assert kernel.sharding.mesh.shape == {"data": 4, "model": 2} and kernel.sharding.spec == P(None, None, "model")
+    loss, restored = target[0](restored, target[2]())
+    ref_losses, ref_state = gspmd_reference(gspmd, "MultiDotReluDot")
+    np.testing.assert_allclose(float(loss), ref_losses[-1], rtol=1e-5)
+    assert_states_close(restored, ref_state)
+
+
+# ----------------------------------------------------------------- "MNIST tutorial"
+def mnist_page() -> dict[str, Any]:
+    """The tutorial's model, optimizer and metrics, train step and views: a fresh namespace (its objects)."""
+    return run_cells(MNIST, "class CNN(nnx.Module)", "optimizer = nnx.Optimizer", "def loss_fn(model: CNN",
+                     "train_model = nnx.view")
+
+
+def mnist_batch() -> dict[str, jax.Array]:
+    k1, k2 = jax.random.split(jax.random.key(3))
+    return {"image": jax.random.uniform(k1, (32, 28, 28, 1)), "label": jax.random.randint(k2, (32,), 0, 10)}
+
+
+def mnist_objects() -> tuple:
+    """What the tutorial's loop hands its step: the train view, the optimizer, the metrics, the Rngs.
+
+    The optimizer is the page's, with SGD and momentum at its learning rate for its AdamW: Adam moves
+    every entry by about the learning rate whatever its gradient's size, and conv2's bias, which the
+    BatchNorm after it cancels, has a gradient that is zero but for rounding, so any other order of
+    summation (the batch split over devices) moves it the other way."""
+    page = mnist_page()
+    optimizer = nnx.Optimizer(page["model"], optax.sgd(page["learning_rate"], page["momentum"]), wrt=nnx.Param)
+    return page["train_model"], optimizer, page["metrics"], nnx.Rngs(0)
+
+
+def mnist_metrics(objects: tuple) -> dict[str, float]:
+    return {k: float(v) for k, v in objects[2].compute().items()}
+
+
+@pytest.fixture(scope="module")
+def mnist_reference() -> tuple[list[dict], tuple]:
+    """The tutorial's own step (``@nnx.jit``) on one device, its metrics after each step."""
+    page, objects, batch, metrics = mnist_page(), mnist_objects(), mnist_batch(), []
+    for _ in range(STEPS):
+        page["train_step"](*objects, batch)
+        metrics.append(mnist_metrics(objects))
+    assert metrics[-1]["loss"] < metrics[0]["loss"]  # it trains
+    return metrics, objects
+
+
+def run_mnist(built) -> tuple[list[dict], tuple]:
+    state, batch, metrics = built[1](), built[2](), []
+    for _ in range(STEPS):
+        _, state = built[0](state, batch)
+        metrics.append(mnist_metrics(state))
+    return metrics, state
+
+
+def assert_mnist_matches(got, want) -> None:
+    for a, b in zip(got[0], want[0]):
+        np.testing.assert_allclose(list(a.values()), list(b.values()), rtol=1e-5)
+    assert_states_close(got[1][0], want[1][0])  # parameters and batch statistics
+    # The momenta of the layers before a BatchNorm hold gradients that its backward computes by subtracting
+    # the batch's means: rounding of sums over the batch, which the split batch adds in another order.
+    assert_states_close(got[1][1:], want[1][1:], rtol=1e-3, atol=1e-4)  # optimizer, metrics, Rngs counts
+
+
+def test_mnist_tutorial_data_parallel_equals_one_device(mnist_reference):
+    step = functional_step(mnist_page()["train_step"])  # the tutorial's @nnx.jit step, as it is
+    built = parallelize(step, init_params=mnist_objects, get_input_batch=mnist_batch, mesh={"data": 8},
+                        rules=[("batch", "data")])
+    got = run_mnist(built)
+    assert_mnist_matches(got, mnist_reference)
+    image = built[2]()["image"]
+    assert image.sharding.spec == P("data") and image.addressable_shards[0].data.shape[0] == 4
+    kernel = got[1][0].conv1.kernel[...]
+    assert len(kernel.sharding.device_set) == 8 and kernel.addressable_shards[0].data.shape == kernel.shape
+
+
+def test_mnist_tutorial_two_stage_pipeline_equals_one_device(mnist_reference):
+    """The convolutions on devices 0-3, the dense layers on 4-7, by the CNN's attribute names; the step's
+    ``Rngs``, drawn from in both stages, and the metrics, updated after both, move between them."""
+    step = functional_step(mnist_page()["train_step"])
+    devices = jax.devices()
+    with register_task(r"conv1|batch_norm1|conv2|batch_norm2", mesh=build_mesh({"data": 4}, devices[:4])), \
+            register_task(r"linear1|linear2", mesh=build_mesh({"data": 4}, devices[4:])):
+        built = parallelize(step, init_params=mnist_objects, get_input_batch=mnist_batch, mesh={"data": 8},
+                            rules=[("batch", "data")])
+    assert len(built[0].plan.placements) == 2
+    got = run_mnist(built)
+    assert_mnist_matches(got, mnist_reference)
+    model = got[1][0]
+    assert {d.id for d in model.linear1.kernel[...].sharding.device_set} == {4, 5, 6, 7}
+    assert {d.id for d in model.batch_norm1.mean[...].sharding.device_set} == {0, 1, 2, 3}
