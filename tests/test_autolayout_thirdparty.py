@@ -50,8 +50,9 @@ def test_model_axes_are_the_ones_its_parameters_name(name):
     assert model_axes(T.model(name).init) == OWN_AXES[name]
 
 
-#: the Linen models with logical names only, like this repository's own (`test_autolayout.py`): 25 s each
-_LONG = ("flax_lm1b", "flax_wmt")
+#: the Linen models with logical names only, like this repository's own (`test_autolayout.py`): 25 s each;
+#: Gemma's search, 10 s (its explicit-sharding search stays in the default suite, below)
+_LONG = ("flax_lm1b", "flax_wmt", "flax_gemma")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _LONG else n for n in OWN_AXES])

@@ -65,6 +65,7 @@ def check_runs(runs: list[dict], n_stages: int) -> None:
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2"]
 
 
+@pytest.mark.slow  # about 10 s: two processes; the default suite keeps shorter ones
 def test_every_schedule_two_stages_one_per_process():
     """Every schedule (interleaved: 2 chunks per stage) in one pair of processes, one schedule after the
     other: each process checks each schedule's losses and the parameter shards it holds after 3 steps
@@ -144,6 +145,7 @@ def _pipeline_on_this_process():
     return fn, init, meshes
 
 
+@pytest.mark.slow  # about 10 s: two processes; the default suite keeps shorter ones
 def test_a_checkpoint_of_two_processes_restores_in_one_and_back(tmp_path):
     """2-process pipeline -> 1 process (one device, and a pipeline) ; 1 process -> 2-process pipeline."""
     import jax
@@ -204,6 +206,7 @@ def _kill_mid_run(victim: int) -> tuple[subprocess.Popen, str, float]:
                 p.wait()
 
 
+@pytest.mark.slow  # about 10 s: two processes; the default suite keeps shorter ones
 def test_a_killed_process_stops_the_other_with_an_error_naming_it():
     survivor, err, seconds = _kill_mid_run(victim=1)
     assert survivor.returncode != 0 and seconds < 40, (survivor.returncode, seconds, err[-3000:])

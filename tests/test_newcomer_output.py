@@ -95,6 +95,7 @@ def test_the_stray_line_check_can_fail():
     assert stray_lines(between) == ["E1126 coordination_service_agent.cc:1 error"]
 
 
+@pytest.mark.slow  # about 10 s: two processes
 def test_two_processes_show_one_bar_that_nothing_cuts(tmp_path):
     first, second = _run_two(tmp_path / "run")
     assert stray_lines(first) == [], first
