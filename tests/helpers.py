@@ -280,11 +280,12 @@ def check_mpmd_against_reference(step: Callable, init: Callable[[], Any], batch:
     return fn, state
 
 
-def guide_cells(page: Path, *markers: str) -> list[str]:
-    """The code cells (```{code-cell} ...) of a MyST notebook page that contain one of ``markers``, in order."""
+def guide_cells(page: Path, *markers: str, fence: str = "```{code-cell}") -> list[str]:
+    """The code cells of a notebook page in markdown that contain one of ``markers``, in order: MyST's
+    (```{code-cell} ...), or Jupytext markdown's with ``fence="```python"``."""
     cells, lines, i = [], page.read_text().splitlines(), 0
     while i < len(lines):
-        if lines[i].startswith("```{code-cell}"):
+        if lines[i].startswith(fence):
             end = lines.index("```", i + 1)
             cells.append("\n".join(lines[i + 1:end]) + "\n")
             i = end

@@ -15,9 +15,16 @@ runs some of their code cells, each page in a namespace of its own):
   ``nnx.MultiMetric``, and a ``train_step`` decorated with ``@nnx.jit`` that updates the model (its train
   view, ``nnx.view``), the optimizer, the metrics and the ``Rngs`` in place.
 
-Adapted only by the test: sizes, the batch (random images), the mesh of the gspmd page's "auto-mode" cell
-made with Auto axes (``jax.make_mesh`` now makes Explicit ones, on which JAX refuses the page's own
-``DotReluDot``), and the cells that train or print at the page's sizes cut before their loops.
+* ``minigpt.md``, "Train a miniGPT language model with JAX": the JAX AI stack's tutorial. A transformer in
+  JAX's explicit-sharding style (parameters with ``out_sharding`` metadata, an embedding looked up with
+  ``out_sharding=jax.typeof(x).sharding``, logits ``reshard`` to the tokens' sharding) on a mesh of
+  Explicit axes named ``batch`` and ``model``, ``nnx.Dropout`` layers that hold their own ``Rngs``, and an
+  ``@nnx.jit(donate_argnums=...)`` step updating the model, the optimizer and an ``nnx.MultiMetric``.
+
+Adapted only by the test: sizes, the batch (random images and tokens), the mesh of the gspmd page's
+"auto-mode" cell made with Auto axes (``jax.make_mesh`` now makes Explicit ones, on which JAX refuses the
+page's own ``DotReluDot``), the cells that train or print at the page's sizes cut before their loops, and
+the miniGPT page's imports and sizes given by the test (its cells also load a tokenizer and a dataset).
 """
 
 from __future__ import annotations
@@ -42,17 +49,18 @@ from multimesh.jax.flax import functional_step
 pytestmark = pytest.mark.devices(8)
 
 GUIDES = Path(__file__).resolve().parent / "thirdparty" / "flax_nnx_guides"
-GSPMD, MNIST = GUIDES / "flax_gspmd.md", GUIDES / "mnist_tutorial.md"
+GSPMD, MNIST, MINIGPT = GUIDES / "flax_gspmd.md", GUIDES / "mnist_tutorial.md", GUIDES / "minigpt.md"
 STEPS, DEPTH, BATCH = 3, 64, 8
 AUTO = (AxisType.Auto, AxisType.Auto)
 
 
-def run_cells(page: Path, *markers: str, cut: str | None = None) -> dict[str, Any]:
-    """The page's cells that contain one of ``markers``, run in order in a fresh namespace; a cell holding
-    ``cut`` runs up to that line (the page's own loop at its own sizes is left out)."""
-    namespace: dict[str, Any] = {}
+def run_cells(page: Path, *markers: str, cut: str | None = None, fence: str = "```{code-cell}",
+              namespace: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The page's cells that contain one of ``markers``, run in order in a fresh namespace (or the one given);
+    a cell holding ``cut`` runs up to that line (the page's own loop at its own sizes is left out)."""
+    namespace = {} if namespace is None else namespace
     with contextlib.redirect_stdout(None):  # the cells print and display
-        for cell in guide_cells(page, *markers):
+        for cell in guide_cells(page, *markers, fence=fence):
             if cut is not None and cut in cell:
                 cell = cell[:cell.index(cut)]
             exec(compile(cell, str(page), "exec"), namespace)
@@ -260,3 +268,99 @@ def test_mnist_tutorial_two_stage_pipeline_equals_one_device(mnist_reference):
     model = got[1][0]
     assert {d.id for d in model.linear1.kernel[...].sharding.device_set} == {4, 5, 6, 7}
     assert {d.id for d in model.batch_norm1.mean[...].sharding.device_set} == {0, 1, 2, 3}
+    # the state's scalars (the metrics' totals and counts, the Rngs, Adam's count) on every device: the
+    # tutorial's loop combines them after the step (metrics.compute())
+    assert {d.id for d in got[1][2].loss.count[...].sharding.device_set} == set(range(8))
+
+
+# ----------------------------------------------------------------- "Train a miniGPT language model with JAX"
+VOCAB, LENGTH = 64, 16
+
+
+def minigpt_page() -> dict[str, Any]:
+    """The tutorial's model and step cells, with its imports but for the data loading ones (grain, pandas,
+    tiktoken) and its sizes made small."""
+    namespace: dict[str, Any] = dict(vocab_size=VOCAB, maxlen=LENGTH, embed_dim=32, num_heads=4, feed_forward_dim=32,
+                                     top_k=10)
+    exec("import jax\nimport jax.numpy as jnp\nimport flax.nnx as nnx\nimport optax\n"
+         "from dataclasses import dataclass\nfrom jax.sharding import PartitionSpec as P, reshard\n", namespace)
+    return run_cells(MINIGPT, "class TransformerBlock", "class TokenAndPositionEmbedding", "class MiniGPT",
+                     "def loss_fn(model, batch)", fence="```python", namespace=namespace)
+
+
+def minigpt_batch() -> tuple[jax.Array, jax.Array]:
+    """Token ids and their targets, the next token (the page's ``prep_target_batch``)."""
+    tokens = jax.random.randint(jax.random.key(1), (BATCH, LENGTH), 0, VOCAB)
+    return tokens, jax.numpy.concatenate([tokens[:, 1:], jax.numpy.zeros((BATCH, 1), tokens.dtype)], axis=1)
+
+
+def minigpt_objects() -> tuple:
+    """The page's model (4 blocks), optimizer and metrics; SGD with momentum for the page's Adam: attention's
+    key bias moves no softmax (it adds the same to every key's score), so its gradient is rounding, which
+    Adam scales up to the learning rate, either way as the batch's sums fell."""
+    model = minigpt_page()["create_model"](rngs=nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.sgd(0.1, momentum=0.9), wrt=nnx.Param), nnx.MultiMetric(
+        loss=nnx.metrics.Average("loss"))
+
+
+def minigpt_loss(objects: tuple) -> float:
+    return float(objects[2].compute()["loss"])
+
+
+@pytest.fixture(scope="module")
+def minigpt_reference() -> tuple[list[float], tuple]:
+    """The page's step on one device: a 1 x 1 mesh of its Explicit axes, the batch placed as the page does."""
+    page, losses = minigpt_page(), []
+    with jax.set_mesh(jax.make_mesh((1, 1), ("batch", "model"), devices=jax.devices()[:1])):
+        objects = minigpt_objects()
+        batch = jax.device_put(minigpt_batch(), P("batch", None))
+        for _ in range(STEPS):
+            page["train_step"](*objects, batch)
+            losses.append(minigpt_loss(objects))
+    assert losses[-1] < losses[0]
+    return losses, objects
+
+
+def run_minigpt(built) -> tuple[list[float], tuple]:
+    state, batch, losses = built[1](), built[2](), []
+    for _ in range(STEPS):
+        _, state = built[0](state, batch)
+        losses.append(minigpt_loss(state))
+    return losses, state
+
+
+MINIGPT_MESH = ((4, 2), ("batch", "model"))  # Explicit axes (jax.make_mesh's default), as the page's mesh
+
+
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+def test_minigpt_tutorial_spmd_equals_one_device(minigpt_reference):
+    built = parallelize(functional_step(minigpt_page()["train_step"]), init_params=minigpt_objects,
+                        get_input_batch=minigpt_batch, mesh=jax.make_mesh(*MINIGPT_MESH))
+    losses, state = run_minigpt(built)
+    np.testing.assert_allclose(losses, minigpt_reference[0], rtol=1e-5)
+    assert_states_close(state, minigpt_reference[1])  # the dropout layers' Rngs included
+    kernel = state[0].transformer_blocks.layers[0].mlp.layers[0].kernel[...]
+    assert kernel.sharding.spec == P(None, "model") and kernel.sharding.mesh.axis_types[0] == AxisType.Explicit
+    assert built[2]()[0].sharding.spec == P("batch")  # the mesh's own axis "batch": no rules needed
+
+
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+def test_minigpt_tutorial_two_stage_pipeline_equals_one_device(minigpt_reference):
+    """The embedding and blocks 0-1 on devices 0-3, blocks 2-3 and the output layer on 4-7, by attribute path,
+    each stage a 2 x 2 mesh of the page's axis names."""
+    step = functional_step(minigpt_page()["train_step"])
+    devices = np.array(jax.devices())
+    stage = dict(device_axes=("batch", "model"))
+    with register_task(r"embedding_layer|transformer_blocks\.layers\.[01]", devices=devices[:4].reshape(2, 2),
+                       **stage), \
+            register_task(r"transformer_blocks\.layers\.[23]|output_layer", devices=devices[4:].reshape(2, 2),
+                          **stage):
+        built = parallelize(step, init_params=minigpt_objects, get_input_batch=minigpt_batch,
+                            mesh=jax.make_mesh(*MINIGPT_MESH))
+    assert len(built[0].plan.placements) == 2
+    losses, state = run_minigpt(built)
+    np.testing.assert_allclose(losses, minigpt_reference[0], rtol=1e-5)
+    assert_states_close(state, minigpt_reference[1])
+    model = state[0]
+    assert {d.id for d in model.output_layer.kernel[...].sharding.device_set} == {4, 5, 6, 7}
+    assert {d.id for d in model.embedding_layer.token_emb.embedding[...].sharding.device_set} == {0, 1, 2, 3}

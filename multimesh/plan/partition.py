@@ -29,6 +29,7 @@ from jax._src import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from ..core.fmt import format_bytes
+from ..core.meshes import explicit_axes
 from ..core.schedules import Schedule
 from ..trace.implicit import implicit_placement, is_backprop, microbatch_of
 from ..trace.interpret import bind_equation, interpret
@@ -198,8 +199,17 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
     A library's jitted helper (optax's tree-wide updates, say) may touch the
     parameters of every stage at once; inlined, each piece is placed alone.
     """
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+    avals = [_typed_like(v.aval) for v in closed.jaxpr.invars]
     return jax.make_jaxpr(lambda *a: _eval_inlined(closed.jaxpr, closed.consts, *a))(*avals)
+
+
+def _typed_like(aval: Any) -> jax.ShapeDtypeStruct:
+    """An input as the trace typed it: on Explicit axes its sharding is part of its type, and the equations
+    re-bound after it (an attention mask's ``select_n`` of a head-sharded and a replicated case) check it."""
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    typed = mesh is not None and not mesh.empty and explicit_axes(mesh)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding if typed else None)
 
 
 def _initial_colours(eqns: Sequence, placed: dict[int, Placement]) -> list[Placement | None]:

@@ -48,11 +48,9 @@ class MPMDFunction(Parallelized):
         self._donate = donate
         self._shapes = tuple(tuple(a.shape) for a in jax.tree.leaves((abstract_params, abstract_batch)))
         self._out_tree = out_tree
-        targets = self._mirror.shardings_for(out_abstract)
-        self._out_targets = jax.tree.leaves(
-            jax.tree.map(lambda _, t: t, out_abstract, targets, is_leaf=lambda x: x is None),
-            is_leaf=lambda x: x is None or isinstance(x, NamedSharding),
-        )
+        # One target per output leaf (None: not a parameter's mirror). Up to the outputs' own leaves: a
+        # None inside them (an NNX module's unset attribute) is an empty node, not an output.
+        self._out_targets = jax.tree.structure(out_abstract).flatten_up_to(self._mirror.shardings_for(out_abstract))
 
     @property
     def stats(self):
