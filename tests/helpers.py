@@ -280,6 +280,18 @@ def check_mpmd_against_reference(step: Callable, init: Callable[[], Any], batch:
     return fn, state
 
 
+def two_matrices(tx: optax.GradientTransformation, d: int = 8) -> dict:
+    """A state of two random ``d x d`` matrices ``a`` and ``b`` and ``tx``'s state for them."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    p = {"a": jax.random.normal(k1, (d, d)), "b": jax.random.normal(k2, (d, d))}
+    return {"params": p, "opt": tx.init(p)}
+
+
+def xy_batch(b: int = 16, d: int = 8) -> dict:
+    """Random inputs ``x`` and targets ``y``, both ``b x d``."""
+    return {"x": jax.random.normal(jax.random.key(1), (b, d)), "y": jax.random.normal(jax.random.key(2), (b, d))}
+
+
 def guide_cells(page: Path, *markers: str, fence: str = "```{code-cell}") -> list[str]:
     """The code cells of a notebook page in markdown that contain one of ``markers``, in order: MyST's
     (```{code-cell} ...), or Jupytext markdown's with ``fence="```python"``."""

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, train_steps
+from helpers import assert_trees_close, train_steps, two_matrices, xy_batch
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -27,13 +27,11 @@ RULES = [("batch", "data")]
 
 
 def init():
-    k1, k2 = jax.random.split(jax.random.key(0))
-    p = {"a": jax.random.normal(k1, (D, D)), "b": jax.random.normal(k2, (D, D))}
-    return {"params": p, "opt": TX.init(p)}
+    return two_matrices(TX, D)
 
 
 def get_batch():
-    return {"x": jax.random.normal(jax.random.key(1), (B, D)), "y": jax.random.normal(jax.random.key(2), (B, D))}
+    return xy_batch(B, D)
 
 
 def layer(w, x):

@@ -30,6 +30,7 @@ the miniGPT page's imports and sizes given by the test (its cells also load a to
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -224,12 +225,14 @@ def mnist_reference() -> tuple[list[dict], tuple]:
     return metrics, objects
 
 
-def run_mnist(built) -> tuple[list[dict], tuple]:
-    state, batch, metrics = built[1](), built[2](), []
+def run_page(built, read: Callable[[tuple], Any]) -> tuple[list, tuple]:
+    """``STEPS`` steps of a built page's step: what ``read`` reads off its objects after each (the metrics the
+    page's loop computes), and the last objects."""
+    state, batch, seen = built[1](), built[2](), []
     for _ in range(STEPS):
         _, state = built[0](state, batch)
-        metrics.append(mnist_metrics(state))
-    return metrics, state
+        seen.append(read(state))
+    return seen, state
 
 
 def assert_mnist_matches(got, want) -> None:
@@ -245,7 +248,7 @@ def test_mnist_tutorial_data_parallel_equals_one_device(mnist_reference):
     step = functional_step(mnist_page()["train_step"])  # the tutorial's @nnx.jit step, as it is
     built = parallelize(step, init_params=mnist_objects, get_input_batch=mnist_batch, mesh={"data": 8},
                         rules=[("batch", "data")])
-    got = run_mnist(built)
+    got = run_page(built, mnist_metrics)
     assert_mnist_matches(got, mnist_reference)
     image = built[2]()["image"]
     assert image.sharding.spec == P("data") and image.addressable_shards[0].data.shape[0] == 4
@@ -263,7 +266,7 @@ def test_mnist_tutorial_two_stage_pipeline_equals_one_device(mnist_reference):
         built = parallelize(step, init_params=mnist_objects, get_input_batch=mnist_batch, mesh={"data": 8},
                             rules=[("batch", "data")])
     assert len(built[0].plan.placements) == 2
-    got = run_mnist(built)
+    got = run_page(built, mnist_metrics)
     assert_mnist_matches(got, mnist_reference)
     model = got[1][0]
     assert {d.id for d in model.linear1.kernel[...].sharding.device_set} == {4, 5, 6, 7}
@@ -321,14 +324,6 @@ def minigpt_reference() -> tuple[list[float], tuple]:
     return losses, objects
 
 
-def run_minigpt(built) -> tuple[list[float], tuple]:
-    state, batch, losses = built[1](), built[2](), []
-    for _ in range(STEPS):
-        _, state = built[0](state, batch)
-        losses.append(minigpt_loss(state))
-    return losses, state
-
-
 MINIGPT_MESH = ((4, 2), ("batch", "model"))  # Explicit axes (jax.make_mesh's default), as the page's mesh
 
 
@@ -336,7 +331,7 @@ MINIGPT_MESH = ((4, 2), ("batch", "model"))  # Explicit axes (jax.make_mesh's de
 def test_minigpt_tutorial_spmd_equals_one_device(minigpt_reference):
     built = parallelize(functional_step(minigpt_page()["train_step"]), init_params=minigpt_objects,
                         get_input_batch=minigpt_batch, mesh=jax.make_mesh(*MINIGPT_MESH))
-    losses, state = run_minigpt(built)
+    losses, state = run_page(built, minigpt_loss)
     np.testing.assert_allclose(losses, minigpt_reference[0], rtol=1e-5)
     assert_states_close(state, minigpt_reference[1])  # the dropout layers' Rngs included
     kernel = state[0].transformer_blocks.layers[0].mlp.layers[0].kernel[...]
@@ -358,7 +353,7 @@ def test_minigpt_tutorial_two_stage_pipeline_equals_one_device(minigpt_reference
         built = parallelize(step, init_params=minigpt_objects, get_input_batch=minigpt_batch,
                             mesh=jax.make_mesh(*MINIGPT_MESH))
     assert len(built[0].plan.placements) == 2
-    losses, state = run_minigpt(built)
+    losses, state = run_page(built, minigpt_loss)
     np.testing.assert_allclose(losses, minigpt_reference[0], rtol=1e-5)
     assert_states_close(state, minigpt_reference[1])
     model = state[0]

@@ -127,8 +127,8 @@ def resolve_deferred(eqn: Any, ins: list) -> list:
 
     A constraint the user's code made to a `NamedSharding` on other devices than the submesh running it
     (the whole mesh, in a pipeline stage, also a bare spec resolved on it; another stage, for a body JAX
-    traced once for two tasks) keeps its spec, resolved on that submesh by its rules. Constraints inside nested jaxprs (a remat's body, a
-    scan's) are resolved alike (`nested.rebind_nested`).
+    traced once for two tasks) keeps its spec, resolved on that submesh by its rules. Constraints inside
+    nested jaxprs (a remat's body, a scan's) are resolved alike (`nested.rebind_nested`).
     """
     if eqn.primitive is logical_constraint_p:
         hint = eqn.params.get("hint")
