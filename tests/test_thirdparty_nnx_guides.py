@@ -271,9 +271,10 @@ def test_mnist_tutorial_two_stage_pipeline_equals_one_device(mnist_reference):
     model = got[1][0]
     assert {d.id for d in model.linear1.kernel[...].sharding.device_set} == {4, 5, 6, 7}
     assert {d.id for d in model.batch_norm1.mean[...].sharding.device_set} == {0, 1, 2, 3}
-    # the state's scalars (the metrics' totals and counts, the Rngs, Adam's count) on every device: the
-    # tutorial's loop combines them after the step (metrics.compute())
-    assert {d.id for d in got[1][2].loss.count[...].sharding.device_set} == set(range(8))
+    # the state's scalars (the metrics' totals and counts, the Rngs, the optimizer's count) together on the
+    # last stage: the tutorial's loop combines them after the step (metrics.compute())
+    scalars = [x for x in jax.tree.leaves(nnx.state(got[1])) if not np.shape(x)]
+    assert scalars and all({d.id for d in x.sharding.device_set} == {4, 5, 6, 7} for x in scalars)
 
 
 # ----------------------------------------------------------------- "Train a miniGPT language model with JAX"

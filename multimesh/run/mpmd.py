@@ -26,6 +26,16 @@ __all__ = ["READABLE_BYTES", "MPMDFunction"]
 READABLE_BYTES = 1 << 20
 
 
+def _free_unread_scalars(inputs: list, outs: list) -> None:
+    """Donated state the step only copied elsewhere, freed as donation promises: a scalar of the state lives on
+    the last stage (`run.parallelize._input_layouts`), and where only other stages read it no program there
+    was given its buffer."""
+    kept = {id(x) for x in outs}
+    for x in inputs:
+        if isinstance(x, jax.Array) and not x.shape and id(x) not in kept and not x.is_deleted():
+            x.delete()
+
+
 class MPMDFunction(Parallelized):
     """A step made of tasks: per-submesh executables run by a small runtime.
 
@@ -71,6 +81,8 @@ class MPMDFunction(Parallelized):
                     outs = self.runtime(to_parts(flat, boundary.inputs, self._shardings))
                     outs = from_parts(outs, boundary.outputs, self._out_targets)
             outs = [self._deliver(x, t) for x, t in zip(outs, self._out_targets)]
+            if self._donate:
+                _free_unread_scalars(jax.tree.leaves(params), outs)
         except (ValueError, TypeError, RuntimeError) as e:
             if isinstance(e, StepInputError):
                 raise

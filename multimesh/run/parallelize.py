@@ -235,8 +235,7 @@ def _retrace_on_stages(fun: Callable, plan: Plan, placement: Placement, abstract
             f"stage the same submesh shape (e.g. slices of the mesh along a 'stage' axis), or use a mesh of Auto "
             f"axes")
     stage = plan.placements[0]
-    layouts = _input_layouts(plan, placement, abstract_params, abstract_batch, path_rules, batch_spec, advise=False,
-                             scalars_on_the_mesh=False)
+    layouts = _input_layouts(plan, placement, abstract_params, abstract_batch, path_rules, batch_spec, advise=False)
     with use_placement(placement):
         whole = current_global_mesh()  # what tasks' mesh slices sliced in the first trace
     with use_global_mesh(whole), use_placement(stage.deferring()), collect_pipelines() as pipelines:
@@ -299,33 +298,30 @@ def _unmatched_registrations(plan: Plan, strict: bool) -> None:
 def _input_placement(plan: Plan | None, placement: Placement, offset: int,
                      scalars: frozenset[int] = frozenset()) -> Callable[[int], Placement]:
     """Step input ``offset + i`` -> the placement of its first consumer (SPMD: the one placement); with
-    stages, each of ``scalars`` on the step's whole mesh when it holds every stage (see `_input_layouts`)."""
+    stages, each of ``scalars`` on the last stage (see `_input_layouts`)."""
     if plan is None or plan.placements == [placement]:
         return lambda i: placement
-    if not all(p.devices <= placement.devices for p in plan.placements):  # stages off the step's mesh
-        scalars = frozenset()
-    return lambda i: placement if i in scalars else plan.step_input_placement(offset + i)
+    last = plan.placements[-1]
+    return lambda i: last if i in scalars else plan.step_input_placement(offset + i)
 
 
 def _input_layouts(plan: Plan | None, placement: Placement, abstract_params: Any, abstract_batch: Any,
-                   path_rules: PathRules, batch_spec: tuple, *, advise: bool = True,
-                   scalars_on_the_mesh: bool = True) -> tuple[Layout, Layout]:
+                   path_rules: PathRules, batch_spec: tuple, *, advise: bool = True) -> tuple[Layout, Layout]:
     """Parameter and batch layouts, each input on the placement of its first consumer in the plan (SPMD:
     the one placement): from its annotations, a path rule, a constraint found in the trace, or the default.
-    ``advise``: warn about a batch the rules leave replicated (once, for the step's final layouts).
-    ``scalars_on_the_mesh``: with stages, the state's scalars on the whole mesh (below); else on their first
-    consumer's stage, where the runtime moves them (as the step's trace on its stages types them)."""
+    ``advise``: warn about a batch the rules leave replicated (once, for the step's final layouts)."""
     n_params = len(jax.tree.leaves(abstract_params))
     found = constrained_inputs(plan.step_jaxpr or plan.jaxpr) if plan is not None else {}
 
     def placement_of(offset: int) -> Callable[[int], Placement]:
         return _input_placement(plan, placement, offset)
 
-    # With stages, the state's scalars (an optimizer's count, a metric's total, an nnx.Rngs' key) live on
-    # the whole mesh, not on the stage that reads them first: the caller combines them after the step
-    # (nnx.MultiMetric.compute divides a total by a count), and JAX refuses arrays on different devices.
-    scalars = frozenset(i for i, a in enumerate(jax.tree.leaves(abstract_params))
-                        if scalars_on_the_mesh and not np.shape(a))
+    # With stages, the state's scalars (an optimizer's count, a metric's total, an nnx.Rngs' key) live
+    # together on the last stage, not each on the stage that reads it first: the caller combines them after
+    # the step (nnx.MultiMetric.compute divides a total by a count), and JAX refuses arrays on different
+    # devices. One stage, not the whole mesh: a scalar moves between stages shard for shard, which is
+    # asynchronous, and onto more devices by way of the host, which waits for its value.
+    scalars = frozenset(i for i, a in enumerate(jax.tree.leaves(abstract_params)) if not np.shape(a))
     params = derive_layout(abstract_params, _input_placement(plan, placement, 0, scalars), path_rules=path_rules,
                            what="parameter",
                            constraints={i: s for i, s in found.items() if i < n_params})
