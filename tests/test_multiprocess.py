@@ -249,7 +249,8 @@ def test_the_transfer_port_stays_reserved_for_jax():
         distributed._RESERVED.pop().close()
 
 
-@pytest.mark.parametrize("checksums", [True, pytest.param(False, marks=pytest.mark.slow)],
+@pytest.mark.slow  # about 12 s: two processes
+@pytest.mark.parametrize("checksums", [True, False],
                          ids=["checksums", "no-checksums"])
 def test_a_save_that_loses_a_process_names_it_and_keeps_nothing(tmp_path, checksums):
     """Process 1 leaves after both saved step 0; process 0's save of step 1 fails in an exchange

@@ -473,6 +473,7 @@ def test_a_use_that_needs_the_whole_stack_gathers_it_with_a_warning_and_stays_co
         check_on_stages(x, 0, 2, 4)
 
 
+@pytest.mark.slow  # about 8 s: two processes
 def test_split_stack_across_two_processes():
     """Stage s on process s: each process holds its own layers' shards only, and both see the one-device
     losses (jax.distributed on localhost, 4 CPU devices per process)."""

@@ -81,7 +81,7 @@ class MPMDFunction(Parallelized):
                     outs = self.runtime(to_parts(flat, boundary.inputs, self._shardings))
                     outs = from_parts(outs, boundary.outputs, self._out_targets)
             outs = [self._deliver(x, t) for x, t in zip(outs, self._out_targets)]
-            if self._donate:
+            if self._donate and jax.process_count() == 1:  # across processes a transfer may still read it
                 _free_unread_scalars(jax.tree.leaves(params), outs)
         except (ValueError, TypeError, RuntimeError) as e:
             if isinstance(e, StepInputError):
