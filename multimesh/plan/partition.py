@@ -207,8 +207,7 @@ def _typed_like(aval: Any) -> jax.ShapeDtypeStruct:
     """An input as the trace typed it: on Explicit axes its sharding is part of its type, and the equations
     re-bound after it (an attention mask's ``select_n`` of a head-sharded and a replicated case) check it."""
     sharding = getattr(aval, "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    typed = mesh is not None and not mesh.empty and explicit_axes(mesh)
+    typed = sharding is not None and explicit_axes(sharding.mesh)
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding if typed else None)
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 from ..core.layout import Layout
 from ..core.placement import Placement
 
-__all__ = ["warn_replicated_batch"]
+__all__ = ["warn_everything_replicated", "warn_replicated_batch"]
 
 _PREFERRED = ("data", "batch", "fsdp")  # the axes a batch usually goes over, in the order to suggest them
 
@@ -51,3 +52,20 @@ def warn_replicated_batch(layout: Layout, placement_for: Callable[[int], Placeme
             f"shard them over {axis!r}, or ({name!r}, None) to keep them replicated",
             stacklevel=stacklevel + 1,
         )
+
+
+def warn_everything_replicated(params: Layout, batch: Layout, mesh: Any, *, stacklevel: int = 2) -> None:
+    """Without rules, warn when no parameter is sharded: say whether the batch is replicated too (a mesh with
+    no axis named ``batch``), and the rule that splits it over the mesh's own axis."""
+    if not params.leaves or any(any(leaf.spec) for leaf in params.leaves):
+        return
+    if any(any(leaf.spec) for leaf in batch.leaves):
+        message = (f"parallelize: no rules= and no annotation names a mesh axis, so every parameter is replicated "
+                   f"on all {mesh.size} devices; pass rules=[(logical_name, mesh_axis), ...] to shard")
+    else:
+        axis = next((a for a, n in mesh.shape.items() if n > 1), next(iter(mesh.shape)))
+        message = (f"parallelize: no rules= and no annotation names a mesh axis, so every parameter and the batch "
+                   f"are replicated on all {mesh.size} devices: each computes the whole step. Pass rules=[('batch', "
+                   f"{axis!r})] to split the batch over {axis!r} (data parallelism), and rules for your parameters' "
+                   f"logical names to shard them")
+    warnings.warn(message, stacklevel=stacklevel + 1)

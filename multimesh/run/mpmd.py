@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 
 from ..core.layout import Layout
@@ -26,13 +27,13 @@ __all__ = ["READABLE_BYTES", "MPMDFunction"]
 READABLE_BYTES = 1 << 20
 
 
-def _free_unread_scalars(inputs: list, outs: list) -> None:
+def _free_unread_scalars(scalars: list, outs: list) -> None:
     """Donated state the step only copied elsewhere, freed as donation promises: a scalar of the state lives on
     the last stage (`run.parallelize._input_layouts`), and where only other stages read it no program there
     was given its buffer."""
     kept = {id(x) for x in outs}
-    for x in inputs:
-        if isinstance(x, jax.Array) and not x.shape and id(x) not in kept and not x.is_deleted():
+    for x in scalars:
+        if isinstance(x, jax.Array) and id(x) not in kept and not x.is_deleted():
             x.delete()
 
 
@@ -56,6 +57,10 @@ class MPMDFunction(Parallelized):
         donated = set(plan.jaxpr.invars[:n_params]) if donate else set()
         self.runtime = Runtime(plan, dict(zip(plan.jaxpr.invars, flat_shardings)), donated=donated)
         self._donate = donate
+        # the state's scalars, by position among the step's inputs: freed after each step (across processes
+        # a transfer may still read one)
+        self._donated_scalars = [i for i, a in enumerate(jax.tree.leaves(abstract_params)) if not np.shape(a)] \
+            if donate and jax.process_count() == 1 else []
         self._shapes = tuple(tuple(a.shape) for a in jax.tree.leaves((abstract_params, abstract_batch)))
         self._out_tree = out_tree
         # One target per output leaf (None: not a parameter's mirror). Up to the outputs' own leaves: a
@@ -81,8 +86,8 @@ class MPMDFunction(Parallelized):
                     outs = self.runtime(to_parts(flat, boundary.inputs, self._shardings))
                     outs = from_parts(outs, boundary.outputs, self._out_targets)
             outs = [self._deliver(x, t) for x, t in zip(outs, self._out_targets)]
-            if self._donate and jax.process_count() == 1:  # across processes a transfer may still read it
-                _free_unread_scalars(jax.tree.leaves(params), outs)
+            if self._donated_scalars:
+                _free_unread_scalars([flat[i] for i in self._donated_scalars], outs)
         except (ValueError, TypeError, RuntimeError) as e:
             if isinstance(e, StepInputError):
                 raise

@@ -29,7 +29,7 @@ from ..trace.microbatch import collect_pipelines
 from ..trace.nnx_scopes import scopes_for_tasks
 from ..trace.step_context import traced_in_context
 from ..trace.taskspec import current_global_mesh, use_global_mesh
-from .advice import warn_replicated_batch
+from .advice import warn_everything_replicated, warn_replicated_batch
 from .checks import check_arrays, check_in_place_nnx, check_outputs, checked, fun_name
 from .initializers import ShardedInitializer, StepAndInit, StepFunctions, with_initializers
 from .mpmd import MPMDFunction
@@ -171,27 +171,11 @@ def parallelize(
         sharded = MPMDFunction(fun, plan, params, batch, abstract_params, abstract_batch,
                                jax.tree.structure(out_shape), out_shape, donate)
         return with_initializers(sharded, init_params, get_input_batch, None)
-    if rules is None and params.leaves and all(_replicated(leaf) for leaf in params.leaves):
-        warnings.warn(_replicated_warning(the_mesh, all(_replicated(leaf) for leaf in batch.leaves)), stacklevel=2)
+    if rules is None:
+        warn_everything_replicated(params, batch, the_mesh, stacklevel=2)
 
     sharded = ShardedFunction(fun, placement, params, batch, abstract_params, abstract_batch, donate, plan)
     return with_initializers(sharded, init_params, get_input_batch, placement)
-
-
-def _replicated(leaf: Any) -> bool:
-    return not any(leaf.spec)
-
-
-def _replicated_warning(mesh: Any, batch_too: bool) -> str:
-    """What `parallelize` says when nothing names a mesh axis: what is replicated, and the rules that fix it."""
-    if not batch_too:
-        return (f"parallelize: no rules= and no annotation names a mesh axis, so every parameter is replicated "
-                f"on all {mesh.size} devices; pass rules=[(logical_name, mesh_axis), ...] to shard")
-    axis = next((a for a, n in mesh.shape.items() if n > 1), next(iter(mesh.shape)))
-    return (f"parallelize: no rules= and no annotation names a mesh axis, so every parameter and the batch are "
-            f"replicated on all {mesh.size} devices: each computes the whole step. Pass rules=[('batch', "
-            f"{axis!r})] to split the batch over {axis!r} (data parallelism), and rules for your parameters' "
-            f"logical names to shard them")
 
 
 def _typed(placement: Placement, abstract_params: Any, abstract_batch: Any, path_rules: PathRules,
@@ -322,8 +306,8 @@ def _input_layouts(plan: Plan | None, placement: Placement, abstract_params: Any
     # devices. One stage, not the whole mesh: a scalar moves between stages shard for shard, which is
     # asynchronous, and onto more devices by way of the host, which waits for its value.
     scalars = frozenset(i for i, a in enumerate(jax.tree.leaves(abstract_params)) if not np.shape(a))
-    params = derive_layout(abstract_params, _input_placement(plan, placement, 0, scalars), path_rules=path_rules,
-                           what="parameter",
+    param_placement = _input_placement(plan, placement, 0, scalars)
+    params = derive_layout(abstract_params, param_placement, path_rules=path_rules, what="parameter",
                            constraints={i: s for i, s in found.items() if i < n_params})
     batch = derive_layout(abstract_batch, placement_of(n_params), default=batch_spec, exact=True, what="batch",
                           constraints={i - n_params: s for i, s in found.items() if i >= n_params})
@@ -332,7 +316,7 @@ def _input_layouts(plan: Plan | None, placement: Placement, abstract_params: Any
         warn_replicated_batch(batch, placement_of(n_params), stacklevel=3)
         spmd = plan is None or plan.placements == [placement]
         names = constraint_names(plan.step_jaxpr or plan.jaxpr) if plan is not None and spmd else None
-        advice = tuple(rule_coverage([(params, placement_of(0)), (batch, placement_of(n_params))], placement, names))
+        advice = tuple(rule_coverage([(params, param_placement), (batch, placement_of(n_params))], placement, names))
         warn_rule_coverage(advice, stacklevel=3)
     if plan is not None and plan.boundary is not None:  # a split scanned stack: its arrays span its stages
         params = widen_layout(params, plan.boundary.inputs[:n_params])
