@@ -65,7 +65,8 @@ def test_the_mask_is_recomputed_on_the_second_submesh_instead_of_copied():
 def test_adam_scalars_are_computed_on_every_stage_from_one_copy_of_the_step_count():
     """Adam's per-step scalars come from its int32 count, a small step input: with recomputation each stage
     computes them from its own copy of the count (one 4-byte move a step, and each stage's update is one
-    segment); without, they are computed on one stage and sent to the other one by one. Both equal one
+    segment); without, they are computed on one stage (the count moved there) and sent to the other one by
+    one. Both equal one
     device for 3 steps; the count, a scalar of the state, lives on the last stage with the others (its
     caller may combine them after the step)."""
     import optax
@@ -100,11 +101,15 @@ def test_adam_scalars_are_computed_on_every_stage_from_one_copy_of_the_step_coun
         scalars[on] = [(aval.str_short(), "input" if src < 0 else fn.plan.segments[src].label)
                        for _, src, _, aval, _ in fn.plan.transfers() if aval.shape == ()]
         glue[on] = [s.label for s in fn.plan.segments]
+        # the plan counts what the runtime moves, the count from the last stage included
+        assert (len(fn.plan.transfers()), sum(t[4] for t in fn.plan.transfers())) == (
+            fn.stats.transfers, fn.stats.bytes_moved)
         if on:
             count = state["o"][0].count
             assert count.sharding.device_set == set(devs[4:]) and int(count) == 3
-    assert scalars[False] == [("float32[]", "s0:bwd")] * 2, scalars  # Adam's two bias corrections
-    assert scalars[True] == [("int32[]", "input")], scalars  # the count, from the step's input
+    # the count, from the last stage to s0 where the bias corrections are computed; then both of them to s1
+    assert scalars[False] == [("int32[]", "input")] + [("float32[]", "s0:bwd")] * 2, scalars
+    assert scalars[True] == [("int32[]", "input")], scalars  # the count alone, from the step's input
     # without the scalars to wait for, stage 1's update joins its backward segment: one execution less
     assert glue[False] == ["s0:fwd", "s1:fwd+bwd", "s0:bwd", "s1:glue"], glue
     assert glue[True] == ["s0:fwd", "s1:fwd+bwd", "s0:bwd"], glue

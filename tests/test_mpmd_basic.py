@@ -121,12 +121,12 @@ def test_plan_structure(n_stages):
         assert all(plan.producer.get(v, -1) < s.index for v in s.invars)
 
     # Transfers: the activations ([8, 16] float32) down the pipeline and their cotangents back up,
-    # one segment to the next; and adam's step count (an int32 step input, kept on stage 0, which
-    # updates it) to each other stage's first segment that updates parameters (its backward).
+    # one segment to the next; and adam's step count (an int32 step input, kept on the last stage with the
+    # state's other scalars) to each other stage's first segment that updates parameters (its backward).
     count = next(v for v in plan.jaxpr.invars if v.aval.dtype == np.int32)
-    assert plan.input_placement[count] is plan.placements[0]
+    assert plan.input_placement[count] is plan.placements[-1]
     activations = [(k, k + 1, "float32[8,16]") for k in range(2 * n - 2)]
-    counts = [(-1, n - 1 + (n - 1 - i), "int32[]") for i in range(n - 1, 0, -1)]  # stage i's bwd segment
+    counts = [(-1, n - 1 + (n - 1 - i), "int32[]") for i in range(n - 1)]  # stage i's bwd segment
     transfers = plan.transfers()
     assert sorted((src, dst, aval.str_short()) for _, src, dst, aval, _ in transfers) == sorted(activations + counts)
     for _, src, dst, aval, nbytes in transfers:

@@ -402,6 +402,61 @@ def test_scope_names_are_whole_attribute_paths_and_nest():
     assert ("blocks.0", "blocks.0.norm") in stacks
 
 
+class ScannedNet(nnx.Module):
+    """JAX's own transforms over NNX modules: a stack (``nnx.vmap``) run by ``jax.lax.scan`` over the module,
+    and a head under ``jax.checkpoint``. Each hands its body a module JAX's unflattening rebuilt."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Linear(4, D, rngs=rngs)
+
+        @nnx.split_rngs(splits=2)
+        @nnx.vmap(in_axes=0, out_axes=0)
+        def make(rngs):
+            return Block(rngs)
+
+        self.layers = make(rngs)
+        self.head = nnx.Linear(D, 1, rngs=rngs)
+
+    def __call__(self, x):
+        x, _ = jax.lax.scan(lambda x, layer: (layer(x), None), self.embed(x), self.layers)
+        return jax.checkpoint(lambda head, x: head(x))(self.head, x)
+
+
+def test_copies_jax_transforms_make_keep_their_paths():
+    with nnx.use_eager_sharding(False):
+        model = ScannedNet(nnx.Rngs(0))
+    with register_task(r"nothing", devices=jax.devices()[:2]), module_scopes():
+        jaxpr = jax.make_jaxpr(lambda x: model(x))(jnp.ones((2, 4)))
+    (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    assert {tuple(scope_names(e.source_info.name_stack)) for e in scan.params["jaxpr"].eqns} >= {
+        ("layers",), ("layers", "layers.mlp", "layers.mlp.up"), ("layers", "layers.norm")}
+    assert "head" in names_in(jaxpr)
+
+
+class CheckpointedNet(Net):
+    """``Net`` with each block run under ``jax.checkpoint``."""
+
+    def __call__(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = jax.checkpoint(lambda b, h: b(h))(block, h)
+        return self.head(h)
+
+
+def test_a_copy_of_one_of_several_twins_is_not_guessed_and_says_so():
+    """Blocks of one structure: the copy ``jax.checkpoint`` makes of a block could be of any of them."""
+    with nnx.use_eager_sharding(False):
+        model = CheckpointedNet(nnx.Rngs(0))
+    with register_task(r"blocks\.1", devices=jax.devices()[:2]), module_scopes():
+        with pytest.warns(UserWarning) as record:
+            jaxpr = jax.make_jaxpr(lambda x: model(x))(jnp.ones((2, 4)))
+    (warning,) = [str(w.message) for w in record if "twin" in str(w.message)]  # once: not per block, nor per submodule
+    assert ("a copy of a Block that a JAX transform made" in warning
+            and "twin of several of the model's modules (blocks.0, blocks.1, blocks.2, blocks.3)" in warning
+            and "patterns ['blocks\\\\.1'] do not place it" in warning and "nnx.remat" in warning), warning
+    assert names_in(jaxpr) == {"embed", "head"}
+
+
 def test_classes_are_restored_even_on_error_and_other_threads_see_no_scopes():
     original, model = Block.__call__, _plain_net()
     seen: list = []

@@ -170,10 +170,13 @@ class NnxLayer(nnx.Module):
 
 
 class NnxNet(nnx.Module):
-    """The same net in NNX: layers made by ``nnx.vmap``, run by ``nnx.scan``, no scope of its own (multimesh
-    names the scan's body ``layers`` by the stacked module's attribute path)."""
+    """The same net in NNX: layers made by ``nnx.vmap``, run by ``nnx.scan`` or by ``jax.lax.scan`` over the
+    module (Flax's gspmd guide; its body rematerialised or not), no scope of its own (multimesh names the scan's body ``layers`` by the
+    stacked module's attribute path: through NNX's record of its copy, or the one module the copy JAX's
+    unflattening made is a slice of)."""
 
-    def __init__(self, rngs):
+    def __init__(self, rngs, runner: str = "nnx.scan"):
+        self.runner = runner
         self.embed = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
 
         @nnx.split_rngs(splits=LAYERS)
@@ -185,6 +188,13 @@ class NnxNet(nnx.Module):
         self.head = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
 
     def __call__(self, x):
+        if self.runner.startswith("jax.lax.scan"):
+            body = lambda x, layer: (layer(x), None)  # noqa: E731
+            if self.runner.endswith("jax.checkpoint"):
+                body = jax.checkpoint(body)
+            x, _ = jax.lax.scan(body, self.embed(x), self.layers)
+            return self.head(x)
+
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: None})
         def run(x, layer):
             return layer(x)
@@ -192,12 +202,13 @@ class NnxNet(nnx.Module):
         return self.head(run(self.embed(x), self.layers))
 
 
-def test_nnx_scan_splits_alike():
+@pytest.mark.parametrize("runner", ["nnx.scan", "jax.lax.scan", "jax.lax.scan of jax.checkpoint"])
+def test_nnx_scan_splits_alike(runner):
     with nnx.use_eager_sharding(False):
-        graphdef, _ = nnx.split(nnx.eval_shape(lambda: NnxNet(nnx.Rngs(0))), nnx.Param)
+        graphdef, _ = nnx.split(nnx.eval_shape(lambda: NnxNet(nnx.Rngs(0), runner)), nnx.Param)
 
     def init():
-        params = nnx.state(NnxNet(nnx.Rngs(0)), nnx.Param)
+        params = nnx.state(NnxNet(nnx.Rngs(0), runner), nnx.Param)
         return {"params": params, "opt": TX.init(params)}
 
     def step(state, batch):

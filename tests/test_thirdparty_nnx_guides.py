@@ -186,6 +186,30 @@ def test_gspmd_page_checkpoint_restores_onto_another_mesh(gspmd, tmp_path):
     assert_states_close(restored, ref_state)
 
 
+def test_gspmd_page_stack_split_over_two_stages_equals_one_device(gspmd):
+    """The page's layer stack (``nnx.vmap`` to build, ``jax.lax.scan`` over the module to run) split by its
+    attribute name, layer 0 on devices 0-3 and layer 1 on 4-7, each stage a 2 x 2 mesh of the page's axes:
+    the bare ``P('data', 'model')`` constraint inside the scanned layer resolves on each stage's mesh."""
+    objects, batch, _, step = gspmd_parts(gspmd, "MultiDotReluDot")
+    with register_task(r"layers", split={(0, 1): ((0, 4), "first"), (1, 2): ((4, 8), "second")}, dims=(2, 2),
+                       device_axes=("data", "model")):
+        built = parallelize(step, init_params=objects, get_input_batch=batch, mesh=gspmd["auto_mesh"],
+                            rules=VARIANTS["MultiDotReluDot"][1])
+    assert {p.name for p in built[0].plan.placements} == {"first", "second"}
+    state, batch_, losses = built[1](), built[2](), []
+    for _ in range(STEPS):
+        loss, state = built[0](state, batch_)
+        losses.append(float(loss))
+    ref_losses, ref_state = gspmd_reference(gspmd, "MultiDotReluDot")
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_states_close(state, ref_state)
+    kernel = state[0].layers.dot1.kernel[...]  # (layer, in, out): each layer's shards on its stage's devices
+    assert kernel.sharding.spec == P("stage", None, "model")
+    for shard in kernel.addressable_shards:
+        assert shard.data.shape == (1, DEPTH, DEPTH // 2)
+        assert shard.device.id // 4 == shard.index[0].start
+
+
 # ----------------------------------------------------------------- "MNIST tutorial"
 def mnist_page() -> dict[str, Any]:
     """The tutorial's model, optimizer and metrics, train step and views: a fresh namespace (its objects)."""

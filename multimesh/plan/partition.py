@@ -20,7 +20,7 @@ segments to follow the schedule.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,9 +77,18 @@ class Plan:
     step_jaxpr: Jaxpr | None = None
 
     def step_input_placement(self, i: int) -> Placement:
-        """Where step input ``i`` is first read (a split stack's: its first part's stage)."""
-        k = i if self.boundary is None else self.boundary.plan_index(i)
-        return self.input_placement.get(self.jaxpr.invars[k], self.placements[0])
+        """Where step input ``i`` lives: where it is first read (a split stack's: its first part's stage),
+        unless kept elsewhere (`keep_inputs_on`)."""
+        return self.input_placement.get(self._step_invar(i), self.placements[0])
+
+    def keep_inputs_on(self, indices: Iterable[int], where: Placement) -> None:
+        """Step inputs ``indices`` live on ``where``, not where first read: reading them elsewhere is a
+        transfer (`transfers`)."""
+        for i in indices:
+            self.input_placement[self._step_invar(i)] = where
+
+    def _step_invar(self, i: int) -> Var:
+        return self.jaxpr.invars[i if self.boundary is None else self.boundary.plan_index(i)]
 
     @property
     def placements(self) -> list[Placement]:

@@ -165,6 +165,14 @@ def parallelize(
                                                      path_rules, batch_spec)
     if plan is not None and plan.placements == [placement] and registered_tasks():
         _unmatched_registrations(plan, strict)
+    if plan is not None and plan.placements != [placement]:
+        # The state's scalars (an optimizer's count, a metric's total, an nnx.Rngs' key) live together on the
+        # last stage, not each on the stage that reads it first: the caller combines them after the step
+        # (nnx.MultiMetric.compute divides a total by a count), and JAX refuses arrays on different devices.
+        # One stage, not the whole mesh: a scalar moves between stages shard for shard, which is asynchronous,
+        # and onto more devices by way of the host, which waits for its value.
+        plan.keep_inputs_on([i for i, a in enumerate(jax.tree.leaves(abstract_params)) if not np.shape(a)],
+                            plan.placements[-1])
     params, batch = _input_layouts(plan, placement, abstract_params, abstract_batch, path_rules, batch_spec)
 
     if plan is not None and plan.placements != [placement]:  # tasks: the runtime runs the plan's segments
@@ -279,14 +287,12 @@ def _unmatched_registrations(plan: Plan, strict: bool) -> None:
     warnings.warn(message, stacklevel=3)
 
 
-def _input_placement(plan: Plan | None, placement: Placement, offset: int,
-                     scalars: frozenset[int] = frozenset()) -> Callable[[int], Placement]:
-    """Step input ``offset + i`` -> the placement of its first consumer (SPMD: the one placement); with
-    stages, each of ``scalars`` on the last stage (see `_input_layouts`)."""
+def _input_placement(plan: Plan | None, placement: Placement, offset: int) -> Callable[[int], Placement]:
+    """Step input ``offset + i`` -> where the plan keeps it: its first consumer's placement, or for the
+    state's scalars the last stage (SPMD: the one placement)."""
     if plan is None or plan.placements == [placement]:
         return lambda i: placement
-    last = plan.placements[-1]
-    return lambda i: last if i in scalars else plan.step_input_placement(offset + i)
+    return lambda i: plan.step_input_placement(offset + i)
 
 
 def _input_layouts(plan: Plan | None, placement: Placement, abstract_params: Any, abstract_batch: Any,
@@ -300,13 +306,7 @@ def _input_layouts(plan: Plan | None, placement: Placement, abstract_params: Any
     def placement_of(offset: int) -> Callable[[int], Placement]:
         return _input_placement(plan, placement, offset)
 
-    # With stages, the state's scalars (an optimizer's count, a metric's total, an nnx.Rngs' key) live
-    # together on the last stage, not each on the stage that reads it first: the caller combines them after
-    # the step (nnx.MultiMetric.compute divides a total by a count), and JAX refuses arrays on different
-    # devices. One stage, not the whole mesh: a scalar moves between stages shard for shard, which is
-    # asynchronous, and onto more devices by way of the host, which waits for its value.
-    scalars = frozenset(i for i, a in enumerate(jax.tree.leaves(abstract_params)) if not np.shape(a))
-    param_placement = _input_placement(plan, placement, 0, scalars)
+    param_placement = placement_of(0)
     params = derive_layout(abstract_params, param_placement, path_rules=path_rules, what="parameter",
                            constraints={i: s for i, s in found.items() if i < n_params})
     batch = derive_layout(abstract_batch, placement_of(n_params), default=batch_spec, exact=True, what="batch",

@@ -9,10 +9,14 @@ the jaxpr here.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 from jax.extend.core import Jaxpr, JaxprEqn, Literal
+
+from ..core.meshes import abstract_mesh_context
 
 __all__ = ["bind_equation", "interpret"]
 
@@ -20,9 +24,16 @@ __all__ = ["bind_equation", "interpret"]
 Rule = Callable[[JaxprEqn, list], Sequence[Any]]
 
 
-def bind_equation(eqn: JaxprEqn, inputs: Sequence[Any]) -> list:
-    """Apply ``eqn``'s primitive to ``inputs`` as the equation does (its params and context)."""
-    with eqn.ctx.manager:
+def bind_equation(eqn: JaxprEqn, inputs: Sequence[Any], mesh_in_context: bool = False) -> list:
+    """Apply ``eqn``'s primitive to ``inputs`` as the equation does (its params and context).
+
+    ``mesh_in_context``: keep the mesh now in context (or none) rather than the one the equation was traced
+    under: for an equation whose nested jaxprs were re-traced here (`nested.rebind_nested`), typed where they
+    were re-traced (a pipeline stage's segment of a step traced on the whole mesh).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    keep = mesh_in_context and mesh != eqn.ctx.cur_abstract_mesh
+    with eqn.ctx.manager, (abstract_mesh_context(mesh) if keep else contextlib.nullcontext()):
         outs = eqn.primitive.bind(*inputs, **eqn.primitive.get_bind_params(eqn.params))
     return list(outs) if eqn.primitive.multiple_results else [outs]
 

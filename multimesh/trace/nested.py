@@ -77,4 +77,4 @@ def rebind_nested(eqn: JaxprEqn, ins: list, rule: Rule, wanted: Callable[[JaxprE
         changed[name] = type(value)(new) if isinstance(value, (tuple, list)) else new[0]
     if not changed:
         return None
-    return bind_equation(eqn.replace(params={**eqn.params, **changed}), [*extra, *ins])
+    return bind_equation(eqn.replace(params={**eqn.params, **changed}), [*extra, *ins], mesh_in_context=True)

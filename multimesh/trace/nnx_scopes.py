@@ -16,9 +16,12 @@ Which module is "the model": the outermost module call (its path is the empty
 path and opens no scope), or a module passed to the traced step (``roots``).
 A copy that an NNX transform (``nnx.remat``, ``nnx.vmap``, ``nnx.value_and_grad``,
 ...) made of a module has its original's path: NNX's transforms record, while
-they run, which copy stands for which original. A module under no model's
-attributes (made inside the step, say) opens no scope: its equations stay in
-its caller's scope.
+they run, which copy stands for which original. A copy that JAX's own
+transforms made (``jax.lax.scan`` over a stacked module, as Flax's guides run
+one; ``jax.checkpoint`` of a module) is recorded nowhere: it has the path of
+the one module it is a pytree twin of, and none when several are its twins.
+A module under no model's attributes (made inside the step, say) opens no
+scope: its equations stay in its caller's scope.
 
 The methods are wrapped on the classes (every subclass of `nnx.Module`
 defined when the block starts) for the block's duration and restored after
@@ -33,14 +36,16 @@ import contextvars
 import functools
 import inspect
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from flax.nnx import graphlib
 
-from .implicit import registered_tasks
+from .implicit import match_name, registered_tasks
 
 __all__ = ["SEPARATOR", "module_path", "module_scopes", "scopes_for_tasks"]
 
@@ -60,6 +65,7 @@ class _Tracing:
     def __init__(self, roots: list[nnx.Module]):
         self.roots: list[tuple[nnx.Module, dict[int, str]]] = []  # kept alive: their ids stay theirs
         self.stack: list[tuple[nnx.Module, dict[int, str] | None]] = []
+        self.warned: set[tuple] = set()  # (class, twins) of copies warned about (`_twin_path`)
         for root in roots:
             self._add_root(root)
 
@@ -74,9 +80,10 @@ class _Tracing:
 
     def _find(self, module: nnx.Module) -> tuple[dict[int, str] | None, str | None]:
         """(the path table ``module`` belongs to, its path), searching the calls in progress innermost
-        first, then every model seen, then (for a copy an NNX transform made) its original's;
-        (None, None) when it is in none."""
+        first, then every model seen, then (for a copy an NNX transform made) its original's, then (for
+        a copy a JAX transform made) its one twin's; (None, None) when it is in none."""
         tables = [t for _, t in reversed(self.stack) if t is not None] + [t for _, t in reversed(self.roots)]
+        copy = module
         for _ in range(_MAX_COPIES):
             for table in tables:
                 if id(module) in table:
@@ -84,7 +91,38 @@ class _Tracing:
             module = _original_of(module)
             if module is None:
                 break
-        return None, None
+        path = self._twin_path(copy)
+        if path is None:
+            return None, None
+        return {id(m): module_path((path, *p)) if path else "" for p, m in nnx.iter_modules(copy)}, path
+
+    def _twin_path(self, copy: nnx.Module) -> str | None:
+        """The path of the one module of the models seen that ``copy`` is a pytree copy of; ``''`` (no scope,
+        for it and its submodules) when it could be a copy of several; None when of none.
+
+        JAX's own transforms (``jax.lax.scan`` over a stack ``nnx.vmap`` built, ``jax.checkpoint`` of a
+        module) hand their body a module that JAX's unflattening rebuilt: a new object, which no NNX
+        context records. It has its original's pytree structure (classes, attribute names, static
+        attributes) and leaves of the same shapes, or each less one axis (a scan's or vmap's slice).
+        When exactly one module of the models is such a twin, the copy is named by its path; when
+        several are (blocks of one shape in a loop), none is guessed, and a registration that names one
+        of them is told so.
+        """
+        found = sorted({module_path(path) for root, _ in self.roots for path, m in _modules(root)
+                        if type(m) is type(copy) and _pytree_twins(m, copy)})
+        if len(found) == 1:
+            return found[0]
+        registered = [r.pattern.pattern for r in registered_tasks() if any(match_name(r.pattern, p) for p in found)]
+        if registered and (key := (type(copy), tuple(found))) not in self.warned:
+            self.warned.add(key)
+            shown = ", ".join(found[:4]) + (f", ... ({len(found)} in all)" if len(found) > 4 else "")
+            warnings.warn(
+                f"multimesh: a copy of a {type(copy).__name__} that a JAX transform made (jax.lax.scan, "
+                f"jax.checkpoint, jax.vmap over the module) is a twin of several of the model's modules ({shown}), "
+                f"so its computation runs under its caller's name and register_task patterns {registered} do not "
+                f"place it; run the module under nnx.scan / nnx.remat / nnx.vmap instead, which keep its path",
+                stacklevel=4)
+        return "" if found else None
 
     @contextlib.contextmanager
     def call(self, module: nnx.Module) -> Iterator[None]:
@@ -103,6 +141,28 @@ class _Tracing:
                 yield
         finally:
             self.stack.pop()
+
+
+def _modules(root: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
+    try:
+        return [(p, m) for p, m in nnx.iter_modules(root) if p]
+    except Exception:  # a module half built
+        return []
+
+
+def _pytree_twins(original: Any, copy: Any) -> bool:
+    """Whether ``copy`` has ``original``'s pytree structure and leaves of its shapes or of its shapes less
+    one axis (`_Tracing._twin_path`)."""
+    try:
+        leaves, tree = jax.tree.flatten(original)
+        copy_leaves, copy_tree = jax.tree.flatten(copy)
+    except Exception:  # not a pytree JAX can flatten
+        return False
+    return tree == copy_tree and all(_sliced_or_same(np.shape(a), np.shape(b)) for a, b in zip(leaves, copy_leaves))
+
+
+def _sliced_or_same(shape: tuple, copy_shape: tuple) -> bool:
+    return copy_shape == shape or any(copy_shape == shape[:i] + shape[i + 1:] for i in range(len(shape)))
 
 
 def _original_of(module: nnx.Module) -> nnx.Module | None:
