@@ -7,6 +7,7 @@ arrays and, for the backward, on the plan's equations.
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 
@@ -22,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from multimesh.jax import build_mesh, ignore_transforms, microbatch, mjit, parallelize, register_task
 from multimesh.jax.flax import functional_step, parallelize_step, with_sharding_constraint
 from multimesh.trace.implicit import is_backprop, names_in, scope_names
-from multimesh.trace.nnx_scopes import module_scopes
+from multimesh.trace.nnx_scopes import StepScopes, module_scopes
 
 D, HIDDEN, BLOCKS, BATCH = 8, 16, 4, 16
 STEPS = 3
@@ -233,18 +234,27 @@ def test_pipelined_with_microbatches():
 
 
 class RematNet(Net):
-    """Net with each block run through ``nnx.remat``: the block called is a copy NNX makes."""
+    """Net with each block run through ``nnx.remat``: the block called is a copy NNX makes (recorded by NNX
+    in graph mode; in tree mode, or under ``jax.checkpoint``, one JAX's unflattening makes, linked to
+    nothing, of a block whose three twins have its structure)."""
+
+    remat = staticmethod(nnx.remat)
 
     def __call__(self, x):
         h = self.embed(x)
         for block in self.blocks:
-            h = nnx.remat(lambda blk, y: blk(y))(block, h)
+            h = self.remat(lambda blk, y: blk(y))(block, h)
         return self.head(h)
 
 
-def _remat_parts(microbatches: int | None):
+REMATS = {"nnx.remat": nnx.remat, "nnx.remat, tree mode": functools.partial(nnx.remat, graph=False),
+          "jax.checkpoint": jax.checkpoint}
+
+
+def _remat_parts(microbatches: int | None, remat: str = "nnx.remat"):
+    net = type("RematNet", (RematNet,), {"remat": staticmethod(REMATS[remat])})
     with nnx.use_eager_sharding(False):
-        graphdef, _ = nnx.split(nnx.eval_shape(lambda: RematNet(nnx.Rngs(0))), nnx.Param)
+        graphdef, _ = nnx.split(nnx.eval_shape(lambda: net(nnx.Rngs(0))), nnx.Param)
 
     def loss(params, batch):
         return jnp.mean((nnx.merge(graphdef, params)(batch["x"]) - batch["y"]) ** 2)
@@ -259,17 +269,20 @@ def _remat_parts(microbatches: int | None):
         return value, {"params": optax.apply_updates(state["params"], updates), "opt": opt}
 
     def remat_init():
-        params = nnx.state(RematNet(nnx.Rngs(0)), nnx.Param)
+        params = nnx.state(net(nnx.Rngs(0)), nnx.Param)
         return {"params": params, "opt": TX.init(params)}
 
     return remat_step, remat_init
 
 
+@pytest.mark.parametrize("remat", list(REMATS))
 @pytest.mark.parametrize("microbatches", [None, 2], ids=["whole-batch", "gpipe"])
-def test_blocks_under_nnx_remat_keep_their_paths(microbatches):
-    """The copy ``nnx.remat`` makes of a block keeps the block's path; its recomputation runs on the block's
-    stage, and under a pipeline schedule in the backward units (that is what remat is for)."""
-    remat_step, remat_init = _remat_parts(microbatches)
+def test_blocks_under_nnx_remat_keep_their_paths(microbatches, remat):
+    """The copy ``nnx.remat`` (or ``jax.checkpoint``) makes of a block keeps the block's path; its
+    recomputation runs on the block's stage, and under a pipeline schedule in the backward units (that is
+    what remat is for). A copy no NNX context records is one of four twins, named by the parameters its
+    equations read (`trace.twin_names`)."""
+    remat_step, remat_init = _remat_parts(microbatches, remat)
     a, b = _stages()
     with a, b:
         step_fn, init_fn, batch_fn = parallelize(remat_step, init_params=remat_init, get_input_batch=get_batch,
@@ -443,18 +456,32 @@ class CheckpointedNet(Net):
         return self.head(h)
 
 
-def test_a_copy_of_one_of_several_twins_is_not_guessed_and_says_so():
-    """Blocks of one structure: the copy ``jax.checkpoint`` makes of a block could be of any of them."""
+def test_copies_of_twins_are_named_by_the_parameters_they_read():
+    """Blocks of one structure, each under ``jax.checkpoint``: each copy could be of any block until the
+    parameters its equations read say which (the step's inputs, by their paths in its arguments). A model
+    the step closes over (its parameters constants, read by no input) leaves them unnamed, and says so."""
     with nnx.use_eager_sharding(False):
         model = CheckpointedNet(nnx.Rngs(0))
-    with register_task(r"blocks\.1", devices=jax.devices()[:2]), module_scopes():
+    graphdef, params = nnx.split(model)
+    blocks = {f"blocks.{i}{sub}" for i in range(BLOCKS) for sub in ("", ".norm", ".mlp", ".mlp.up", ".mlp.down")}
+
+    def names(step, *args):
+        scopes = StepScopes()
+
+        def traced(*args):
+            with scopes(args):
+                return step(*args)
+
+        return names_in(scopes.named(jax.make_jaxpr(traced)(*args), args, "test").jaxpr)
+
+    with register_task(r"blocks\.1", devices=jax.devices()[:2]):
+        assert names(lambda p, x: nnx.merge(graphdef, p)(x), params, jnp.ones((2, 4))) == {"embed", "head", *blocks}
         with pytest.warns(UserWarning) as record:
-            jaxpr = jax.make_jaxpr(lambda x: model(x))(jnp.ones((2, 4)))
-    (warning,) = [str(w.message) for w in record if "twin" in str(w.message)]  # once: not per block, nor per submodule
-    assert ("a copy of a Block that a JAX transform made" in warning
+            assert names(lambda x: model(x), jnp.ones((2, 4))) == {"embed", "head"}
+    (warning,) = [str(w.message) for w in record if "twin" in str(w.message)]  # once, for the four copies
+    assert ("test: a module copy that a JAX transform made" in warning
             and "twin of several of the model's modules (blocks.0, blocks.1, blocks.2, blocks.3)" in warning
-            and "patterns ['blocks\\\\.1'] do not place it" in warning and "nnx.remat" in warning), warning
-    assert names_in(jaxpr) == {"embed", "head"}
+            and "reads none of their parameters" in warning and "patterns ['blocks\\\\.1']" in warning), warning
 
 
 def test_classes_are_restored_even_on_error_and_other_threads_see_no_scopes():

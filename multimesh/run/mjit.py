@@ -25,7 +25,7 @@ from ..core.placement import Placement, use_placement
 from ..core.rules import MeshAxes, Rules
 from ..plan.partition import Plan, make_plan
 from ..trace.microbatch import collect_pipelines
-from ..trace.nnx_scopes import scopes_for_tasks
+from ..trace.nnx_scopes import StepScopes
 from ..trace.step_context import traced_in_context
 from ..trace.taskspec import current_global_mesh
 from .runtime import Runtime
@@ -187,13 +187,16 @@ class MJitFunction:
         avals = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)) for x in flat]
 
         def trace(fun: Callable) -> tuple[Any, Any, list]:
+            scopes = StepScopes()
+
             def traced(*leaves: Any) -> Any:  # a fresh function: JAX's trace cache cannot see our placement
                 args = jax.tree.unflatten(tree, list(leaves))
-                with scopes_for_tasks(args):  # registered tasks find NNX submodules by attribute path
+                with scopes(args):  # registered tasks find NNX submodules by attribute path
                     return fun(*args)
 
             with use_placement(placement.deferring()), collect_pipelines() as pipelines:
-                return (*jax.make_jaxpr(traced, return_shape=True)(*avals), pipelines)
+                closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(*avals)
+            return scopes.named(closed, jax.tree.unflatten(tree, avals), f"mjit({self.__name__})"), out_shape, pipelines
 
         # pmap-style collectives bound to one device, a bare PartitionSpec's mesh in context, as parallelize does
         fun, (closed, out_shape, pipelines) = traced_in_context(trace, self.fun, f"mjit({self.__name__})")

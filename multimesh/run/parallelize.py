@@ -26,7 +26,7 @@ from ..plan.stack_layout import widen_layout
 from ..trace.implicit import names_in, registered_tasks
 from ..trace.linen_constraints import flax_context_rules
 from ..trace.microbatch import collect_pipelines
-from ..trace.nnx_scopes import scopes_for_tasks
+from ..trace.nnx_scopes import StepScopes
 from ..trace.step_context import traced_in_context
 from ..trace.taskspec import current_global_mesh, use_global_mesh
 from .advice import warn_everything_replicated, warn_replicated_batch
@@ -351,13 +351,16 @@ def _trace(fun: Callable, params: Any, batch: Any):
         except TypeError as e:
             raise TypeError(f"parallelize calls fun(params, batch), but {fun_name(fun)}{sig} cannot take two "
                             f"positional arguments ({e}); take the parameters first and the batch second") from None
+    scopes = StepScopes()
+
     def traced(p, b):  # a fresh function each time: JAX's trace cache cannot see our placement
         # Registered tasks match NNX submodules by their attribute paths: scopes while tracing.
-        with scopes_for_tasks(p):
+        with scopes(p):
             out = fun(p, b)
         check_outputs(out, fun)
         return out
 
     traced.__wrapped__ = fun  # JAX's messages name the user's function, not this wrapper
 
-    return jax.make_jaxpr(traced, return_shape=True)(params, batch)
+    closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(params, batch)
+    return scopes.named(closed, (params, batch), "parallelize"), out_shape

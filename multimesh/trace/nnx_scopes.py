@@ -18,8 +18,10 @@ A copy that an NNX transform (``nnx.remat``, ``nnx.vmap``, ``nnx.value_and_grad`
 ...) made of a module has its original's path: NNX's transforms record, while
 they run, which copy stands for which original. A copy that JAX's own
 transforms made (``jax.lax.scan`` over a stacked module, as Flax's guides run
-one; ``jax.checkpoint`` of a module) is recorded nowhere: it has the path of
-the one module it is a pytree twin of, and none when several are its twins.
+one; ``jax.checkpoint`` of a module; NNX's own in tree mode) is recorded
+nowhere: it has the path of the one module it is a pytree twin of; when
+several are its twins, a placeholder that the parameters its equations read
+rename once the step is traced (`twin_names`, through `StepScopes`).
 A module under no model's attributes (made inside the step, say) opens no
 scope: its equations stay in its caller's scope.
 
@@ -44,13 +46,16 @@ import jax
 import numpy as np
 from flax import nnx
 from flax.nnx import graphlib
+from jax.extend.core import ClosedJaxpr
 
 from .implicit import match_name, registered_tasks
+from .twin_names import name_twins
 
-__all__ = ["SEPARATOR", "module_path", "module_scopes", "scopes_for_tasks"]
+__all__ = ["SEPARATOR", "StepScopes", "module_path", "module_scopes", "scopes_for_tasks"]
 
 #: Joins the parts of a submodule's attribute path into its scope name: ``blocks.3.mlp``.
 SEPARATOR = "."
+_PLACEHOLDER = "multimesh-twin-"  # the scope of a copy of several twins until the data names it
 _MAX_COPIES = 16  # NNX transforms nested inside each other that a copy is traced back through
 
 
@@ -65,15 +70,17 @@ class _Tracing:
     def __init__(self, roots: list[nnx.Module]):
         self.roots: list[tuple[nnx.Module, dict[int, str]]] = []  # kept alive: their ids stay theirs
         self.stack: list[tuple[nnx.Module, dict[int, str] | None]] = []
-        self.warned: set[tuple] = set()  # (class, twins) of copies warned about (`_twin_path`)
+        #: placeholder scope -> the twins a copy could be of (`_twin_path`), named after tracing (`name_twins`)
+        self.placeholders: dict[str, list[str]] = {}
         for root in roots:
             self._add_root(root)
 
     def _add_root(self, root: nnx.Module) -> dict[int, str]:
         try:
-            paths = {id(m): module_path(p) for p, m in nnx.iter_modules(root)}
+            modules = list(nnx.iter_modules(root))
         except Exception:  # a module half built, say: its calls open no scopes
-            paths = {}
+            modules = []
+        paths = {id(m): module_path(p) for p, m in modules}
         paths.setdefault(id(root), "")
         self.roots.append((root, paths))
         return paths
@@ -94,35 +101,48 @@ class _Tracing:
         path = self._twin_path(copy)
         if path is None:
             return None, None
-        return {id(m): module_path((path, *p)) if path else "" for p, m in nnx.iter_modules(copy)}, path
+        return {id(m): module_path((path, *p)) for p, m in nnx.iter_modules(copy)}, path
 
     def _twin_path(self, copy: nnx.Module) -> str | None:
-        """The path of the one module of the models seen that ``copy`` is a pytree copy of; ``''`` (no scope,
-        for it and its submodules) when it could be a copy of several; None when of none.
+        """The path of the one module of the models seen that ``copy`` is a pytree copy of; a placeholder
+        when it could be a copy of several; None when of none.
 
         JAX's own transforms (``jax.lax.scan`` over a stack ``nnx.vmap`` built, ``jax.checkpoint`` of a
-        module) hand their body a module that JAX's unflattening rebuilt: a new object, which no NNX
-        context records. It has its original's pytree structure (classes, attribute names, static
-        attributes) and leaves of the same shapes, or each less one axis (a scan's or vmap's slice).
-        When exactly one module of the models is such a twin, the copy is named by its path; when
-        several are (blocks of one shape in a loop), none is guessed, and a registration that names one
-        of them is told so.
+        module; NNX's own in tree mode) hand their body a module that JAX's unflattening rebuilt: a new
+        object, which no NNX context records. It has its original's pytree structure (classes, attribute
+        names, static attributes) and leaves of the same shapes, or each less one axis (a scan's or vmap's
+        slice). When exactly one module of the models is such a twin, the copy is named by its path; when
+        several are (blocks of one structure in a loop), by a placeholder scope that `name_twins` renames
+        once the step is traced, by the parameters the copy's equations read.
         """
         found = sorted({module_path(path) for root, _ in self.roots for path, m in _modules(root)
                         if type(m) is type(copy) and _pytree_twins(m, copy)})
-        if len(found) == 1:
-            return found[0]
-        registered = [r.pattern.pattern for r in registered_tasks() if any(match_name(r.pattern, p) for p in found)]
-        if registered and (key := (type(copy), tuple(found))) not in self.warned:
-            self.warned.add(key)
-            shown = ", ".join(found[:4]) + (f", ... ({len(found)} in all)" if len(found) > 4 else "")
-            warnings.warn(
-                f"multimesh: a copy of a {type(copy).__name__} that a JAX transform made (jax.lax.scan, "
-                f"jax.checkpoint, jax.vmap over the module) is a twin of several of the model's modules ({shown}), "
-                f"so its computation runs under its caller's name and register_task patterns {registered} do not "
-                f"place it; run the module under nnx.scan / nnx.remat / nnx.vmap instead, which keep its path",
-                stacklevel=4)
-        return "" if found else None
+        if len(found) < 2:
+            return found[0] if found else None
+        placeholder = f"{_PLACEHOLDER}{len(self.placeholders)}"
+        self.placeholders[placeholder] = found
+        return placeholder
+
+    def name_twins(self, closed: ClosedJaxpr, inputs: Any, what: str) -> ClosedJaxpr:
+        """``closed`` (the step traced in this block, of the leaves of ``inputs``) with each copy of several
+        twins named by the parameters its equations read (`twin_names`); a registration that names a twin
+        no data singles out is told."""
+        if not self.placeholders:
+            return closed
+        paths = [module_path(tuple(_key_name(k) for k in path)) for path, _ in jax.tree_util.tree_flatten_with_path(
+            inputs, is_leaf=lambda x: x is None)[0]]
+        closed, unnamed = name_twins(closed, dict(zip(closed.jaxpr.invars, paths)), self.placeholders)
+        for twins in dict.fromkeys(tuple(t) for t in unnamed.values()):
+            registered = [r.pattern.pattern for r in registered_tasks() if any(match_name(r.pattern, p) for p in twins)]
+            if registered:
+                shown = ", ".join(twins[:4]) + (f", ... ({len(twins)} in all)" if len(twins) > 4 else "")
+                warnings.warn(
+                    f"{what}: a module copy that a JAX transform made (jax.lax.scan, jax.checkpoint, jax.vmap over "
+                    f"the module) is a twin of several of the model's modules ({shown}) and reads none of their "
+                    f"parameters, so its computation runs under its caller's name and register_task patterns "
+                    f"{registered} do not place it; pass the module's parameters in through the transform (an NNX "
+                    f"module as an argument does)", stacklevel=3)
+        return closed
 
     @contextlib.contextmanager
     def call(self, module: nnx.Module) -> Iterator[None]:
@@ -141,6 +161,14 @@ class _Tracing:
                 yield
         finally:
             self.stack.pop()
+
+
+def _key_name(key: Any) -> Any:
+    """An attribute name, dict key or index of a pytree key path (``GetAttrKey('blocks')`` -> ``blocks``)."""
+    for field in ("name", "key", "idx"):
+        if hasattr(key, field):
+            return getattr(key, field)
+    return key
 
 
 def _modules(root: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
@@ -226,8 +254,9 @@ def _restore() -> None:
 
 
 @contextlib.contextmanager
-def module_scopes(roots: Any = ()) -> Iterator[None]:
-    """While active (in this thread), NNX module calls run under scopes named by their attribute paths.
+def module_scopes(roots: Any = ()) -> Iterator[_Tracing]:
+    """While active (in this thread), NNX module calls run under scopes named by their attribute paths; the
+    block gives the trace's record, whose `_Tracing.name_twins` names the copies of twins once traced.
 
     ``roots``: a pytree whose `nnx.Module` nodes (the step's model, say) are models: their
     submodules are named by their paths from them, wherever they are called from.
@@ -239,9 +268,10 @@ def module_scopes(roots: Any = ()) -> Iterator[None]:
         if _USERS == 0:
             _patch()
         _USERS += 1
-    token = _ACTIVE.set(_Tracing(models))
+    tracing = _Tracing(models)
+    token = _ACTIVE.set(tracing)
     try:
-        yield
+        yield tracing
     finally:
         _ACTIVE.reset(token)
         with _LOCK:
@@ -253,3 +283,24 @@ def module_scopes(roots: Any = ()) -> Iterator[None]:
 def scopes_for_tasks(roots: Any = ()) -> contextlib.AbstractContextManager:
     """`module_scopes` when tasks are registered (only they read the names), else a block that does nothing."""
     return module_scopes(roots) if registered_tasks() else contextlib.nullcontext()
+
+
+class StepScopes:
+    """`scopes_for_tasks` around a step's call while it is traced, then its twins' copies named.
+
+    ``with scopes(roots): fun(...)`` inside the function traced; ``scopes.named(closed, inputs, what)`` on
+    its jaxpr.
+    """
+
+    def __init__(self) -> None:
+        self._tracing: _Tracing | None = None
+
+    @contextlib.contextmanager
+    def __call__(self, roots: Any) -> Iterator[None]:
+        with scopes_for_tasks(roots) as tracing:
+            self._tracing = tracing
+            yield
+
+    def named(self, closed: ClosedJaxpr, inputs: Any, what: str) -> ClosedJaxpr:
+        """``closed``, traced from the leaves of ``inputs``, its twins' copies named (`_Tracing.name_twins`)."""
+        return closed if self._tracing is None else self._tracing.name_twins(closed, inputs, what)

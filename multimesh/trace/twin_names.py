@@ -1,0 +1,125 @@
+"""Name a module copy that could be any of several twins by the parameters that flow into it.
+
+JAX's own transforms (``jax.checkpoint``, ``jax.lax.scan``; NNX's in tree mode,
+which are built on them) hand their body a copy of an NNX module that JAX's
+unflattening rebuilt, linked to nothing. `nnx_scopes` names such a copy by
+the one model module it is a pytree twin of; where several are (blocks of one
+structure in a loop, each under ``jax.checkpoint``), it names it with a
+placeholder scope and records the candidates. Once the step is traced, the
+data says which: the copy's equations read the body's inputs, and those are
+the transform's operands, the model's own parameters among them, whose
+paths in the step's arguments are known. `name_twins` follows each parameter from the step's
+inputs into the nested jaxprs (a jit's, a remat's, a scan's body: operands
+one for one), and where the equations under a placeholder read parameters of
+exactly one candidate (its path in the step's arguments contains the
+candidate's), renames the placeholder (and its submodules' scopes) to that
+candidate's path. The backward of a rematerialised copy reads the same
+parameters and is named alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jax._src import source_info_util
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var
+
+__all__ = ["name_twins", "placeholder_of"]
+
+
+def placeholder_of(name: str, placeholders: Mapping[str, Sequence[str]]) -> str | None:
+    """The placeholder ``name`` is (``multimesh-twin-0``) or is a submodule scope of (``multimesh-twin-0.mlp``),
+    or None."""
+    head = name.split(".", 1)[0]
+    return head if head in placeholders else None
+
+
+def name_twins(closed: ClosedJaxpr, paths: Mapping[Var, str],
+               placeholders: Mapping[str, Sequence[str]]) -> tuple[ClosedJaxpr, dict[str, Sequence[str]]]:
+    """``closed`` with each placeholder scope renamed to the one candidate whose parameters its equations read.
+
+    ``paths``: for the step's inputs (its jaxpr's variables), their path in the step's arguments
+    (``0.blocks.1.mlp.up.kernel.value``: a candidate's parameters are under it, and its optimizer moments);
+    ``placeholders``: placeholder scope -> candidate module paths. Returns the renamed jaxpr (a placeholder
+    the data does not name is dropped: its equations keep their caller's scope) and the placeholders named
+    nowhere.
+    """
+    walk = _Walk(placeholders)
+    jaxpr = walk.rename(closed.jaxpr, dict(paths), {})
+    renamed = closed if jaxpr is closed.jaxpr else ClosedJaxpr(jaxpr, closed.consts)
+    return renamed, {k: placeholders[k] for k in sorted(walk.seen - walk.named)}
+
+
+class _Walk:
+    def __init__(self, placeholders: Mapping[str, Sequence[str]]):
+        self.placeholders = placeholders
+        self.seen: set[str] = set()
+        self.named: set[str] = set()  # placeholders renamed somewhere (elsewhere, an equation may read none)
+
+    def rename(self, jaxpr: Jaxpr, paths: dict[Var, str], outer: Mapping[str, str]) -> Jaxpr:
+        """``jaxpr`` renamed; ``paths`` its inputs' paths in the step's arguments, ``outer`` the placeholders
+        chosen outside (a body JAX traced once and called on each twin is renamed per call: its copies
+        differ)."""
+        chosen = {**outer, **self._choose(jaxpr, paths)}
+        eqns = [self._rename_eqn(eqn, paths, chosen) for eqn in jaxpr.eqns]
+        return jaxpr.replace(eqns=eqns) if any(a is not b for a, b in zip(eqns, jaxpr.eqns)) else jaxpr
+
+    def _choose(self, jaxpr: Jaxpr, paths: dict[Var, str]) -> dict[str, str]:
+        """Placeholder -> the one candidate whose parameters the equations under it read here."""
+        read: dict[str, set[str]] = {}
+        for eqn in jaxpr.eqns:
+            for scope in _scopes(eqn):
+                if (k := placeholder_of(scope, self.placeholders)) is not None:
+                    read.setdefault(k, set()).update(
+                        paths[v] for v in eqn.invars if isinstance(v, Var) and v in paths)
+        chosen = {}
+        for k, modules in read.items():
+            hits = [c for c in self.placeholders[k] if any(f".{c}." in f".{m}." for m in modules)]
+            if len(hits) == 1:
+                chosen[k] = hits[0]
+        return chosen
+
+    def _rename_eqn(self, eqn: JaxprEqn, paths: dict[Var, str], chosen: Mapping[str, str]) -> JaxprEqn:
+        stack = eqn.source_info.name_stack.stack
+        renamed = tuple(r for s in stack if (r := self._renamed_scope(s, chosen)) is not None)
+        params = {}
+        for name, value in eqn.params.items():
+            items = value if isinstance(value, (tuple, list)) else (value,)
+            new = [self._rename_inner(item, eqn, paths, chosen) for item in items]
+            if any(a is not b for a, b in zip(new, items)):
+                params[name] = type(value)(new) if isinstance(value, (tuple, list)) else new[0]
+        if not params and renamed == stack:
+            return eqn
+        source_info = eqn.source_info
+        if renamed != stack:
+            source_info = source_info.replace(name_stack=source_info_util.NameStack(renamed))
+        return eqn.replace(params={**eqn.params, **params}, source_info=source_info)
+
+    def _renamed_scope(self, s: Any, chosen: Mapping[str, str]) -> Any:
+        """``s`` renamed to its candidate's path; None (dropped: the caller's scope) for a placeholder the data
+        does not name here."""
+        if not isinstance(s, source_info_util.Scope) or (k := placeholder_of(s.name, self.placeholders)) is None:
+            return s
+        self.seen.add(k)
+        if k not in chosen:
+            return None
+        self.named.add(k)
+        return source_info_util.Scope(chosen[k] + s.name[len(k):])
+
+    def _rename_inner(self, item: Any, eqn: JaxprEqn, paths: dict[Var, str], chosen: Mapping[str, str]) -> Any:
+        inner = item.jaxpr if isinstance(item, ClosedJaxpr) else item
+        if not isinstance(inner, Jaxpr):
+            return item
+        # A body takes the equation's operands one for one (a jit's, a remat's, a scan's); else none is followed.
+        operands = eqn.invars if len(inner.invars) == len(eqn.invars) else []
+        inner_modules = {v: paths[op] for v, op in zip(inner.invars, operands)
+                         if isinstance(op, Var) and op in paths}
+        renamed = self.rename(inner, inner_modules, chosen)
+        if renamed is inner:
+            return item
+        return ClosedJaxpr(renamed, item.consts) if isinstance(item, ClosedJaxpr) else renamed
+
+
+def _scopes(eqn: JaxprEqn) -> list[str]:
+    return [s.name for s in eqn.source_info.name_stack.stack if isinstance(s, source_info_util.Scope)]
