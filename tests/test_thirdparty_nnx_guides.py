@@ -21,6 +21,10 @@ runs some of their code cells, each page in a namespace of its own):
   Explicit axes named ``batch`` and ``model``, ``nnx.Dropout`` layers that hold their own ``Rngs``, and an
   ``@nnx.jit(donate_argnums=...)`` step updating the model, the optimizer and an ``nnx.MultiMetric``.
 
+* ``06_scan_over_layers.py``, Flax's NNX toy example of a layer stack: ``ScanMLP``, blocks of ``nnx.Linear``,
+  ``nnx.BatchNorm`` and ``nnx.Dropout`` (each layer its own random stream) made by ``nnx.vmap`` and run by
+  ``nnx.scan``, which updates every layer's batch statistics and random counts.
+
 Adapted only by the test: sizes, the batch (random images and tokens), the mesh of the gspmd page's
 "auto-mode" cell made with Auto axes (``jax.make_mesh`` now makes Explicit ones, on which JAX refuses the
 page's own ``DotReluDot``), the cells that train or print at the page's sizes cut before their loops, and
@@ -30,11 +34,13 @@ the miniGPT page's imports and sizes given by the test (its cells also load a to
 from __future__ import annotations
 
 import contextlib
+import runpy
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -51,6 +57,7 @@ pytestmark = pytest.mark.devices(8)
 
 GUIDES = Path(__file__).resolve().parent / "thirdparty" / "flax_nnx_guides"
 GSPMD, MNIST, MINIGPT = GUIDES / "flax_gspmd.md", GUIDES / "mnist_tutorial.md", GUIDES / "minigpt.md"
+SCAN_OVER_LAYERS = GUIDES / "06_scan_over_layers.py"
 STEPS, DEPTH, BATCH = 3, 64, 8
 AUTO = (AxisType.Auto, AxisType.Auto)
 
@@ -384,3 +391,53 @@ def test_minigpt_tutorial_two_stage_pipeline_equals_one_device(minigpt_reference
     model = state[0]
     assert {d.id for d in model.output_layer.kernel[...].sharding.device_set} == {4, 5, 6, 7}
     assert {d.id for d in model.embedding_layer.token_emb.embedding[...].sharding.device_set} == {0, 1, 2, 3}
+
+
+# ----------------------------------------------------------------- the toy example "scan over layers"
+WIDTH, LAYERS = 16, 4
+
+
+def scan_mlp_objects() -> tuple:
+    """The example's ``ScanMLP`` (the file run as it is: it builds and calls one at its own sizes) of 4 layers,
+    and an optimizer."""
+    with contextlib.redirect_stdout(None):
+        scan_mlp = runpy.run_path(str(SCAN_OVER_LAYERS))["ScanMLP"]
+    model = scan_mlp(WIDTH, n_layers=LAYERS, rngs=nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.sgd(0.05, 0.9), wrt=nnx.Param)
+
+
+def scan_mlp_batch() -> tuple[jax.Array, jax.Array]:
+    x = jax.random.normal(jax.random.key(1), (16, WIDTH))
+    return x, jnp.sin(x)
+
+
+def scan_mlp_step(model, optimizer, batch) -> jax.Array:
+    """What a user of the example writes: an in-place NNX step (dropout on, batch statistics updated)."""
+    x, y = batch
+    value, grads = nnx.value_and_grad(lambda model: jnp.mean((model(x) - y) ** 2))(model)
+    optimizer.update(model, grads)
+    return value
+
+
+def test_scan_over_layers_example_split_over_two_stages_equals_one_device():
+    """Layers 0-1 on devices 0-3 and 2-3 on 4-7 by the stack's attribute name, the batch over each stage's 4
+    devices: the scan's per-layer state (batch statistics, dropout streams) lives split with the parameters."""
+    split = {(0, 2): ((0, 4), "first"), (2, 4): ((4, 8), "second")}
+    with register_task(r"layers", split=split, dims=(4,), device_axes=("data",)):
+        built = parallelize(functional_step(scan_mlp_step), init_params=scan_mlp_objects,
+                            get_input_batch=scan_mlp_batch, mesh={"data": 8}, rules=[("batch", "data")])
+    assert [p.name for p in built[0].plan.placements] == ["first", "second"]
+    state, batch, losses = built[1](), built[2](), []
+    for _ in range(STEPS):
+        loss, state = built[0](state, batch)
+        losses.append(float(loss))
+    model, optimizer = scan_mlp_objects()
+    reference = nnx.jit(scan_mlp_step)
+    ref_losses = [float(reference(model, optimizer, scan_mlp_batch())) for _ in range(STEPS)]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_states_close(state, (model, optimizer))
+    layers = state[0].layers
+    for stacked in (layers.linear.kernel[...], layers.bn.mean[...], layers.dropout.rngs.count[...]):
+        assert stacked.shape[0] == LAYERS and stacked.sharding.spec[0] == "stage"
+        for shard in stacked.addressable_shards:  # layers [2s, 2s + 2) on stage s's devices only
+            assert shard.data.shape[0] == 2 and shard.device.id // 4 == shard.index[0].start // 2
