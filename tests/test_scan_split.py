@@ -171,9 +171,9 @@ class NnxLayer(nnx.Module):
 
 class NnxNet(nnx.Module):
     """The same net in NNX: layers made by ``nnx.vmap``, run by ``nnx.scan`` or by ``jax.lax.scan`` over the
-    module (Flax's gspmd guide; its body rematerialised or not), no scope of its own (multimesh names the scan's body ``layers`` by the
-    stacked module's attribute path: through NNX's record of its copy, or the one module the copy JAX's
-    unflattening made is a slice of)."""
+    module (Flax's gspmd guide), its body rematerialised or not; no scope of its own (multimesh names the
+    scan's body ``layers`` by the stacked module's attribute path: through NNX's record of its copy, or the
+    one module the copy JAX's unflattening made is a slice of)."""
 
     def __init__(self, rngs, runner: str = "nnx.scan"):
         self.runner = runner
@@ -197,12 +197,13 @@ class NnxNet(nnx.Module):
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: None})
         def run(x, layer):
-            return layer(x)
+            return nnx.remat(lambda layer, x: layer(x))(layer, x) if self.runner.endswith("nnx.remat") else layer(x)
 
         return self.head(run(self.embed(x), self.layers))
 
 
-@pytest.mark.parametrize("runner", ["nnx.scan", "jax.lax.scan", "jax.lax.scan of jax.checkpoint"])
+@pytest.mark.parametrize("runner", ["nnx.scan", "nnx.scan of nnx.remat", "jax.lax.scan",
+                                    "jax.lax.scan of jax.checkpoint"])
 def test_nnx_scan_splits_alike(runner):
     with nnx.use_eager_sharding(False):
         graphdef, _ = nnx.split(nnx.eval_shape(lambda: NnxNet(nnx.Rngs(0), runner)), nnx.Param)
@@ -237,6 +238,56 @@ def test_nnx_scan_splits_alike(runner):
     assert len(stacked(state)) == 6  # w and v: parameters and both Adam moments
     for x in stacked(state).values():
         check_on_stages(x, 0, 2, 4)
+    for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+class RematScanNet(nn.Module):
+    """Layers stacked by ``nn.remat_scan`` (a scan of scans, each layer rematerialised): ``(2, 2, ...)``."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(WIDTH, name="embed")(x)
+        x = nn.remat_scan(RematScanLayer, lengths=(2, 2))(name="layers")(x)
+        return nn.Dense(WIDTH, name="head")(x)
+
+
+class RematScanLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(WIDTH)(jnp.tanh(x))
+
+
+def test_remat_scan_splits_by_its_outer_scan():
+    """``nn.remat_scan``'s outer scan split in two: the first two layers on devices 0-3, the last two on 4-7."""
+    model, tx = RematScanNet(), optax.sgd(0.1)
+
+    def init():
+        params = model.init(jax.random.key(0), jnp.ones((BATCH, WIDTH)))["params"]
+        return {"params": params, "opt": tx.init(params)}
+
+    def step(state, batch):
+        def loss(p):
+            return jnp.mean((model.apply({"params": p}, batch["x"]) - batch["y"]) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(state["params"])
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return value, {"params": optax.apply_updates(state["params"], updates), "opt": opt}
+
+    with register_task(r"layers", split={(0, 1): ((0, 4), "a"), (1, 2): ((4, 8), "b")}, dims=(4,),
+                       device_axes=("data",)):
+        step_fn, init_fn, batch_fn = parallelize(step, init_params=init, get_input_batch=get_batch)
+    assert [p.name for p in step_fn.plan.placements] == ["a", "b"]
+    state, batch = init_fn(), batch_fn()
+    ref_state, ref_batch = jax.device_put((init(), get_batch()), jax.devices()[0])
+    for _ in range(3):
+        loss, state = step_fn(state, batch)
+        ref_loss, ref_state = jax.jit(step)(ref_state, ref_batch)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    kernel = state["params"]["layers"]["Dense_0"]["kernel"]
+    assert kernel.shape == (2, 2, WIDTH, WIDTH)
+    for shard in kernel.addressable_shards:  # outer index s on stage s's devices only
+        assert shard.data.shape[0] == 1 and shard.device.id // 4 == shard.index[0].start
     for got, want in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
