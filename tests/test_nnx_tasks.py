@@ -321,10 +321,17 @@ def _params(model):
     return nnx.state(model, nnx.Param)
 
 
+@pytest.mark.parametrize("mode", ["graph", "tree"])
 @pytest.mark.parametrize("jitted", [False, True], ids=["plain", "nnx.jit"])
-def test_in_place_step_through_functional_step(jitted):
+def test_in_place_step_through_functional_step(jitted, mode):
     """``train_step(model, optimizer, batch)`` (optionally `nnx.jit`-decorated), on two stages by attribute
-    path, against the same step on one NNX model (the one-device reference of the docs)."""
+    path, against the same step on one NNX model (the one-device reference of the docs); in NNX's graph
+    mode (its default) and its tree mode, whose transforms are JAX's own (`nnx.set_graph_mode(False)`)."""
+    with nnx.set_graph_mode(mode == "graph"):
+        _in_place_step_through_functional_step(jitted)
+
+
+def _in_place_step_through_functional_step(jitted):
     a, b = _stages()
     with a, b:
         step_fn, init_fn, batch_fn = parallelize(functional_step(nnx.jit(train_step) if jitted else train_step),
