@@ -423,10 +423,11 @@ def test_scope_names_are_whole_attribute_paths_and_nest():
 
 
 class ScannedNet(nnx.Module):
-    """JAX's own transforms over NNX modules: a stack (``nnx.vmap``) run by ``jax.lax.scan`` over the module,
-    and a head under ``jax.checkpoint``. Each hands its body a module JAX's unflattening rebuilt."""
+    """JAX's own transforms over NNX modules: stacks (``nnx.vmap``) run by ``jax.lax.scan`` over the module,
+    and a head under ``jax.checkpoint``. Each hands its body a module JAX's unflattening rebuilt. With
+    ``twins``, a second stack of the same structure: a scanned copy could be of either."""
 
-    def __init__(self, rngs: nnx.Rngs):
+    def __init__(self, rngs: nnx.Rngs, twins: bool = False):
         self.embed = nnx.Linear(4, D, rngs=rngs)
 
         @nnx.split_rngs(splits=2)
@@ -435,11 +436,20 @@ class ScannedNet(nnx.Module):
             return Block(rngs)
 
         self.layers = make(rngs)
+        self.more_layers = make(rngs) if twins else None
         self.head = nnx.Linear(D, 1, rngs=rngs)
 
     def __call__(self, x):
-        x, _ = jax.lax.scan(lambda x, layer: (layer(x), None), self.embed(x), self.layers)
+        for stack in (self.layers, self.more_layers):
+            if stack is not None:
+                x, _ = jax.lax.scan(lambda x, layer: (layer(x), None), self.embed(x) if stack is self.layers else x,
+                                    stack)
         return jax.checkpoint(lambda head, x: head(x))(self.head, x)
+
+
+def _scan_body_scopes(jaxpr) -> list[set[tuple]]:
+    return [{tuple(scope_names(e.source_info.name_stack)) for e in scan.params["jaxpr"].eqns}
+            for scan in jaxpr.eqns if scan.primitive.name == "scan"]
 
 
 def test_copies_jax_transforms_make_keep_their_paths():
@@ -447,10 +457,29 @@ def test_copies_jax_transforms_make_keep_their_paths():
         model = ScannedNet(nnx.Rngs(0))
     with register_task(r"nothing", devices=jax.devices()[:2]), module_scopes():
         jaxpr = jax.make_jaxpr(lambda x: model(x))(jnp.ones((2, 4)))
-    (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
-    assert {tuple(scope_names(e.source_info.name_stack)) for e in scan.params["jaxpr"].eqns} >= {
-        ("layers",), ("layers", "layers.mlp", "layers.mlp.up"), ("layers", "layers.norm")}
+    (body,) = _scan_body_scopes(jaxpr)
+    assert body >= {("layers",), ("layers", "layers.mlp", "layers.mlp.up"), ("layers", "layers.norm")}
     assert "head" in names_in(jaxpr)
+
+
+def test_scanned_copies_of_twin_stacks_are_named_by_the_stack_they_scan():
+    """Two stacks of one structure, each run by ``jax.lax.scan``: the parameters each scan reads name it."""
+    with nnx.use_eager_sharding(False):
+        graphdef, params = nnx.split(ScannedNet(nnx.Rngs(0), twins=True))
+    scopes = StepScopes()
+
+    def traced(p, x):
+        model = nnx.merge(graphdef, p)
+        with scopes(model):
+            return model(x)
+
+    with register_task(r"nothing", devices=jax.devices()[:2]):
+        args = (params, jnp.ones((2, 4)))
+        jaxpr = scopes.named(jax.make_jaxpr(traced)(*args), args, "test").jaxpr
+    first, second = _scan_body_scopes(jaxpr)
+    assert ("layers", "layers.mlp", "layers.mlp.up") in first and ("more_layers", "more_layers.norm") in second
+    assert {n.split(".")[0] for names in first for n in names} == {"layers"}
+    assert {n.split(".")[0] for names in second for n in names} == {"more_layers"}
 
 
 class CheckpointedNet(Net):
