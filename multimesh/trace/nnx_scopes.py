@@ -129,9 +129,11 @@ class _Tracing:
         no data singles out is told."""
         if not self.placeholders:
             return closed
-        paths = [module_path(tuple(_key_name(k) for k in path)) for path, _ in jax.tree_util.tree_flatten_with_path(
-            inputs, is_leaf=lambda x: x is None)[0]]
-        closed, unnamed = name_twins(closed, dict(zip(closed.jaxpr.invars, paths)), self.placeholders)
+        paths = [module_path(tuple(_key_name(k) for k in path))
+                 for path, _ in jax.tree_util.tree_flatten_with_path(inputs)[0]]  # one per jaxpr input
+        invars = closed.jaxpr.invars
+        closed, unnamed = name_twins(closed, dict(zip(invars, paths)) if len(paths) == len(invars) else {},
+                                     self.placeholders)
         for twins in dict.fromkeys(tuple(t) for t in unnamed.values()):
             registered = [r.pattern.pattern for r in registered_tasks() if any(match_name(r.pattern, p) for p in twins)]
             if registered:
