@@ -20,16 +20,22 @@ from .runtime import Runtime
 from .spmd import Parallelized
 from .stacked import from_parts, part_shardings, to_parts
 
-__all__ = ["READABLE_BYTES", "MPMDFunction"]
+__all__ = ["READABLE_BYTES", "MPMDFunction", "state_scalars"]
 
 #: With several processes, outputs that are not parameters (the loss, metrics) up to this size are copied
 #: to every process, so ``float(loss)`` works everywhere; larger ones stay on the stage that made them.
 READABLE_BYTES = 1 << 20
 
 
+def state_scalars(abstract_params: Any) -> list[int]:
+    """The positions of the state's scalars among its leaves (an optimizer's count, a metric's total, an
+    ``nnx.Rngs`` key): a pipeline keeps them together on its last stage (`run.parallelize`)."""
+    return [i for i, a in enumerate(jax.tree.leaves(abstract_params)) if not np.shape(a)]
+
+
 def _free_unread_scalars(scalars: list, outs: list) -> None:
     """Donated state the step only copied elsewhere, freed as donation promises: a scalar of the state lives on
-    the last stage (`run.parallelize._input_layouts`), and where only other stages read it no program there
+    the last stage (`state_scalars`), and where only other stages read it no program there
     was given its buffer."""
     kept = {id(x) for x in outs}
     for x in scalars:
@@ -59,8 +65,7 @@ class MPMDFunction(Parallelized):
         self._donate = donate
         # the state's scalars, by position among the step's inputs: freed after each step (across processes
         # a transfer may still read one)
-        self._donated_scalars = [i for i, a in enumerate(jax.tree.leaves(abstract_params)) if not np.shape(a)] \
-            if donate and jax.process_count() == 1 else []
+        self._donated_scalars = state_scalars(abstract_params) if donate and jax.process_count() == 1 else []
         self._shapes = tuple(tuple(a.shape) for a in jax.tree.leaves((abstract_params, abstract_batch)))
         self._out_tree = out_tree
         # One target per output leaf (None: not a parameter's mirror). Up to the outputs' own leaves: a

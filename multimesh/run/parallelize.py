@@ -32,7 +32,7 @@ from ..trace.taskspec import current_global_mesh, use_global_mesh
 from .advice import warn_everything_replicated, warn_replicated_batch
 from .checks import check_arrays, check_in_place_nnx, check_outputs, checked, fun_name
 from .initializers import ShardedInitializer, StepAndInit, StepFunctions, with_initializers
-from .mpmd import MPMDFunction
+from .mpmd import MPMDFunction, state_scalars
 from .rule_coverage import constraint_names, rule_coverage, warn_rule_coverage
 from .spmd import ShardedFunction
 
@@ -171,8 +171,7 @@ def parallelize(
         # (nnx.MultiMetric.compute divides a total by a count), and JAX refuses arrays on different devices.
         # One stage, not the whole mesh: a scalar moves between stages shard for shard, which is asynchronous,
         # and onto more devices by way of the host, which waits for its value.
-        plan.keep_inputs_on([i for i, a in enumerate(jax.tree.leaves(abstract_params)) if not np.shape(a)],
-                            plan.placements[-1])
+        plan.keep_inputs_on(state_scalars(abstract_params), plan.placements[-1])
     params, batch = _input_layouts(plan, placement, abstract_params, abstract_batch, path_rules, batch_spec)
 
     if plan is not None and plan.placements != [placement]:  # tasks: the runtime runs the plan's segments

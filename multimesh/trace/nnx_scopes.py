@@ -70,6 +70,8 @@ class _Tracing:
     def __init__(self, roots: list[nnx.Module]):
         self.roots: list[tuple[nnx.Module, dict[int, str]]] = []  # kept alive: their ids stay theirs
         self.stack: list[tuple[nnx.Module, dict[int, str] | None]] = []
+        #: (path, module) of every model's submodules: what a copy JAX made may be a twin of (`_twin_path`)
+        self.submodules: list[tuple[str, nnx.Module]] = []
         #: placeholder scope -> the twins a copy could be of (`_twin_path`), named after tracing (`name_twins`)
         self.placeholders: dict[str, list[str]] = {}
         for root in roots:
@@ -82,6 +84,7 @@ class _Tracing:
             modules = []
         paths = {id(m): module_path(p) for p, m in modules}
         paths.setdefault(id(root), "")
+        self.submodules.extend((module_path(p), m) for p, m in modules if p)
         self.roots.append((root, paths))
         return paths
 
@@ -115,8 +118,7 @@ class _Tracing:
         several are (blocks of one structure in a loop), by a placeholder scope that `name_twins` renames
         once the step is traced, by the parameters the copy's equations read.
         """
-        found = sorted({module_path(path) for root, _ in self.roots for path, m in _modules(root)
-                        if type(m) is type(copy) and _pytree_twins(m, copy)})
+        found = sorted({path for path, m in self.submodules if type(m) is type(copy) and _pytree_twins(m, copy)})
         if len(found) < 2:
             return found[0] if found else None
         placeholder = f"{_PLACEHOLDER}{len(self.placeholders)}"
@@ -171,13 +173,6 @@ def _key_name(key: Any) -> Any:
         if hasattr(key, field):
             return getattr(key, field)
     return key
-
-
-def _modules(root: nnx.Module) -> list[tuple[tuple, nnx.Module]]:
-    try:
-        return [(p, m) for p, m in nnx.iter_modules(root) if p]
-    except Exception:  # a module half built
-        return []
 
 
 def _pytree_twins(original: Any, copy: Any) -> bool:

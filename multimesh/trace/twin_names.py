@@ -25,10 +25,12 @@ from typing import Any
 from jax._src import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var
 
-__all__ = ["name_twins", "placeholder_of"]
+from .implicit import scope_names
+
+__all__ = ["name_twins"]
 
 
-def placeholder_of(name: str, placeholders: Mapping[str, Sequence[str]]) -> str | None:
+def _placeholder_of(name: str, placeholders: Mapping[str, Sequence[str]]) -> str | None:
     """The placeholder ``name`` is (``multimesh-twin-0``) or is a submodule scope of (``multimesh-twin-0.mlp``),
     or None."""
     head = name.split(".", 1)[0]
@@ -69,8 +71,8 @@ class _Walk:
         """Placeholder -> the one candidate whose parameters the equations under it read here."""
         read: dict[str, set[str]] = {}
         for eqn in jaxpr.eqns:
-            for scope in _scopes(eqn):
-                if (k := placeholder_of(scope, self.placeholders)) is not None:
+            for scope in scope_names(eqn.source_info.name_stack):
+                if (k := _placeholder_of(scope, self.placeholders)) is not None:
                     read.setdefault(k, set()).update(
                         paths[v] for v in eqn.invars if isinstance(v, Var) and v in paths)
         chosen = {}
@@ -99,7 +101,7 @@ class _Walk:
     def _renamed_scope(self, s: Any, chosen: Mapping[str, str]) -> Any:
         """``s`` renamed to its candidate's path; None (dropped: the caller's scope) for a placeholder the data
         does not name here."""
-        if not isinstance(s, source_info_util.Scope) or (k := placeholder_of(s.name, self.placeholders)) is None:
+        if not isinstance(s, source_info_util.Scope) or (k := _placeholder_of(s.name, self.placeholders)) is None:
             return s
         self.seen.add(k)
         if k not in chosen:
@@ -113,13 +115,8 @@ class _Walk:
             return item
         # A body takes the equation's operands one for one (a jit's, a remat's, a scan's); else none is followed.
         operands = eqn.invars if len(inner.invars) == len(eqn.invars) else []
-        inner_modules = {v: paths[op] for v, op in zip(inner.invars, operands)
-                         if isinstance(op, Var) and op in paths}
-        renamed = self.rename(inner, inner_modules, chosen)
+        inner_paths = {v: paths[op] for v, op in zip(inner.invars, operands) if isinstance(op, Var) and op in paths}
+        renamed = self.rename(inner, inner_paths, chosen)
         if renamed is inner:
             return item
         return ClosedJaxpr(renamed, item.consts) if isinstance(item, ClosedJaxpr) else renamed
-
-
-def _scopes(eqn: JaxprEqn) -> list[str]:
-    return [s.name for s in eqn.source_info.name_stack.stack if isinstance(s, source_info_util.Scope)]
