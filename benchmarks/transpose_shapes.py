@@ -16,7 +16,7 @@ time (median, less `calibrate`'s per-execution overhead) is printed against
 the time its bytes take at `calibrate`'s elementwise rate, for the
 signatures with the most bytes per step over all layouts.
 
-Session 17 found the transposing copies take 3 times as long per byte in
+Run 17 found the transposing copies take 3 times as long per byte in
 one layout's step as in another's; this asks whether the kernels themselves
 are slow at those shapes.
 """

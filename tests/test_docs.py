@@ -119,13 +119,26 @@ def test_readme_and_index_link_every_guide():
 
 def test_readme_checkpoint_snippet_runs(tmp_path):
     """The README's checkpoint section shows code that runs (same conditions as a docs page)."""
-    text = (REPO / "README.md").read_text()
-    start = text.index("## Checkpoints")
-    section = text[start:text.index("\n## ", start + 3)]
-    blocks = [(line, src) for line, info, src in code_blocks(section) if info.split() == ["python"]]
+    blocks = [(line, src) for line, info, src in code_blocks(readme_section("Checkpoints"))
+              if info.split() == ["python"]]
     assert blocks, "the README's checkpoint section has no ```python block"
     proc = run_blocks(blocks, "README.md#checkpoints", tmp_path)
     # arrays compared across two meshes make XLA replicate them with a warning on stderr; the
     # example compares on the host; nothing else is logged either
     assert "Involuntary full rematerialization" not in proc.stderr, proc.stderr[-3000:]
     assert "WARNING" not in proc.stderr and not proc.stdout, (proc.stdout[-2000:], proc.stderr[-3000:])
+
+
+def readme_section(title: str) -> str:
+    text = (REPO / "README.md").read_text()
+    start = text.index(f"## {title}")
+    end = text.find("\n## ", start + 3)
+    return text[start:] if end < 0 else text[start:end]
+
+
+@pytest.mark.parametrize("title", ["SPMD: a one-device step, sharded by rules", "Your model as a pipeline"])
+def test_readme_examples_run(title, tmp_path):
+    """The README's front-page examples run as shown (same conditions as a docs page)."""
+    blocks = [(line, src) for line, info, src in code_blocks(readme_section(title)) if info.split() == ["python"]]
+    assert blocks, f"the README's section {title!r} has no ```python block"
+    run_blocks(blocks, f"README.md#{title}", tmp_path)

@@ -17,7 +17,7 @@ busy, by the speed-up `calibrate` measured with ``k`` devices busy
 the host's throughput shared among fewer devices. (`calibrate` measures it on
 matrix products, which XLA:CPU runs more than ``n / k`` times faster on fewer
 device threads; a whole program's other kernels and page faults do not gain
-that: measured on the planner benchmark's pipelines, session 16 of
+that: measured on the planner benchmark's pipelines, run 16 of
 `benchmarks/RESULTS.md`.) The schedule is simulated at those rates.
 But the host's cores do not run two stages' programs at once any faster
 than one after the other (measured on XLA:CPU, `benchmarks/host_sharing.py`:
