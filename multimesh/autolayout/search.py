@@ -242,9 +242,12 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
     """Search the layouts of ``step`` on the devices; return them ranked (`LayoutSearch`, print it).
 
     Args:
-      step, init_params, get_input_batch: as for `parallelize`.
+      step: the train step, as for `parallelize`.
+      init_params: as for `parallelize`.
+      get_input_batch: as for `parallelize`.
       profile: a `HardwareProfile` or a name (``"h100-sxm"``, ...) to predict step times with.
-      devices / num_devices: the devices to lay out (default: all); ``num_devices`` takes the first.
+      devices: the devices to lay out (default: all).
+      num_devices: instead of ``devices``, the first ``num_devices`` devices.
       memory_limit: bytes per device (default: the profile's memory).
       axes: the mesh axes whose sizes are searched (factorizations of the devices per stage). Default:
         data, fsdp and tensor, and any the model's parameters name themselves (``nn.with_partitioning``, NNX
@@ -259,7 +262,8 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
       pipeline: ``pipeline(stages, chunks)`` -> a context manager that registers the model's parts on the
         stages (e.g. with ``register_task(..., callback=... stage_task(s))``); needed for stage counts > 1.
       stage_counts: pipeline stage counts to try (1: SPMD).
-      microbatches, schedules: tried for every pipeline (the step must call `microbatch`).
+      microbatches: microbatch counts tried for every pipeline (the step must call `microbatch`).
+      schedules: schedules tried for every pipeline.
       rule_sets: `named_rules` tried on every mesh (``"sequence"`` only where it has a tensor axis).
       progress: a progress bar (default: when stderr is a terminal).
       time_top: build the ``time_top`` best-predicted layouts that fit with the real initializers, one at a

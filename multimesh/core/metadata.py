@@ -40,10 +40,14 @@ class Annotation:
 
 
 def is_box(x: Any) -> bool:
+    """Whether ``x`` is a Flax metadata box: a Linen ``nn.Partitioned`` (logical or mesh axes) or an NNX
+    ``nnx.Variable``, whose value multimesh reads with its annotation."""
     return isinstance(x, (linen_meta.Partitioned, nnx.Variable))
 
 
 def read_box(box: Any) -> Annotation | None:
+    """The sharding annotation a Flax box carries (its axis names and where they came from), or None
+    when it carries none (an NNX variable without ``out_sharding`` / ``sharding_names`` / ``sharding``)."""
     if isinstance(box, linen_spmd.LogicallyPartitioned):
         return Annotation(tuple(box.names), "flax-linen (logical)")
     if isinstance(box, linen_meta.Partitioned):

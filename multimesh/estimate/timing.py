@@ -52,6 +52,8 @@ FRESH_MAPPING_BYTES = 32 << 20
 
 
 def collective_time(c: Collective, profile: HardwareProfile) -> float:
+    """Seconds one collective takes on ``profile``'s links: latency plus its bytes over the bandwidth of
+    the link its group uses, by the algorithm its kind needs (a ring's ``2(n-1)/n`` for an all-reduce)."""
     n = max(c.group_size, 1)
     if n == 1:
         return 0.0

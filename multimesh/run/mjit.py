@@ -48,9 +48,10 @@ def mjit(
 
     Args:
       fun: any function of arrays (pytrees); it may call tasks. Without it, a decorator.
-      mesh / devices: the mesh for the work outside tasks, and for logical names
+      mesh: the mesh for the work outside tasks, and for logical names
         in `with_sharding_constraint` there (default: the `MultiMesh` in force,
         else all devices in 1-D, axis ``"x"``).
+      devices: instead of ``mesh``, the devices of a 1-D mesh.
       in_shardings: optional, per positional argument (a prefix tree): a
         `NamedSharding`, or a `PartitionSpec` of logical names resolved on
         ``mesh`` with ``rules``; arguments are moved there first. Default:

@@ -283,8 +283,11 @@ def register_task(
         (MultiMesh v0.2 calls it ``matcher``, accepted as a keyword too.)
       name: the task's name in plans and errors (default: ``regex``).
       task: where matches run, as a `Task` (MultiMesh v0.2); or
-      mesh / devices / device_axes / logical_axes: a fixed placement, as for `task`;
-        ``devices`` may be integer device ids, reshaped to ``dims`` when given.
+      mesh: a fixed placement's mesh, as for `task`.
+      devices: instead of ``mesh``, as for `task`; integer device ids too,
+        reshaped to ``dims`` when given.
+      device_axes: the axis names of ``devices``' submesh, as for `task`.
+      logical_axes: the rules of the task's submesh, as for `task`.
       callback: ``callback(name, backprop)``, ``name`` the matched text (a
         `MatchedName`: a str with ``.group(n)``), ``backprop`` whether the
         equation belongs to the backward pass. It returns a `Task`, or
@@ -446,6 +449,7 @@ def clear_tasks() -> None:
 
 
 def registered_tasks() -> list[Registration]:
+    """The `register_task` registrations in force, oldest first (a copy: changing it changes nothing)."""
     return list(_REGISTRY)
 
 
