@@ -9,7 +9,7 @@ import pytest
 from helpers import check_mpmd_against_reference
 from jax.sharding import PartitionSpec as P
 
-from multimesh.core.schedules import get_schedule
+from multimesh.schedules import get_schedule
 from multimesh.jax import (
     build_mesh,
     clear_tasks,

@@ -20,8 +20,8 @@ from flax import nnx
 from models.nnx_transformer import FunctionalModel, from_linen, to_linen
 from models.transformer import Transformer, TransformerConfig
 from multimesh.core.metadata import read_box
-from multimesh.core.schedules import get_schedule
-from multimesh.core.timeline import plot_schedule
+from multimesh.schedules import get_schedule
+from multimesh.schedules import plot_schedule
 from trainers.config import Config, load_config
 from trainers.data import make_datasets
 from trainers.layout import build_layout

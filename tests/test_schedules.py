@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import importlib
 import random
 from collections import Counter
 
@@ -10,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from multimesh.core import schedules as sched_mod
-from multimesh.core.schedules import (
+import multimesh.schedules as sched_mod
+from multimesh.schedules import (
     KNOWN_SCHEDULES,
     Action,
     GPipe,
@@ -396,8 +397,10 @@ def test_render_and_repr():
         s.render(backward_slots=0)
 
 
-def test_module_docstring_example():
-    result = doctest.testmod(sched_mod, optionflags=doctest.NORMALIZE_WHITESPACE)
+@pytest.mark.parametrize("module", ["multimesh.schedules", "multimesh.schedules.builtin"])
+def test_docstring_examples(module):
+    """The package's worked example and the zero-bubble schedules' examples run as written."""
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0
     assert result.failed == 0
 

@@ -56,7 +56,7 @@ __all__ = [
 #: Where named configs (``tiny``, ``dp``, ...) live: ``<repo>/configs``.
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "tiny"
-#: ``layout.pipeline.schedule``: every schedule of ``multimesh.core.schedules`` (see docs/pipelines.md).
+#: ``layout.pipeline.schedule``: every schedule of ``multimesh.schedules`` (see docs/pipelines.md).
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2")
 #: Layer groups per stage of the interleaved schedule when ``interleave`` is not given (the library's default).
 DEFAULT_INTERLEAVE = 2

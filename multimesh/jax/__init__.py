@@ -7,7 +7,7 @@ from .._version import __version__
 from ..core.meshes import build_mesh, place_mesh, slice_mesh
 from ..core.report import ShardingReport
 from ..core.rules import PathRules, RuleError, Rules, named_rules, resolve, standard_rules
-from ..core.schedules import (
+from ..schedules import (
     GPipe,
     Interleaved1F1B,
     OneFOneB,

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from jax.extend.core import Literal
 
-from ..core.schedules import Schedule
+from ..schedules import Schedule
 from ..trace.implicit import microbatch_of
 from ..trace.microbatch import Pipeline
 from ..trace.task import Placement

@@ -30,7 +30,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from ..core.fmt import format_bytes
 from ..core.meshes import explicit_axes
-from ..core.schedules import Schedule
+from ..schedules import Schedule
 from ..trace.implicit import implicit_placement, is_backprop, microbatch_of
 from ..trace.interpret import bind_equation, interpret
 from ..trace.knobs import current_knobs

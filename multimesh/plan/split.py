@@ -23,7 +23,7 @@ from typing import Any
 from jax._src import core as jcore
 from jax.extend.core import Literal, Var
 
-from ..core.schedules import WEIGHT, Schedule
+from ..schedules import WEIGHT, Schedule
 from ..trace.task import Placement, task_call_p
 from .segment import Segment
 

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..core.schedules import KNOWN_SCHEDULES, Schedule, get_schedule
+from ..schedules import KNOWN_SCHEDULES, Schedule, get_schedule
 from .constraints import with_sharding_constraint
 from .pipeline_choice import chosen_pipeline
 from .scopes import microbatch_body, scope_stack

@@ -19,7 +19,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .schedules import BACKWARD, FORWARD, Schedule
+from .actions import BACKWARD, FORWARD
+from .order import Schedule
 
 __all__ = ["plot_schedule"]
 
