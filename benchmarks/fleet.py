@@ -65,6 +65,7 @@ class PublishedRun:
     published_tflops: float  # per device, in the source's FLOP count
     source_flops: Callable[[PublishedRun], float]  # one step's flops, all devices, as the source counts them
     notes: str = ""
+    num_kv_heads: int | None = None  # grouped-query attention's key/value heads (None: num_heads)
 
 
 def megatron_flops(r: PublishedRun) -> float:
@@ -183,7 +184,8 @@ def trainer_overrides(run: PublishedRun, layers: int, out_dir: str) -> list[str]
     mesh = "{" + ", ".join(f"{k}: {v}" for k, v in run.mesh.items()) + "}"
     return [
         f"model.d_model={run.d_model}", f"model.num_layers={layers}", f"model.num_heads={run.num_heads}",
-        f"model.head_dim={run.head_dim}", f"model.d_ff={run.d_ff}", f"model.vocab_size={run.vocab}",
+        f"model.head_dim={run.head_dim}", f"model.num_kv_heads={run.num_kv_heads or run.num_heads}",
+        f"model.d_ff={run.d_ff}", f"model.vocab_size={run.vocab}",
         f"model.max_len={run.seq_len}", f"model.tie_embeddings={str(run.tie_embeddings).lower()}",
         f"model.remat={str(run.remat).lower()}", "model.scan_layers=false",
         "model.dtype=bfloat16", "model.param_dtype=float32",
