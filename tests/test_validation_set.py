@@ -35,6 +35,18 @@ def test_the_rows_looked_at_before_are_dev():
     assert {r.name for r in vp.load_runs() if r.split == "dev"} == set(fleet.RUNS)
 
 
+def test_fleet_runs_are_the_dev_rows():
+    """fleet.py prices the dev rows on its own: the same model, batch, layout and published figure as here."""
+    for r in vp.load_runs():
+        if r.split != "dev":
+            continue
+        ours, theirs = vp.as_fleet_run(r), fleet.RUNS[r.name]
+        fields = ("devices", "mesh", "d_model", "num_layers", "num_heads", "head_dim", "d_ff", "vocab", "seq_len",
+                  "global_batch", "tie_embeddings", "remat", "published_tflops")
+        assert {f: getattr(ours, f) for f in fields} == {f: getattr(theirs, f) for f in fields}, r.name
+        assert theirs.source_flops(theirs) == pytest.approx(vp.source_flops(r), rel=2e-3), r.name
+
+
 def test_the_sizes_agree_with_the_names_the_sources_give():
     """A typo in a shape shows as a parameter count far from the size the source names the model by
     (Megatron's 1.7B counts learned positions and biases the shape here omits: within 5%)."""
