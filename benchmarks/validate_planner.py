@@ -13,8 +13,8 @@ published TFLOP/s per device; the ratio is predicted / published step (above 1: 
 Per split (``dev``: rows looked at while the planner was developed; ``held_out``: rows never used to shape
 it) it prints each row and the median absolute error ``median |ratio - 1|`` over the rows it could compile.
 Nothing is fitted to any row. A row this machine cannot build says why in the table instead of being
-skipped: more devices than ``--max-devices`` (simulating thousands of devices is beyond one host's
-memory and time), or a pipeline or context-parallel layout (the depth extrapolation prices one SPMD program).
+skipped: more devices than ``--max-devices`` (each simulated device adds compile time and memory here),
+or a pipeline or context-parallel layout (the depth extrapolation prices one SPMD program).
 
 Mapping onto the example transformer (RMSNorm, RoPE, SwiGLU, no biases, no dropout): a two-matrix MLP
 (GELU, ReLU) of width ``ffn`` becomes a SwiGLU of width ``2 ffn / 3`` rounded to 64, the same parameters
@@ -202,8 +202,8 @@ def why_not_compiled(r: ValidationRun, max_devices: int) -> str | None:
         reasons.append(f"pipeline={r.layout['pipeline']}, context={r.layout['context']}: the depth extrapolation "
                        "prices one SPMD program, not a pipeline's stages and schedule or context parallelism")
     if r.device_count > max_devices:
-        reasons.append(f"{r.device_count} devices exceed --max-devices {max_devices} (simulating them on one "
-                       "2-core host is beyond its memory and time)")
+        reasons.append(f"{r.device_count} devices exceed --max-devices {max_devices} (raise it to try: every "
+                       "simulated device adds compile time and memory on this host)")
     return "; ".join(reasons) or None
 
 
