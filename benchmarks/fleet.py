@@ -65,6 +65,7 @@ class PublishedRun:
     published_tflops: float  # per device, in the source's FLOP count
     source_flops: Callable[[PublishedRun], float]  # one step's flops, all devices, as the source counts them
     notes: str = ""
+    num_kv_heads: int | None = None  # grouped-query attention's key/value heads (None: num_heads)
 
 
 def megatron_flops(r: PublishedRun) -> float:
@@ -74,16 +75,14 @@ def megatron_flops(r: PublishedRun) -> float:
 
 
 def maxtext_flops(r: PublishedRun) -> float:
-    """MaxText's ``calculate_tflops_training_per_device`` (2024): matmul weights x 3 (forward, backward) and
-    non-causal attention 4 B s^2 heads head_dim per layer x 3; per device, times the devices."""
-    b, s, e, m, h, hd = r.global_batch / r.devices, r.seq_len, r.d_model, r.d_ff, r.num_heads, r.head_dim
-    ffn = 2 * b * s * m * e * 3  # SwiGLU: two input projections and the output projection
-    qkv = 2 * b * s * e * 3 * h * hd
-    projection = 2 * b * s * e * h * hd
-    attention = 4 * b * s * s * h * hd
-    embedding = 2 * b * s * e * r.vocab
-    per_device = ((ffn + qkv + projection) * r.num_layers + embedding) * 3 + attention * r.num_layers * 3
-    return per_device * r.devices
+    """MaxText's training TFLOP count as of 2023-12 (``MaxText/train.py`` ``calculate_training_tflops``, PaLM
+    appendix B): 6 x parameters x tokens plus causal attention 6 B s^2 heads head_dim per layer. The parameters
+    are the example model's: its SwiGLU of equal width holds the published ReLU MLP's parameters to 0.1%."""
+    b, s, e, hd = r.global_batch, r.seq_len, r.d_model, r.head_dim
+    kv = r.num_kv_heads or r.num_heads
+    block = e * hd * (2 * r.num_heads + 2 * kv) + 3 * e * r.d_ff + 2 * e
+    params = r.num_layers * block + r.vocab * e * (1 if r.tie_embeddings else 2) + e
+    return 6 * params * b * s + 6 * r.num_layers * r.num_heads * hd * s * s * b
 
 
 def swiglu_width(d_model: int) -> int:
@@ -94,16 +93,19 @@ def swiglu_width(d_model: int) -> int:
 MEGATRON = ("Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters Using "
             "Megatron-LM (SC'21, arXiv:2104.04473), Table 1; A100 80GB (Selene), V=51200, s=2048, activation "
             "recomputation, TFLOP/s per GPU by their eq. (3)")
-MAXTEXT_V5P = ("MaxText MaxText/configs/v5p/README.md (32B, 1x v5p-128: 328 TFLOP/sec/chip, 71.47% MFU) and "
+MAXTEXT_2023 = ("google/maxtext commit 76bd53b0f44caf989c88189afadeb1062f9254f0 (2023-12-15), the date these "
+                "figures were published: ")
+MAXTEXT_SIZES = ("sizes from that commit's MaxText/configs/base.yml (base_emb_dim 2560, base_num_heads 8, head_dim 256, "
+                 "base_mlp_dim 8192 with mlp_activations [relu], 16 layers, vocab_size 32768, logits_via_embedding) "
+                 "scaled by pyconfig.get_individual_scales")
+MAXTEXT_V5P = (MAXTEXT_2023 + "MaxText/configs/v5p/README.md (32B, 1x v5p-128: 328 TFLOP/sec/chip, 71.47% MFU) and "
                "MaxText/configs/v5p/32b.sh (global_parameter_scale=32, ici_tensor_parallelism=4, fsdp the rest, "
-               "per_device_batch_size=7, max_target_length=2048, remat_policy=minimal); sizes from base.yml "
-               "(base_emb_dim 2048, heads 16, mlp 7168, layers 16, head_dim 128, vocab 32000) scaled by "
-               "pyconfig.get_individual_scales(32): emb x4, heads x4, mlp x4, layers x2")
-
-MAXTEXT_V5E = ("MaxText MaxText/configs/v5e/README.md (16B, 1x v5e-256: 120 TFLOP/sec/chip, 61.10% MFU) and "
+               "per_device_batch_size=8, max_target_length=2048, remat_policy=minimal); " + MAXTEXT_SIZES +
+               "(32): emb x4, heads x4, mlp x4, layers x2")
+MAXTEXT_V5E = (MAXTEXT_2023 + "MaxText/configs/v5e/README.md (16B, 1x v5e-256: 120 TFLOP/sec/chip, 61.10% MFU) and "
                "MaxText/configs/v5e/16b.sh (global_parameter_scale=16, fsdp over all 256 chips, "
-               "per_device_batch_size=6, max_target_length=2048, remat_policy=full); sizes from base.yml scaled "
-               "by pyconfig.get_individual_scales(16): emb x2, heads x4, mlp x4, layers x2")
+               "per_device_batch_size=6, max_target_length=2048, remat_policy=full); " + MAXTEXT_SIZES +
+               "(16): emb x2, heads x4, mlp x4, layers x2")
 
 
 def _megatron(name: str, h: int, layers: int, heads: int, tp: int, gpus: int, tflops: float) -> PublishedRun:
@@ -122,18 +124,18 @@ RUNS: dict[str, PublishedRun] = {r.name: r for r in (
     _megatron("megatron-7.5b", 4096, 36, 32, 4, 128, 142.0),
     PublishedRun(
         name="maxtext-32b-v5p", source=MAXTEXT_V5P, profile="tpu-v5p", devices=64, mesh={"fsdp": 16, "tensor": 4},
-        d_model=8192, num_layers=32, num_heads=64, head_dim=128, d_ff=28672, vocab=32000, seq_len=2048,
-        global_batch=7 * 64, tie_embeddings=False, remat=False, published_tflops=328.0,
+        d_model=10240, num_layers=32, num_heads=32, head_dim=256, d_ff=21824,
+        vocab=32768, seq_len=2048, global_batch=8 * 64, tie_embeddings=True, remat=False, published_tflops=328.0,
         source_flops=maxtext_flops,
         notes="v5p-128 is 64 chips (2 TensorCores each); remat_policy=minimal keeps the matmul outputs, taken as "
-              "no rematerialisation; flash attention there, materialised scores here"),
+              "no rematerialisation; ReLU MLP of width 32768 as a SwiGLU of equal parameters (21824); flash "
+              "attention there, materialised scores here"),
     PublishedRun(
         name="maxtext-16b-v5e", source=MAXTEXT_V5E, profile="tpu-v5e", devices=256, mesh={"fsdp": 256},
-        d_model=4096, num_layers=32, num_heads=64, head_dim=128, d_ff=28672, vocab=32000, seq_len=2048,
-        global_batch=6 * 256, tie_embeddings=False, remat=True, published_tflops=120.0,
-        source_flops=maxtext_flops,
-        notes="256 simulated devices: the slowest to compile here; flash attention there, materialised scores "
-              "here"),
+        d_model=5120, num_layers=32, num_heads=32, head_dim=256, d_ff=21824, vocab=32768, seq_len=2048,
+        global_batch=6 * 256, tie_embeddings=True, remat=True, published_tflops=120.0, source_flops=maxtext_flops,
+        notes="256 simulated devices: the slowest to compile here; ReLU MLP of width 32768 as a SwiGLU of equal "
+              "parameters (21824); flash attention there, materialised scores here"),
 )}
 
 #: Independently measured maximum achievable bf16 matmul rate (flop/s) per profile: Stas Bekman, Machine
@@ -183,7 +185,8 @@ def trainer_overrides(run: PublishedRun, layers: int, out_dir: str) -> list[str]
     mesh = "{" + ", ".join(f"{k}: {v}" for k, v in run.mesh.items()) + "}"
     return [
         f"model.d_model={run.d_model}", f"model.num_layers={layers}", f"model.num_heads={run.num_heads}",
-        f"model.head_dim={run.head_dim}", f"model.d_ff={run.d_ff}", f"model.vocab_size={run.vocab}",
+        f"model.head_dim={run.head_dim}", f"model.num_kv_heads={run.num_kv_heads or run.num_heads}",
+        f"model.d_ff={run.d_ff}", f"model.vocab_size={run.vocab}",
         f"model.max_len={run.seq_len}", f"model.tie_embeddings={str(run.tie_embeddings).lower()}",
         f"model.remat={str(run.remat).lower()}", "model.scan_layers=false",
         "model.dtype=bfloat16", "model.param_dtype=float32",

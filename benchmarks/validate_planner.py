@@ -1,0 +1,320 @@
+"""The planner against published training runs: predicted vs published step time, dev and held-out rows.
+
+    python benchmarks/validate_planner.py [NAME ...] [--split dev|held_out] [--max-devices N] [--list]
+
+Each run of ``published_runs.yaml`` (model shape, devices, layout, batch, sequence, precision and measured
+throughput, with its source and its split) is rebuilt as a trainer config of the example transformer at the
+published sizes and layout, its train step compiled on that many simulated CPU devices from abstract inputs
+and priced by the planner (`multimesh.estimate`, bfloat16 compute) on the device's hardware profile, with
+``benchmarks/fleet.py``'s machinery: compiled at 1 and 2 blocks and extrapolated linearly to the published
+depth. The published step time is the source's own FLOP count for one step divided by the devices and the
+published TFLOP/s per device; the ratio is predicted / published step (above 1: the planner is slow).
+
+Per split (``dev``: rows looked at while the planner was developed; ``held_out``: rows never used to shape
+it) it prints each row and the median absolute error ``median |ratio - 1|`` over the rows it could compile.
+Nothing is fitted to any row. A row this machine cannot build says why in the table instead of being
+skipped: more devices than ``--max-devices`` (each simulated device adds compile time and memory here),
+or a pipeline or context-parallel layout (the depth extrapolation prices one SPMD program).
+
+Mapping onto the example transformer (RMSNorm, RoPE, SwiGLU, no biases, no dropout): a two-matrix MLP
+(GELU, ReLU) of width ``ffn`` becomes a SwiGLU of width ``2 ffn / 3`` rounded to 64, the same parameters
+and flops; attention is the example's plain (materialised) attention whatever kernel the source used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fleet  # noqa: E402  (benchmarks/ is not a package)
+
+__all__ = ["FLOP_COUNTS", "RUNS_FILE", "RunsFileError", "ValidationRun", "load_runs", "predict_run",
+           "published_step", "source_flops", "why_not_compiled"]
+
+RUNS_FILE = Path(__file__).with_name("published_runs.yaml")
+SPLITS = ("dev", "held_out")
+LAYOUT_AXES = ("data", "fsdp", "tensor", "pipeline", "context")
+#: MLP kinds and how many ``d_model x ffn`` matrices each has.
+FFN_MATRICES = {"gelu": 2, "relu": 2, "swiglu": 3}
+MODEL_FIELDS = ("layers", "d_model", "heads", "kv_heads", "head_dim", "ffn", "ffn_kind", "vocab", "tied")
+DEVICE_FIELDS = ("kind", "count", "per_node")
+REQUIRED = ("name", "split", "source", "model", "devices", "layout", "global_batch", "seq_len", "precision",
+            "remat", "published", "flop_count")
+DEFAULT_MAX_DEVICES = 256
+
+
+class RunsFileError(ValueError):
+    """A row of the runs file is malformed (the message names the row and the field)."""
+
+
+@dataclass(frozen=True)
+class ValidationRun:
+    """One published run, as ``published_runs.yaml`` states it."""
+
+    name: str
+    split: str
+    source: str
+    model: dict[str, Any]
+    devices: dict[str, Any]
+    layout: dict[str, int]
+    global_batch: int
+    seq_len: int
+    precision: str
+    remat: bool
+    published: dict[str, float]
+    flop_count: str
+    notes: str = ""
+
+    @property
+    def device_count(self) -> int:
+        return int(self.devices["count"])
+
+
+def _maxtext_flops(r: ValidationRun) -> float:
+    """MaxText's training TFLOP count (train.py 2023, maxtext_utils.py 2024, PaLM appendix B): 6 x parameters
+    x tokens, plus causal attention 12 x heads x layers x head_dim x seq^2 x batch / 2."""
+    m = r.model
+    tokens = r.global_batch * r.seq_len
+    attention = 12 * m["heads"] * m["layers"] * m["head_dim"] * r.seq_len ** 2 * r.global_batch / 2
+    return 6 * parameter_count(r) * tokens + attention
+
+
+#: The sources' FLOP counts for one training step, all devices together.
+FLOP_COUNTS: dict[str, Callable[[ValidationRun], float]] = {
+    "megatron": lambda r: fleet.megatron_flops(as_fleet_run(r)),  # Narayanan et al. 2021, eq. (3)
+    "maxtext": _maxtext_flops,
+}
+
+
+def parameter_count(r: ValidationRun) -> int:
+    """The published model's parameters: embedding (and an untied output), attention, MLP and norm scales."""
+    m = r.model
+    e, hd = m["d_model"], m["head_dim"]
+    attention = e * hd * (2 * m["heads"] + 2 * m["kv_heads"])
+    mlp = FFN_MATRICES[m["ffn_kind"]] * e * m["ffn"]
+    embedding = m["vocab"] * e * (1 if m["tied"] else 2)
+    return m["layers"] * (attention + mlp + 2 * e) + embedding + e
+
+
+def source_flops(r: ValidationRun) -> float:
+    """One step's flops, all devices, as the run's source counts them."""
+    return FLOP_COUNTS[r.flop_count](r)
+
+
+def published_step(r: ValidationRun) -> float:
+    """Seconds per step implied by the published TFLOP/s per device and the source's FLOP count."""
+    return source_flops(r) / (r.device_count * r.published["tflops_per_device"] * 1e12)
+
+
+def swiglu_width(r: ValidationRun) -> int:
+    """The example transformer's SwiGLU width for the run's MLP: the same, or of equal parameters."""
+    m = r.model
+    if m["ffn_kind"] == "swiglu":
+        return m["ffn"]
+    return round(FFN_MATRICES[m["ffn_kind"]] * m["ffn"] / 3 / 64) * 64
+
+
+def _check_run(raw: Any, index: int, seen: set[str]) -> ValidationRun:
+    where = f"{RUNS_FILE.name} row {index}"
+    if not isinstance(raw, dict):
+        raise RunsFileError(f"{where}: expected a mapping of fields, got {type(raw).__name__}")
+    where = f"{where} ({raw.get('name', '?')})"
+    missing = [f for f in REQUIRED if f not in raw]
+    if missing:
+        raise RunsFileError(f"{where}: missing field(s) {missing}; every row needs {list(REQUIRED)}")
+    unknown = sorted(set(raw) - set(REQUIRED) - {"notes"})
+    if unknown:
+        raise RunsFileError(f"{where}: unknown field(s) {unknown}")
+    if raw["name"] in seen:
+        raise RunsFileError(f"{where}: the name {raw['name']!r} is used twice")
+    if raw["split"] not in SPLITS:
+        raise RunsFileError(f"{where}: split={raw['split']!r}; use one of {SPLITS}")
+    if not isinstance(raw["source"], str) or len(raw["source"].split()) < 5:
+        raise RunsFileError(f"{where}: source must cite where every figure is written, got {raw['source']!r}")
+    for group, fields in (("model", MODEL_FIELDS), ("devices", DEVICE_FIELDS), ("layout", LAYOUT_AXES)):
+        got = raw[group]
+        if not isinstance(got, dict) or sorted(got) != sorted(fields):
+            raise RunsFileError(f"{where}: {group} must have exactly the fields {list(fields)}, got "
+                                f"{sorted(got) if isinstance(got, dict) else got!r}")
+    m = raw["model"]
+    positive = {f"model.{k}": m[k] for k in MODEL_FIELDS if k not in ("ffn_kind", "tied")}
+    positive.update({f"layout.{k}": v for k, v in raw["layout"].items()})
+    positive.update({"devices.count": raw["devices"]["count"], "devices.per_node": raw["devices"]["per_node"],
+                     "global_batch": raw["global_batch"], "seq_len": raw["seq_len"]})
+    bad = {k: v for k, v in positive.items() if not (isinstance(v, int) and not isinstance(v, bool) and v > 0)}
+    if bad:
+        raise RunsFileError(f"{where}: these must be positive integers: {bad}")
+    if m["ffn_kind"] not in FFN_MATRICES:
+        raise RunsFileError(f"{where}: model.ffn_kind={m['ffn_kind']!r}; use one of {sorted(FFN_MATRICES)}")
+    if not isinstance(m["tied"], bool) or not isinstance(raw["remat"], bool):
+        raise RunsFileError(f"{where}: model.tied and remat must be true or false")
+    if m["heads"] % m["kv_heads"]:
+        raise RunsFileError(f"{where}: model.heads={m['heads']} is not a multiple of kv_heads={m['kv_heads']}")
+    product = math.prod(raw["layout"].values())
+    if product != raw["devices"]["count"]:
+        raise RunsFileError(f"{where}: the layout {raw['layout']} covers {product} devices, not "
+                            f"devices.count={raw['devices']['count']}")
+    if raw["global_batch"] % (raw["layout"]["data"] * raw["layout"]["fsdp"]):
+        raise RunsFileError(f"{where}: global_batch={raw['global_batch']} does not divide over data x fsdp = "
+                            f"{raw['layout']['data'] * raw['layout']['fsdp']}")
+    pub = raw["published"]
+    if not isinstance(pub, dict) or not isinstance(pub.get("tflops_per_device"), (int, float)) \
+            or pub["tflops_per_device"] <= 0 or sorted(pub) not in (["tflops_per_device"], ["mfu", "tflops_per_device"]):
+        raise RunsFileError(f"{where}: published must be {{tflops_per_device: >0[, mfu: 0..1]}}, got {pub!r}")
+    if "mfu" in pub and not 0 < pub["mfu"] <= 1:
+        raise RunsFileError(f"{where}: published.mfu={pub['mfu']} is not a fraction")
+    if raw["flop_count"] not in FLOP_COUNTS:
+        raise RunsFileError(f"{where}: flop_count={raw['flop_count']!r}; use one of {sorted(FLOP_COUNTS)}")
+    from multimesh.estimate import get_profile
+
+    get_profile(raw["devices"]["kind"])  # UnknownProfileError names the profiles there are
+    return ValidationRun(**{k: raw[k] for k in REQUIRED}, notes=str(raw.get("notes", "")))
+
+
+def load_runs(path: str | os.PathLike = RUNS_FILE) -> list[ValidationRun]:
+    """The rows of the runs file, each checked (`RunsFileError` names a malformed row and field)."""
+    import yaml
+
+    with open(path) as f:
+        doc = yaml.safe_load(f)
+    if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
+        raise RunsFileError(f"{path}: expected a top-level 'runs:' list")
+    seen: set[str] = set()
+    runs = []
+    for i, raw in enumerate(doc["runs"]):
+        runs.append(_check_run(raw, i, seen))
+        seen.add(runs[-1].name)
+    return runs
+
+
+def why_not_compiled(r: ValidationRun, max_devices: int) -> str | None:
+    """Why this machine does not build ``r`` (None: it does)."""
+    reasons = []
+    if r.layout["pipeline"] > 1 or r.layout["context"] > 1:
+        reasons.append(f"pipeline={r.layout['pipeline']}, context={r.layout['context']}: the depth extrapolation "
+                       "prices one SPMD program, not a pipeline's stages and schedule or context parallelism")
+    if r.device_count > max_devices:
+        reasons.append(f"{r.device_count} devices exceed --max-devices {max_devices} (raise it to try: every "
+                       "simulated device adds compile time and memory on this host)")
+    return "; ".join(reasons) or None
+
+
+def as_fleet_run(r: ValidationRun) -> fleet.PublishedRun:
+    """``r`` as `fleet.PublishedRun`, the example transformer's config at the published sizes and layout."""
+    mesh = {k: r.layout[k] for k in ("data", "fsdp", "tensor") if r.layout[k] > 1} or {"data": 1}
+    m = r.model
+    return fleet.PublishedRun(
+        name=r.name, source=r.source, profile=r.devices["kind"], devices=r.device_count, mesh=mesh,
+        d_model=m["d_model"], num_layers=m["layers"], num_heads=m["heads"], num_kv_heads=m["kv_heads"],
+        head_dim=m["head_dim"], d_ff=swiglu_width(r), vocab=m["vocab"], seq_len=r.seq_len,
+        global_batch=r.global_batch, tie_embeddings=m["tied"], remat=r.remat,
+        published_tflops=float(r.published["tflops_per_device"]), source_flops=lambda _: source_flops(r),
+        notes=r.notes)
+
+
+def predict_run(r: ValidationRun) -> fleet.Prediction:
+    """The planner's estimate of ``r`` (compiled on the first ``r.device_count`` JAX devices)."""
+    import jax
+
+    if jax.device_count() < r.device_count:
+        raise RuntimeError(f"{r.name} needs {r.device_count} devices, JAX has {jax.device_count()}: run "
+                           f"validate_planner.py, which sets the simulated device count")
+    run = as_fleet_run(r)
+    estimates, seconds = fleet.compile_depths(run)
+    return fleet.predict(run, estimates, r.devices["kind"], seconds)
+
+
+def _peak(r: ValidationRun) -> float:
+    from multimesh.estimate import get_profile
+
+    return get_profile(r.devices["kind"]).peak_flops["bfloat16"]
+
+
+def _layout(r: ValidationRun) -> str:
+    return " x ".join(f"{k} {v}" for k, v in r.layout.items() if v > 1) or "1 device"
+
+
+HEADER = ("| run | devices | layout | predicted step | published step | ratio | predicted TFLOP/s/dev | "
+          "published | MFU predicted / published | compute / memory / comm. (s) | built in |\n|" + "---|" * 11)
+
+
+def format_row(r: ValidationRun, p: fleet.Prediction | None, reason: str | None = None) -> str:
+    """One table row: the prediction against the published figures, or why there is none."""
+    pub_step, pub_tflops, peak = published_step(r), r.published["tflops_per_device"], _peak(r)
+    head = f"| {r.name} | {r.device_count} {r.devices['kind']} | {_layout(r)} | "
+    if p is None:
+        return (head + f"not compiled | {pub_step:.3f} s | - | - | {pub_tflops:g} | - / {pub_tflops * 1e12 / peak:.0%} "
+                f"| {reason} | - |")
+    step = p.step_time
+    tflops = source_flops(r) / (r.device_count * step) / 1e12
+    return (head + f"{step:.3f} s | {pub_step:.3f} s | {step / pub_step:.2f} | {tflops:.0f} | {pub_tflops:g} | "
+            f"{tflops * 1e12 / peak:.0%} / {pub_tflops * 1e12 / peak:.0%} | "
+            f"{p.compute:.3f} / {p.memory:.3f} / {p.communication:.3f} | {p.compile_seconds:.0f} s |")
+
+
+def median_abs_error(ratios: Sequence[float]) -> float:
+    """median |predicted / published - 1| (nan for no rows)."""
+    return statistics.median(abs(x - 1) for x in ratios) if ratios else float("nan")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    runs = load_runs()
+    names = [r.name for r in runs]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("runs", nargs="*", help=f"which runs (default all: {', '.join(names)})")
+    parser.add_argument("--split", choices=SPLITS, help="only this split's rows")
+    parser.add_argument("--max-devices", type=int, default=DEFAULT_MAX_DEVICES,
+                        help="build no run of more simulated devices (default %(default)s)")
+    parser.add_argument("--list", action="store_true", help="print the runs and their sources, and exit")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.runs if n not in names]
+    if unknown:
+        parser.error(f"unknown run(s) {unknown}; known: {', '.join(names)}")
+    chosen = [r for r in runs if (not args.runs or r.name in args.runs) and args.split in (None, r.split)]
+    if args.list:
+        for r in chosen:
+            print(f"{r.name} [{r.split}]: {r.source}\n  {r.notes}")
+        return
+    reasons = {r.name: why_not_compiled(r, args.max_devices) for r in chosen}
+    built = [r for r in chosen if reasons[r.name] is None]
+    if built:
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_force_host_platform_device_count" in flags:
+            sys.exit("validate_planner.py sets the simulated device count itself: unset XLA_FLAGS' "
+                     "--xla_force_host_platform_device_count")
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(r.device_count for r in built)}"
+    import jax
+
+    print(f"{jax.device_count()} simulated {jax.devices()[0].platform} devices, {os.cpu_count()} cores, "
+          f"jax {jax.__version__}; runs from {RUNS_FILE.name}")
+    summary = []
+    for split in SPLITS:
+        rows = [r for r in chosen if r.split == split]
+        if not rows:
+            continue
+        print(f"\n{split}:\n\n{HEADER}", flush=True)
+        ratios = []
+        for r in rows:
+            if reasons[r.name]:
+                print(format_row(r, None, reasons[r.name]), flush=True)
+                continue
+            p = predict_run(r)
+            ratios.append(p.step_time / published_step(r))
+            print(format_row(r, p), flush=True)
+        summary.append(f"{split}: median |predicted / published step - 1| = {median_abs_error(ratios):.0%} over "
+                       f"{len(ratios)} compiled row(s); {len(rows) - len(ratios)} not compiled (said why above)")
+    print()
+    print("\n".join(summary))
+
+
+if __name__ == "__main__":
+    main()
