@@ -1,0 +1,123 @@
+"""The shardings a function's own code gives its outputs, read from its jaxpr, and moved onto another mesh.
+
+An initializer in JAX's explicit-sharding style may make its arrays inside a
+`jax.jit` whose ``out_shardings`` name the model's mesh (jax-llm-examples'
+``Weights.init``): the arrays come out sharded, yet `jax.eval_shape` does not
+say so, because a jit's ``out_shardings`` are not part of its outputs' types.
+The jaxpr holds them, as parameters of the equations that made the outputs:
+
+* `abstract_outputs`: the function evaluated abstractly, each output carrying
+  the sharding its code gives it (a jit's ``out_shardings``, a
+  ``with_sharding_constraint``, a ``device_put``) where its type names none,
+  for the layouts to keep (`layout.derive_layout`, "its own sharding");
+* `moved_onto`: the jaxpr with every sharding on another mesh resolved on a
+  placement's instead, as a parameter's own sharding is: such a jit cannot
+  run inside a pipeline stage's program (JAX refuses a jit inside a jit on
+  other devices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from .placement import Placement
+
+__all__ = ["abstract_outputs", "given_shardings", "moved_onto"]
+
+_JIT = frozenset({"jit", "pjit"})
+
+
+def given_shardings(jaxpr: Jaxpr) -> list[NamedSharding | None]:
+    """Per output of ``jaxpr``: the `NamedSharding` the equation that made it gives it (the ``out_shardings`` of
+    a jit, inner jits followed where the outer says nothing; a sharding constraint; a ``device_put``), or None."""
+    given: dict[Var, NamedSharding] = {}
+    for eqn in jaxpr.eqns:
+        for i, var in enumerate(eqn.outvars):
+            sharding = _made_with(eqn, i)
+            if isinstance(sharding, NamedSharding):
+                given[var] = sharding
+    return [given.get(v) if isinstance(v, Var) else None for v in jaxpr.outvars]
+
+
+def _made_with(eqn: JaxprEqn, i: int) -> Any:
+    """The sharding ``eqn`` gives its output ``i``, if any."""
+    name = eqn.primitive.name
+    if name in _JIT:
+        out = eqn.params["out_shardings"][i]
+        return out if isinstance(out, NamedSharding) else given_shardings(eqn.params["jaxpr"].jaxpr)[i]
+    if name == "sharding_constraint":
+        return eqn.params["sharding"]
+    if name == "device_put":
+        return eqn.params["devices"][i]
+    return None
+
+
+def abstract_outputs(fun: Callable[[], Any]) -> Any:
+    """``jax.eval_shape(fun)``, each output whose type names no mesh axis carrying the sharding ``fun``'s code
+    gives it (`given_shardings`) when it names one."""
+    closed, shapes = jax.make_jaxpr(fun, return_shape=True)()
+    leaves, treedef = jax.tree.flatten(shapes)
+    out = []
+    for leaf, sharding in zip(leaves, given_shardings(closed.jaxpr)):
+        if sharding is not None and _names_axes(sharding.spec) and not _names_axes(_type_spec(leaf)):
+            leaf = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding, weak_type=leaf.weak_type)
+        out.append(leaf)
+    return jax.tree.unflatten(treedef, out)
+
+
+def _type_spec(leaf: Any) -> PartitionSpec | None:
+    return getattr(getattr(leaf, "sharding", None), "spec", None)
+
+
+def _names_axes(spec: PartitionSpec | None) -> bool:
+    return isinstance(spec, PartitionSpec) and any(e is not None and e is not PartitionSpec.UNCONSTRAINED
+                                                   for e in spec)
+
+
+def moved_onto(closed: ClosedJaxpr, placement: Placement, what: str) -> ClosedJaxpr | None:
+    """``closed`` with every `NamedSharding` and `Mesh` of another mesh than ``placement``'s (nested jaxprs
+    too) moved onto it: a sharding's spec resolved there as a parameter's own sharding is
+    (`Placement.physical`), by the array's shape where the equation gives it. None when none is on another
+    mesh. ``what`` names the function in errors."""
+    mover = _Mover(placement, what)
+    jaxpr = mover.jaxpr(closed.jaxpr)
+    return ClosedJaxpr(jaxpr, closed.consts) if mover.moved else None
+
+
+class _Mover:
+    def __init__(self, placement: Placement, what: str):
+        self.placement, self.what, self.moved = placement, what, False
+
+    def jaxpr(self, jaxpr: Jaxpr) -> Jaxpr:
+        return jaxpr.replace(eqns=[self.eqn(e) for e in jaxpr.eqns])
+
+    def eqn(self, eqn: JaxprEqn) -> JaxprEqn:
+        shapes = {"in_shardings": [v.aval.shape for v in eqn.invars],
+                  "out_shardings": [v.aval.shape for v in eqn.outvars],
+                  "sharding": [v.aval.shape for v in eqn.outvars],
+                  "devices": [v.aval.shape for v in eqn.invars]}
+        params = {k: self.value(v, shapes.get(k), f"{self.what}: {eqn.primitive.name} {k}")
+                  for k, v in eqn.params.items()}
+        return eqn.replace(params=params)
+
+    def value(self, value: Any, shapes: Sequence | None, where: str) -> Any:
+        if isinstance(value, NamedSharding) and isinstance(value.mesh, Mesh) and value.mesh != self.placement.mesh:
+            self.moved = True
+            shape = shapes[0] if shapes else None
+            return self.placement.physical(value.spec, shape, path=where)
+        if isinstance(value, Mesh) and not value.empty and value != self.placement.mesh:
+            self.moved = True
+            return self.placement.mesh
+        if isinstance(value, ClosedJaxpr):
+            return ClosedJaxpr(self.jaxpr(value.jaxpr), value.consts)
+        if isinstance(value, Jaxpr):
+            return self.jaxpr(value)
+        if type(value) in (tuple, list):
+            return type(value)(self.value(v, shapes[i:i + 1] if shapes and i < len(shapes) else None, where)
+                               for i, v in enumerate(value))
+        return value
