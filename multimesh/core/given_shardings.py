@@ -9,6 +9,7 @@ The jaxpr holds them, as parameters of the equations that made the outputs:
 * `abstract_outputs`: the function evaluated abstractly, each output carrying
   the sharding its code gives it (a jit's ``out_shardings``, a
   ``with_sharding_constraint``, a ``device_put``) where its type names none,
+  and the subtrees that mirror such outputs (an optimizer's state) theirs,
   for the layouts to keep (`layout.derive_layout`, "its own sharding");
 * `moved_onto`: the jaxpr with every sharding on another mesh resolved on a
   placement's instead, as a parameter's own sharding is: such a jit cannot
@@ -25,6 +26,7 @@ import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .mirror import signature
 from .placement import Placement
 
 __all__ = ["abstract_outputs", "given_shardings", "moved_onto"]
@@ -59,15 +61,54 @@ def _made_with(eqn: JaxprEqn, i: int) -> Any:
 
 def abstract_outputs(fun: Callable[[], Any]) -> Any:
     """``jax.eval_shape(fun)``, each output whose type names no mesh axis carrying the sharding ``fun``'s code
-    gives it (`given_shardings`) when it names one."""
+    gives it (`given_shardings`), or the one of the output it mirrors (`_mirrored`)."""
     closed, shapes = jax.make_jaxpr(fun, return_shape=True)()
     leaves, treedef = jax.tree.flatten(shapes)
-    out = []
-    for leaf, sharding in zip(leaves, given_shardings(closed.jaxpr)):
-        if sharding is not None and _names_axes(sharding.spec) and not _names_axes(_type_spec(leaf)):
-            leaf = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding, weak_type=leaf.weak_type)
-        out.append(leaf)
+    given = [s if not _names_axes(_type_spec(leaf)) else None for leaf, s in zip(leaves, given_shardings(closed.jaxpr))]
+    given = _mirrored(shapes, given)
+    out = [leaf if s is None else jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s, weak_type=leaf.weak_type)
+           for leaf, s in zip(leaves, given)]
     return jax.tree.unflatten(treedef, out)
+
+
+def _mirrored(tree: Any, given: list) -> list:
+    """``given`` (per leaf of ``tree``) extended to the subtrees that mirror a subtree whose every leaf has a
+    given sharding (same structure, shapes and dtypes, and one set of shardings among such subtrees) and whose
+    leaves have none: an optimizer's state made by ``zeros_like`` of such parameters. Eagerly, ``zeros_like``
+    keeps an array's sharding; traced, the jit's output it reads carries none in its type."""
+    if not any(s is not None for s in given):
+        return given
+    parts = list(_subtrees(tree, 0))
+    index: dict[tuple, Any] = {}
+    for sub, start, n in parts:
+        shardings = given[start:start + n]
+        if n and all(s is not None for s in shardings) and not _is_leaf(sub):
+            key = signature(sub)
+            index[key] = shardings if index.get(key, shardings) == shardings else _AMBIGUOUS
+    out = list(given)
+    for sub, start, n in parts:   # outermost first: a whole optimizer state before its parts
+        match = index.get(signature(sub)) if n and not _is_leaf(sub) else None
+        if match is not None and match is not _AMBIGUOUS and all(s is None for s in out[start:start + n]):
+            out[start:start + n] = match
+    return out
+
+
+_AMBIGUOUS = object()
+
+
+def _is_leaf(tree: Any) -> bool:
+    return jax.tree_util.treedef_is_leaf(jax.tree.structure(tree))
+
+
+def _subtrees(tree: Any, start: int):
+    """``(subtree, index of its first leaf, its leaf count)`` for ``tree`` and each of its subtrees, outermost
+    first."""
+    yield tree, start, jax.tree.structure(tree).num_leaves
+    if _is_leaf(tree):
+        return
+    for kid in jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is not tree)[0]:
+        yield from _subtrees(kid, start)
+        start += jax.tree.structure(kid).num_leaves
 
 
 def _type_spec(leaf: Any) -> PartitionSpec | None:
