@@ -154,14 +154,17 @@ def tolerances() -> tuple[float, float]:
     return max(1e-5, 2 * loss_diff), max(1e-4, 2 * float(state_diff))
 
 
-def assert_matches_reference(losses: list[float], state: Any, first: int = 0) -> None:
+def assert_matches_reference(losses: list[float], states: list[Any], first: int = 0) -> None:
+    """Losses and states of steps ``first..`` equal the one-device run's; after a first step the momentum is
+    that step's gradient, so the gradients are compared too."""
     ref_losses, ref_states = reference()
     loss_rtol, state_atol = tolerances()
     np.testing.assert_allclose(losses, ref_losses[first:first + len(losses)], rtol=loss_rtol)
-    got, want = jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(ref_states[first + len(losses) - 1])
-    assert len(got) == len(want)
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, rtol=0, atol=state_atol)
+    for i, state in enumerate(states):
+        got, want = jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(ref_states[first + i])
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=0, atol=state_atol)
 
 
 def test_the_tolerances_are_small():
@@ -237,7 +240,7 @@ def test_spmd_keeps_the_initializers_shardings():
 def test_spmd_equals_one_device():
     step_fn, init_fn, batch_fn = spmd()
     losses, states = train(step_fn, init_fn(), batch_fn(), STEPS)
-    assert_matches_reference(losses, states[-1])
+    assert_matches_reference(losses, states)
 
 
 # ----------------------------------------------------------------- the pipeline
@@ -266,7 +269,7 @@ def test_pipeline_equals_one_device():
     assert step_fn.plan.schedule.num_stages == 2
     state = init_fn()
     losses, states = train(step_fn, state, batch_fn(), STEPS)
-    assert_matches_reference(losses, states[-1])
+    assert_matches_reference(losses, states)
     _, state = step_fn(state, batch_fn())   # the arrays themselves (train keeps host copies)
     check_stage_layout(state)
 
@@ -305,7 +308,7 @@ def test_spmd_checkpoint_restores_onto_the_pipeline(tmp_path):
         assert np.array_equal(np.asarray(a), b)
         assert a.sharding.is_equivalent_to(sharding, a.ndim)
     losses, states = train(pipe_fn, restored.state, pipe_batch(), STEPS - SAVE_AT)
-    assert_matches_reference(losses, states[-1], first=SAVE_AT)
+    assert_matches_reference(losses, states, first=SAVE_AT)
 
 
 # ----------------------------------------------------------------- reading and moving shardings
@@ -333,3 +336,10 @@ def test_moved_onto_resolves_each_sharding_on_the_placement():
     with pytest.raises(ValueError, match=r"init: jit out_shardings.*names mesh axis 'z'"):
         moved_onto(closed, Placement(jax.make_mesh((2, 2), ("x", "y"), axis_types=EXPLICIT[:2],
                                                    devices=jax.devices()[4:])), "init")
+
+
+def test_a_layout_search_sees_the_mesh_axes_the_initializer_names():
+    """`model_axes` (the axes every mesh a layout search tries must have) reads the initializer's jit too."""
+    from multimesh.autolayout.model_axes import model_axes
+    init, _ = program(config(model_mesh()))
+    assert model_axes(init) == ("y", "z")
