@@ -39,24 +39,26 @@ def given_shardings(jaxpr: Jaxpr) -> list[NamedSharding | None]:
     a jit, inner jits followed where the outer says nothing; a sharding constraint; a ``device_put``), or None."""
     given: dict[Var, NamedSharding] = {}
     for eqn in jaxpr.eqns:
-        for i, var in enumerate(eqn.outvars):
-            sharding = _made_with(eqn, i)
+        for var, sharding in zip(eqn.outvars, _made_with(eqn)):
             if isinstance(sharding, NamedSharding):
                 given[var] = sharding
     return [given.get(v) if isinstance(v, Var) else None for v in jaxpr.outvars]
 
 
-def _made_with(eqn: JaxprEqn, i: int) -> Any:
-    """The sharding ``eqn`` gives its output ``i``, if any."""
+def _made_with(eqn: JaxprEqn) -> Sequence[Any]:
+    """The sharding ``eqn`` gives each of its outputs (None where it gives none)."""
     name = eqn.primitive.name
     if name in _JIT:
-        out = eqn.params["out_shardings"][i]
-        return out if isinstance(out, NamedSharding) else given_shardings(eqn.params["jaxpr"].jaxpr)[i]
+        outs = eqn.params["out_shardings"]
+        if all(isinstance(s, NamedSharding) for s in outs):
+            return outs
+        inner = given_shardings(eqn.params["jaxpr"].jaxpr)
+        return [s if isinstance(s, NamedSharding) else i for s, i in zip(outs, inner)]
     if name == "sharding_constraint":
-        return eqn.params["sharding"]
+        return [eqn.params["sharding"]]
     if name == "device_put":
-        return eqn.params["devices"][i]
-    return None
+        return eqn.params["devices"]
+    return [None] * len(eqn.outvars)
 
 
 def abstract_outputs(fun: Callable[[], Any]) -> Any:
