@@ -330,6 +330,8 @@ def test_moved_onto_resolves_each_sharding_on_the_placement():
     init = jax.jit(lambda: jnp.zeros((8, 4)), out_shardings=NamedSharding(mesh, P("x", ("y", "z"))))
     closed = jax.make_jaxpr(init)()
     assert moved_onto(closed, Placement(mesh), "init") is None   # already there
+    same_devices = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    assert moved_onto(closed, Placement(same_devices), "init") is None   # JAX takes it on the same devices
     moved = moved_onto(closed, Placement(stage), "init")
     (out,) = moved.jaxpr.eqns[0].params["out_shardings"]
     assert out.mesh == stage and out.spec == P("x", ("y", "z"))

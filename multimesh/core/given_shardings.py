@@ -11,10 +11,10 @@ The jaxpr holds them, as parameters of the equations that made the outputs:
   ``with_sharding_constraint``, a ``device_put``) where its type names none,
   and the subtrees that mirror such outputs (an optimizer's state) theirs,
   for the layouts to keep (`layout.derive_layout`, "its own sharding");
-* `moved_onto`: the jaxpr with every sharding on another mesh resolved on a
-  placement's instead, as a parameter's own sharding is: such a jit cannot
-  run inside a pipeline stage's program (JAX refuses a jit inside a jit on
-  other devices).
+* `moved_onto`: the jaxpr with every sharding on other devices resolved on a
+  placement's mesh instead, as a parameter's own sharding is: such a jit
+  cannot run inside a pipeline stage's program (JAX refuses a jit inside a
+  jit on other devices).
 """
 
 from __future__ import annotations
@@ -123,10 +123,10 @@ def _names_axes(spec: PartitionSpec | None) -> bool:
 
 
 def moved_onto(closed: ClosedJaxpr, placement: Placement, what: str) -> ClosedJaxpr | None:
-    """``closed`` with every `NamedSharding` and `Mesh` of another mesh than ``placement``'s (nested jaxprs
-    too) moved onto it: a sharding's spec resolved there as a parameter's own sharding is
-    (`Placement.physical`), by the array's shape where the equation gives it. None when none is on another
-    mesh. ``what`` names the function in errors."""
+    """``closed`` with every `NamedSharding` and `Mesh` on other devices than ``placement``'s (nested jaxprs
+    too) moved onto its mesh: a sharding's spec resolved there as a parameter's own sharding is
+    (`Placement.physical`), by the array's shape where the equation gives it. None when none is on other
+    devices. ``what`` names the function in errors."""
     mover = _Mover(placement, what)
     jaxpr = mover.jaxpr(closed.jaxpr)
     return ClosedJaxpr(jaxpr, closed.consts) if mover.moved else None
@@ -135,6 +135,11 @@ def moved_onto(closed: ClosedJaxpr, placement: Placement, what: str) -> ClosedJa
 class _Mover:
     def __init__(self, placement: Placement, what: str):
         self.placement, self.what, self.moved = placement, what, False
+
+    def elsewhere(self, mesh: Any) -> bool:
+        """Whether ``mesh`` is a concrete mesh on other devices than the placement's (JAX refuses a jit inside
+        a jit on other devices; another mesh of the same devices it takes, and so is it left)."""
+        return isinstance(mesh, Mesh) and not mesh.empty and frozenset(mesh.devices.flat) != self.placement.devices
 
     def jaxpr(self, jaxpr: Jaxpr) -> Jaxpr:
         return jaxpr.replace(eqns=[self.eqn(e) for e in jaxpr.eqns])
@@ -149,11 +154,11 @@ class _Mover:
         return eqn.replace(params=params)
 
     def value(self, value: Any, shapes: Sequence | None, where: str) -> Any:
-        if isinstance(value, NamedSharding) and isinstance(value.mesh, Mesh) and value.mesh != self.placement.mesh:
+        if isinstance(value, NamedSharding) and self.elsewhere(value.mesh):
             self.moved = True
             shape = shapes[0] if shapes else None
             return self.placement.physical(value.spec, shape, path=where)
-        if isinstance(value, Mesh) and not value.empty and value != self.placement.mesh:
+        if self.elsewhere(value):
             self.moved = True
             return self.placement.mesh
         if isinstance(value, ClosedJaxpr):
