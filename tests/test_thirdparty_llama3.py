@@ -10,8 +10,9 @@ with the model's mesh and its rule for the batch only (no restated layouts, no
 
 a. SPMD: every parameter keeps the sharding the initializer gives it;
 b. a 2-stage 1F1B pipeline by `register_task` on the model's own scope names
-   (the model opens ``jax.named_scope`` s for its parts, none per layer: one
-   layer, its attention on the first stage and its MLP on the second), the
+   (the model opens a ``jax.named_scope`` for each part of a layer, none per
+   layer: one layer, its attention on the first stage and its MLP on the
+   second), the
    initializer run for each stage with its shardings moved onto that stage;
 c. an SPMD checkpoint restored onto the pipeline, trained on.
 
@@ -24,7 +25,6 @@ device (its RMS norm rounds activations to bfloat16).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import importlib
 import sys
