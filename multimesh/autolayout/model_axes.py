@@ -18,8 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-import jax
-
+from ..core.given_shardings import abstract_outputs
 from ..core.layout import own_spec
 from ..core.meshes import spec_names
 from ..core.metadata import Annotation, map_with_annotations
@@ -38,7 +37,7 @@ def model_axes(init_params: Callable[[], Any]) -> tuple[str, ...]:
     """The mesh axes ``init_params``' parameters name themselves, in the order the parameters first name them
     (empty when it cannot be evaluated abstractly on its own: the candidates' builds then say why)."""
     try:
-        abstract = jax.eval_shape(init_params)
+        abstract = abstract_outputs(init_params)   # with the shardings a jit of its own gives them
     except Exception:  # e.g. it makes arrays on a mesh it expects in context; each candidate reports its error
         return ()
     logical = standard_rules(()).generic

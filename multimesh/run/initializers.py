@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 
+from ..core.given_shardings import moved_onto
 from ..core.meshes import mesh_context
 from ..core.placement import Placement, use_placement
+from ..trace.interpret import interpret
 from .checks import fun_name
 
 __all__ = ["ShardedInitializer", "StepAndInit", "StepFunctions", "with_initializers"]
@@ -30,7 +32,8 @@ __all__ = ["ShardedInitializer", "StepAndInit", "StepFunctions", "with_initializ
 class ShardedInitializer:
     """``make`` compiled so that each leaf is created directly in its sharding; call it with no arguments."""
 
-    def __init__(self, make: Callable[[], Any], shardings: Any, placement: Placement | None):
+    def __init__(self, make: Callable[[], Any], shardings: Any, placement: Placement | None,
+                 stages: Sequence[Placement] = ()):
         functools.update_wrapper(self, make)  # its name, module and docstring are the user's function's
         self.make = make
         self.shardings = shardings
@@ -38,16 +41,18 @@ class ShardedInitializer:
         groups: dict[frozenset, list[int]] = {}
         for i, s in enumerate(flat):
             groups.setdefault(frozenset(s.device_set), []).append(i)
-        self._parts = [(idx, self._part(flat, idx, placement)) for idx in groups.values()]
+        self._parts = [(idx, self._part(flat, idx, placement, stages)) for idx in groups.values()]
 
-    def _part(self, flat: list, idx: list[int], placement: Placement | None) -> Callable:
-        """One jit computing the leaves ``idx`` under the mesh they live on (``placement``'s, when given)."""
+    def _part(self, flat: list, idx: list[int], placement: Placement | None, stages: Sequence[Placement]) -> Callable:
+        """One jit computing the leaves ``idx`` under the mesh they live on (``placement``'s, when given; else
+        the stage's of ``stages`` on that mesh, whose rules move the initializer's own shardings there)."""
         make, n = self.make, len(flat)
         mesh = placement.mesh if placement is not None else flat[idx[0]].mesh
+        where = placement or next((s for s in stages if s.mesh == mesh), None) or Placement(mesh)
 
         def leaves():
             with use_placement(placement):
-                out = jax.tree.leaves(make())  # traced once per device group, not once per leaf
+                out = _made_on(make, where)  # traced once per device group, not once per leaf
             if len(out) != n:
                 raise ValueError(f"{fun_name(make)!r} returned {len(out)} arrays when compiled, but {n} when "
                                  f"evaluated abstractly: it must build the same tree each time it is called")
@@ -79,6 +84,15 @@ class ShardedInitializer:
                 f"{len(self._parts)} device group(s))")
 
 
+def _made_on(make: Callable[[], Any], placement: Placement) -> list:
+    """The leaves of ``make()``, traced under the caller's context; a jit inside it whose shardings name
+    another mesh (``jax.jit(..., out_shardings=NamedSharding(model_mesh, ...))``, JAX refuses it inside a jit
+    on other devices) runs with them moved onto ``placement``'s mesh, resolved as parameters are."""
+    closed = jax.make_jaxpr(make)()
+    closed = moved_onto(closed, placement, f"init of {fun_name(make)!r}") or closed
+    return interpret(closed.jaxpr, closed.consts, [])
+
+
 def _origin(fun: Callable) -> str:
     """``module.qualname`` of ``fun`` and, when Python knows it, ``file:line``."""
     name = f"{getattr(fun, '__module__', None) or '?'}.{getattr(fun, '__qualname__', None) or fun_name(fun)}"
@@ -107,7 +121,9 @@ class StepAndInit(NamedTuple):
 def with_initializers(sharded: Any, init_params: Callable, get_input_batch: Callable | None,
                       placement: Placement | None) -> StepFunctions | StepAndInit:
     """``(sharded, init, get_batch)`` (``(sharded, init)`` without ``get_input_batch``)."""
-    init = ShardedInitializer(init_params, sharded.param_shardings, placement)
+    stages = sharded.plan.placements if placement is None else ()
+    init = ShardedInitializer(init_params, sharded.param_shardings, placement, stages)
     if get_input_batch is None:
         return StepAndInit(sharded, init)
-    return StepFunctions(sharded, init, ShardedInitializer(get_input_batch, sharded.batch_shardings, placement))
+    return StepFunctions(sharded, init, ShardedInitializer(get_input_batch, sharded.batch_shardings, placement,
+                                                           stages))

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from ..core.given_shardings import abstract_outputs
 from ..core.layout import Layout, constrained_inputs, derive_layout
 from ..core.meshes import MeshLike, build_mesh, explicit_axes
 from ..core.placement import Placement, use_placement
@@ -149,9 +150,10 @@ def parallelize(
     path_rules = PathRules(param_rules) if param_rules is not None else PathRules()
 
     with use_placement(placement):
-        abstract_params = jax.eval_shape(checked(init_params, "init_params"))
+        # with the shardings their code gives their outputs (a jit's out_shardings): eval_shape omits those
+        abstract_params = abstract_outputs(checked(init_params, "init_params"))
         if get_input_batch is not None:
-            abstract_batch = jax.eval_shape(checked(get_input_batch, "get_input_batch"))
+            abstract_batch = abstract_outputs(checked(get_input_batch, "get_input_batch"))
         else:
             check_arrays(initial_batch, "initial_batch", "batch")
             abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)), initial_batch)
