@@ -62,6 +62,9 @@ class _Lowered:
     def __init__(self, text: str, fail: bool = False):
         self.text, self.fail = text, fail
 
+    def as_text(self) -> str:  # the program's text (an estimate keys what XLA said by it)
+        return f"module @fake {{ {self.text!r} }}"
+
     def compile(self):
         os.write(2, self.text.encode())
         if self.fail:
@@ -128,3 +131,62 @@ def test_the_search_table_names_the_layouts_where_xla_reshards(capfd):
     note = next(line for line in str(found).splitlines() if "XLA reshards" in line)
     assert all(f"{d} (" in note for d in resharding)
     assert "Involuntary full rematerialization" not in capfd.readouterr().err
+
+
+#: one process's estimate of the lookup step on data=2 x fsdp=4 (XLA gathers the looked-up rows whole), with
+#: JAX's persistent cache on and every program written to it; prints the reshards' instructions, the cache hits
+#: and the warnings
+_PROCESS = """
+import json, warnings
+import jax, jax.numpy as jnp, jax.monitoring, optax
+from jax.sharding import PartitionSpec as P
+from multimesh.jax import parallelize
+hits = []
+jax.monitoring.register_event_listener(lambda e, **_: hits.append(e) if e.endswith("cache_hits") else None)
+tx = optax.sgd(0.1)
+def init():
+    t = jax.random.normal(jax.random.key(0), (32, 16))
+    return {"params": t, "opt": tx.init(t)}
+def step(state, batch):
+    loss, g = jax.value_and_grad(lambda t: (t[batch["tokens"]] ** 2).mean())(state["params"])
+    u, opt = tx.update(g, state["opt"])
+    return loss, {"params": optax.apply_updates(state["params"], u), "opt": opt}
+fn, _, _ = parallelize(step, init_params=init, get_input_batch=lambda: {"tokens": jnp.zeros((16, 8), jnp.int32)},
+                       mesh={"data": 2, "fsdp": 4}, rules=[("batch", ("data", "fsdp"))],
+                       param_rules=[(r"params$", P(None, "data"))])
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    est = fn.estimate()
+print(json.dumps({"reshards": [r.instruction for _, r in est.reshards], "hits": len(hits),
+                  "warnings": [type(w.message).__name__ for w in caught]}))
+"""
+
+
+def test_reshards_survive_jax_s_persistent_compilation_cache(tmp_path):
+    """A program JAX reads from its persistent cache is not compiled, and XLA warns only while compiling:
+    the warnings an estimate's compile saw are kept beside the cache and read back; where the cache holds a
+    program without them, the estimate says they are unknown (a warning) instead of reporting none."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "estimate.py"
+    script.write_text(_PROCESS)
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+    def run() -> dict:
+        proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    first = run()
+    assert first["reshards"] == ["gather"] and first["warnings"] == []
+    second = run()  # the same programs, now read from the cache
+    assert second["hits"] > 0
+    assert second["reshards"] == ["gather"] and second["warnings"] == []
+    for kept in (tmp_path / "cache").glob("multimesh-reshards-*.json"):
+        kept.unlink()
+    third = run()
+    assert third["hits"] > 0 and third["reshards"] == []
+    assert "UnknownReshardsWarning" in third["warnings"]

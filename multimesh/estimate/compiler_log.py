@@ -8,21 +8,38 @@ every step. Printed during a layout search, a dozen such lines name no
 layout. `compile_noting_reshards` compiles with file descriptor 2 sent to a
 temporary file, keeps those warnings as `Reshard`s of the program, and writes
 everything else back to standard error, unchanged.
+
+XLA says it only while compiling: a program JAX reads back from its persistent
+compilation cache (``jax_compilation_cache_dir``) is not compiled, and says
+nothing. So the warnings of a program compiled here are kept beside that cache
+(``multimesh-reshards-<digest>.json``, keyed by the program's text, JAX's
+version and the devices' kind) and read back when JAX reads the program from
+the cache. A program the cache holds without them (compiled by a plain
+``jax.jit`` call) has them unknown, with an `UnknownReshardsWarning` (compiling
+it again in that process logs nothing either).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
+import json
 import os
 import re
 import sys
 import tempfile
 import threading
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-__all__ = ["Reshard", "compile_noting_reshards", "split_reshards"]
+import jax
+import jax.monitoring
+
+__all__ = ["Reshard", "UnknownReshardsWarning", "compile_noting_reshards", "split_reshards"]
 
 _MARK = "Involuntary full rematerialization."
 _FROM_TO = re.compile(r"cannot go from sharding (?P<source>.*?) to (?P<target>\{.*?) efficiently for HLO operation "
@@ -88,17 +105,66 @@ def _flush_python_stderr() -> None:
 
 
 def compile_noting_reshards(lowered: Any) -> tuple[Any, tuple[Reshard, ...]]:
-    """``lowered.compile()``, and the arrays XLA warned it reshards by gathering them whole."""
+    """``lowered.compile()``, and the arrays XLA warned it reshards by gathering them whole (also when
+    JAX's persistent compilation cache holds the program: see the module's docstring)."""
+    kept = _kept_reshards_path(lowered)
+    compiled, reshards, from_cache = _compile_noting(lowered)
+    if not from_cache:
+        if kept is not None:
+            with contextlib.suppress(OSError):
+                kept.write_text(json.dumps([dataclasses.asdict(r) for r in reshards]))
+        return compiled, reshards
+    if kept is not None and kept.is_file():
+        return compiled, _read_kept(kept)
+    warnings.warn("JAX read a program of this estimate from its persistent compilation cache "
+                  f"({jax.config.jax_compilation_cache_dir}), compiled there by something other than an "
+                  "estimate: XLA's warnings of arrays it reshards by gathering them whole (Estimate.reshards) "
+                  "are not known for it. Clear that directory, or estimate with "
+                  "jax.config.update('jax_enable_compilation_cache', False), to have them.",
+                  UnknownReshardsWarning, stacklevel=3)
+    return compiled, ()
+
+
+class UnknownReshardsWarning(UserWarning):
+    """An estimate's program came from JAX's persistent cache without its reshard warnings kept."""
+
+
+def _compile_noting(lowered: Any) -> tuple[Any, tuple[Reshard, ...], bool]:
+    """Compile with standard error caught (the reshard warnings kept, the rest written back), and whether
+    JAX read the program from its persistent cache instead of compiling it."""
+    hits: list[str] = []
+
+    def listen(event: str, **_: Any) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            hits.append(event)
+
     with _REDIRECTING, tempfile.TemporaryFile() as log:
+        jax.monitoring.register_event_listener(listen)
         try:
             with _stderr_to(log):
                 compiled = lowered.compile()
         finally:
+            jax.monitoring.unregister_event_listener(listen)
             log.seek(0)
             reshards, rest = split_reshards(log.read().decode(errors="replace"))
             if rest:
                 _write_stderr(rest.encode())
-    return compiled, reshards
+    return compiled, reshards, bool(hits)
+
+
+def _kept_reshards_path(lowered: Any) -> Path | None:
+    """Where this program's warnings are kept beside JAX's persistent cache; None without one."""
+    cache_dir = jax.config.jax_compilation_cache_dir
+    if not cache_dir or not jax.config.jax_enable_compilation_cache or "://" in str(cache_dir):
+        return None
+    digest = hashlib.sha256()
+    for part in (jax.__version__, jax.devices()[0].device_kind, lowered.as_text()):
+        digest.update(part.encode())
+    return Path(cache_dir) / f"multimesh-reshards-{digest.hexdigest()[:32]}.json"
+
+
+def _read_kept(path: Path) -> tuple[Reshard, ...]:
+    return tuple(Reshard(**r) for r in json.loads(path.read_text()))
 
 
 def _write_stderr(data: bytes) -> None:
