@@ -354,10 +354,8 @@ def make_registration(
             raise TypeError(f"{who}: task= must be a multimesh Task, got {task!r}")
         if callback is not None or any(x is not None for x in (mesh, dims, devices, axes, rules)):
             raise ValueError(f"{who}: task= says where matches run; give it alone, or use callback=/mesh=/devices=")
-        if task.needs_global_mesh() and global_mesh is None and current_global_mesh() is None:
-            raise ValueError(f"{who}: {'task ' + repr(task.name) if task.name else 'the task'} has a mesh_slice, "
-                             f"which slices the global mesh; register it inside `with MultiMesh(...):`, `with "
-                             f"jax.set_mesh(mesh):` or `with mesh:`, or with multi_mesh.register_task(...)")
+        # a mesh_slice slices the global mesh in force where a name is matched, while the step is traced
+        # (`Registration.placement_for`): it may be registered before that mesh is entered, as in MultiMesh
         return Registration(pattern, name or task.name, None, None, task=task, global_mesh=global_mesh)
     if callback is not None:
         if mesh is not None or devices is not None:
