@@ -28,7 +28,11 @@ from jax.sharding import AxisType, Mesh
 
 from ..core.fmt import device_span
 
-__all__ = ["explained_mesh_errors"]
+__all__ = ["MeshAxesError", "explained_mesh_errors"]
+
+
+class MeshAxesError(ValueError):
+    """JAX refused the code's mesh axes on the mesh `parallelize` used; the cause is JAX's own error."""
 
 _SPEC_TEXT = r"(?:P|PartitionSpec)\([^()]*\)"
 _SPEC = re.compile(_SPEC_TEXT)
@@ -61,7 +65,7 @@ def _named(text: str) -> tuple[tuple[str, ...], str] | None:
     return None
 
 
-def explain(error: BaseException, mesh: Mesh, given: Any) -> ValueError | None:
+def explain(error: BaseException, mesh: Mesh, given: Any) -> MeshAxesError | None:
     """A clearer error for JAX's refusal ``error`` of the code's mesh axes on ``mesh``, built from ``given``
     (what ``mesh=`` was: None for the default, a shape, or the mesh); None when it is not one."""
     found = _named(str(error))
@@ -76,7 +80,7 @@ def explain(error: BaseException, mesh: Mesh, given: Any) -> ValueError | None:
                      f"and no MultiMesh is in force)")
         else:
             which = f"the mesh {_shape(mesh)} (devices {devices})"
-        return ValueError(
+        return MeshAxesError(
             f"parallelize: the code names mesh axis {missing[0]!r} ({spec}), but the step is traced on {which}, "
             f"which has no axis {missing[0]!r}; a pipeline's step too is traced on that mesh before it is split "
             f"over the tasks' submeshes. Pass mesh= a mesh over those {mesh.size} devices with the axes the code "
@@ -90,7 +94,7 @@ def explain(error: BaseException, mesh: Mesh, given: Any) -> ValueError | None:
     else:
         how = ("was made from an {axis: size} shape, which gives Auto axes (as Flax Linen's logical rules need) "
                "unless jax.set_mesh puts a mesh of typed axes in context")
-    return ValueError(
+    return MeshAxesError(
         f"parallelize: the code uses JAX's explicit sharding ({spec} naming mesh axis {auto[0]!r} in "
         f"out_sharding=, jax.sharding.reshard or the like), which needs Explicit axes, but the mesh "
         f"{_shape(mesh)} {how}. Pass a mesh of Explicit axes instead: mesh={_make_mesh(names, sizes)} "
