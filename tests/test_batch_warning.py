@@ -93,3 +93,34 @@ def test_a_stage_whose_rules_lack_the_batch_rule_is_named():
         with pytest.warns(UserWarning, match=r"batch leaves 'x', 'y' are replicated on head on \{'data': 2, "
                                              r"'model': 2\} devices \[4-7\].*\('batch', 'data'\)"):
             build(staged, mesh=MESH, rules=[("batch", "data")])
+
+
+def init_own_sharding():
+    """A model that shards its own parameters: mesh axes in its metadata, no logical names for rules."""
+    import flax.linen as nn
+    return {"w": nn.Partitioned(jnp.ones((16, 4)), names=(None, "model"))}
+
+
+def own_loss(p, b):
+    return jnp.sum((b["x"] @ p["w"].unbox()).sum(-1) - b["y"])
+
+
+def test_a_model_that_shards_its_own_parameters_is_told_its_batch_is_replicated():
+    with pytest.warns(UserWarning) as caught:
+        fn, _ = parallelize(own_loss, init_params=init_own_sharding, initial_batch=BATCH, mesh=MESH)
+    messages = [str(w.message) for w in caught if "batch" in str(w.message)]
+    assert len(messages) == 1, [str(w.message) for w in caught]
+    assert ("the model shards its own parameters (over 'model') and no rule names the batch's logical name "
+            "'batch', so batch leaves 'x', 'y' are replicated on {'data': 4, 'model': 2} devices [0-7]") in messages[0]
+    assert "pass rules=[('batch', 'data')] to shard them over 'data', or ('batch', None)" in messages[0]
+    assert all(norm_spec(s.spec) == () for s in jax.tree.leaves(fn.batch_shardings))
+    (w,) = jax.tree.leaves(fn.param_shardings)
+    assert norm_spec(w.spec) == (None, "model")
+
+
+def test_a_model_that_shards_its_own_parameters_with_a_batch_rule_is_not_warned():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fn, _ = parallelize(own_loss, init_params=init_own_sharding, initial_batch=BATCH, mesh=MESH,
+                            rules=[("batch", "data")])
+    assert norm_spec(fn.batch_shardings["x"].spec) == ("data",)

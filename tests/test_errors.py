@@ -283,9 +283,13 @@ def test_no_warning_with_rules_or_mesh_axis_annotations():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _build(mesh=MESH, rules=[("batch", "data"), ("mlp", "model"), ("embed", None)])
-        fun, _ = _build(Tiny(names=(None, "model"), physical=True), mesh=MESH)
+        fun, _ = _build(Tiny(names=(None, "model"), physical=True), mesh=MESH, rules=[("batch", "data")])
     specs = {p: norm_spec(s.spec) for p, s in leaves_by_path(fun.param_shardings).items()}
     assert specs["params/Dense_0/kernel/value"] == (None, "model"), specs
+    # without the batch's rule, only the batch left replicated is told (the model shards its own parameters)
+    with pytest.warns(UserWarning) as caught:
+        _build(Tiny(names=(None, "model"), physical=True), mesh=MESH)
+    assert [str(w.message)[:61] for w in caught] == ["parallelize: the model shards its own parameters (over 'model"]
 
 
 # -- tasks and registrations -----------------------------------------------------------

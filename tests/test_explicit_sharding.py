@@ -330,3 +330,53 @@ def test_tasks_on_slices_of_an_explicit_mesh_with_logical_constraints_inside():
             return step_two(state, batch, run=lambda i, w, h: jnp.tanh(jnp.dot(h, w, out_sharding=P("data", None))))
 
     assert_same(got, one_device(reference, init_two, axis_types=(AxisType.Explicit, AxisType.Explicit)))
+
+
+def init_unplaced():
+    """`init` without shardings of its own: the step's code alone names mesh axes."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = {"w1": jax.random.normal(k1, (16, 32)) * 0.2, "w2": jax.random.normal(k2, (32, 16)) * 0.2}
+    return {"params": params, "opt": TX.init(params)}
+
+
+@pytest.mark.parametrize("init, refused", [(init, "not under a mesh context"),  # the initializer's out_sharding
+                                           (init_unplaced, "of type Auto")])    # the step's out_sharding
+def test_a_mesh_shape_with_explicit_sharding_code_says_to_pass_a_mesh_of_explicit_axes(init, refused):
+    """``mesh={axis: size}`` makes Auto axes; this code needs Explicit ones: JAX's refusal becomes an error
+    naming the mesh and the one to pass, and that one works."""
+    with pytest.raises(ValueError, match=r"the mesh \{'data': 2, 'model': 4\} was made from an \{axis: size\} "
+                                         r"shape, which gives Auto axes.*Pass a mesh of Explicit axes instead: "
+                                         r"mesh=jax\.make_mesh\(\(2, 4\), \('data', 'model'\), "
+                                         r"axis_types=\(AxisType\.Explicit,\) \* 2\)") as info:
+        parallelize(step, init_params=init, get_input_batch=get_batch, mesh={"data": 2, "model": 4},
+                    rules=[("batch", "data")])
+    assert refused in str(info.value.__cause__)
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    step_fn, init_fn, batch_fn = parallelize(step, init_params=init, get_input_batch=get_batch, mesh=mesh,
+                                             rules=[("batch", "data")])
+    assert_same(train(step_fn, init_fn(), batch_fn()), one_device(init_fun=init))
+
+
+@pytest.mark.parametrize("init", [init, init_unplaced])
+def test_a_pipeline_without_a_mesh_names_the_default_mesh_and_says_to_pass_one(init):
+    """The step is traced on the whole mesh before it is split over the stages: without ``mesh=`` that is the
+    default 1-D ``{'data': 8}``, which lacks the axis 'model' the code names."""
+    mesh = jax.make_mesh((2, 2, 2), ("stage", "data", "model"))
+    stages = [jax.sharding.Mesh(mesh.devices[i], ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+              for i in range(2)]
+
+    def two_layers(state, batch):
+        def loss_fn(p):
+            with jax.named_scope("l0"):
+                h = model(p, batch["x"])
+            with jax.named_scope("l1"):
+                return jnp.mean((model(p, h) - batch["y"]) ** 2)
+        return jax.value_and_grad(loss_fn)(state["params"])
+
+    with register_task("l0", mesh=stages[0]), register_task("l1", mesh=stages[1]):
+        with pytest.raises(ValueError, match=r"the code names mesh axis 'model' \(P\(.*'model'\)\), "
+                                             r"but the step is traced on parallelize's default mesh \{'data': 8\} "
+                                             r"\(1-D over devices 0-7: no mesh= was given and no MultiMesh is in "
+                                             r"force\).*Pass mesh= a mesh over those 8 devices with the axes the "
+                                             r"code names \(.*'model'\)"):
+            parallelize(two_layers, init_params=init, get_input_batch=get_batch, rules=[("batch", "data")])

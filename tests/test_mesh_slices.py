@@ -25,6 +25,7 @@ from multimesh.jax import (
     TaskMesh,
     clear_tasks,
     microbatch,
+    parallelize,
     register_task,
     slice_global_mesh,
     task,
@@ -93,13 +94,15 @@ def test_a_multimesh_wins_over_jax_mesh_in_context():
 
 def test_no_mesh_anywhere_is_a_clear_error():
     f = task(lambda a: a, task=Task(name="head", mesh_slice={"stage": 1}))
-    fix = r"call \(or register\) the task inside `with MultiMesh\(...\):`, `with jax.set_mesh\(mesh\):` or `with mesh:`"
+    fix = (r"call the task \(or trace the step its registration matches: parallelize, jax.jit\) inside `with "
+           r"MultiMesh\(...\):`, `with jax.set_mesh\(mesh\):` or `with mesh:`")
     with pytest.raises(ValueError, match=r"Task\('head'\): mesh_slice= slices the global mesh, and none is in force; "
                                          + fix):
         f(np.ones(4, np.float32))
-    with pytest.raises(ValueError, match=r"register_task\('a'\): the task has a mesh_slice, which slices the "
-                                         r"global mesh; register it inside"):
-        register_task("a", task=Task(mesh_slice={"stage": 0}))
+    init, batch, step = linen_problem()
+    register_task(r"layers_(\d+)", task=Task(name="s0", mesh_slice={"stage": 0}))  # accepted: sliced when traced
+    with pytest.raises(ValueError, match=r"Task\('s0'\): mesh_slice= slices the global mesh, and none is in force"):
+        parallelize(step, init_params=init, get_input_batch=batch)
     with pytest.raises(ValueError, match=r"Task\('t'\): mesh_slice=\{'pipe': 0\}: the global mesh \{'stage': 2, "
                                          r"'data': 4\} has no axis 'pipe'"), grid("stage", "data"):
         Task(name="t", mesh_slice={"pipe": 0}).placement()
@@ -179,6 +182,30 @@ def test_registered_slices_of_a_with_mesh_block_train_as_on_one_device():
         assert p.devices == set(mesh.devices[s].flat) and dict(p.mesh.shape) == {"stage": 1, "data": 2, "model": 2}
     w3 = state["p"]["params"]["layers_3"]["w"].value
     assert w3.sharding.device_set == set(mesh.devices[1].flat) and w3.sharding.spec == P(None, "model")
+
+
+@pytest.mark.parametrize("n_mb", [1, 4])
+def test_slices_registered_before_the_with_mesh_block_resolve_when_traced_inside_it(n_mb):
+    """MultiMesh's own test style: ``Task``s with a ``mesh_slice`` (and, pipelined, the embedding's
+    ``loop_dependent_mesh_slice``) registered first, then the step traced inside ``with mesh:``, where the
+    slices are taken from that mesh."""
+    slice_of = lambda i: (i + 1) % 2  # noqa: E731
+    register_task(r"layers_[01]", task=Task(name="stage0", mesh_slice={"stage": 0}, logical_axes=RULES))
+    register_task(r"layers_[23]", task=Task(name="stage1", mesh_slice={"stage": 1}, logical_axes=RULES))
+    if n_mb > 1:
+        register_task(r"embed", task=Task(name="embed", loop_dependent_mesh_slice=lambda i: {"stage": slice_of(i)},
+                                          logical_axes=RULES))
+    mesh = grid("stage", "data", "model", devices=jax.devices()[::-1])
+    init, batch, step = linen_problem(n_mb, "1f1b")
+    with mesh:
+        fn, state = check_mpmd_against_reference(step, init, batch, grad_rtol=2e-5)
+    stages = [p for p in fn.plan.placements if p.name.startswith("stage")]
+    for s, p in enumerate(stages):
+        assert p.devices == set(mesh.devices[s].flat) and dict(p.mesh.shape) == {"stage": 1, "data": 2, "model": 2}
+    w3 = state["p"]["params"]["layers_3"]["w"].value
+    assert w3.sharding.device_set == set(mesh.devices[1].flat) and w3.sharding.spec == P(None, "model")
+    if n_mb > 1:
+        check_units_on_their_slices(fn, state, batch, mesh, "embed", n_mb, slice_of)
 
 
 # -- loop_dependent_mesh_slice: a task whose submesh depends on the microbatch ------------------

@@ -404,6 +404,29 @@ def test_microbatch_size_must_divide_the_batch():
                     get_input_batch=make_batch)
 
 
+def test_num_microbatches_is_the_other_way_to_say_it():
+    """The third argument is the microbatch size (16 examples in microbatches of 4: four of them);
+    ``num_microbatches=`` gives their number instead (two microbatches of 8)."""
+    by_size, _ = check_against_reference(train_step(chain_loss(_two_stages()), 4, "1f1b"), init_layers(2))
+    by_count, _ = check_against_reference(train_step(chain_loss(_two_stages()), None, "1f1b", num_microbatches=2),
+                                          init_layers(2))
+    assert by_size.plan.schedule.num_microbatches == 4
+    assert by_count.plan.schedule.num_microbatches == 2
+
+
+def test_microbatch_takes_exactly_one_of_size_and_num_microbatches():
+    for kwargs, given in (({}, "neither"), ({"size": 4, "num_microbatches": 4}, "size=4 and num_microbatches=4")):
+        with pytest.raises(TypeError, match=rf"microbatch needs exactly one of size \(the third argument: how many "
+                                            rf"examples each microbatch holds along dim\) and num_microbatches=.*got "
+                                            rf"{given}"):
+            microbatch(lambda p, b: 0.0, 0, argnum=1, **kwargs)
+    with pytest.raises(ValueError, match=r"num_microbatches must be a positive integer, got 0"):
+        microbatch(lambda p, b: 0.0, 0, num_microbatches=0)
+    with pytest.raises(ValueError, match=r"dimension 0 has size 16, which num_microbatches=3 does not divide"):
+        parallelize(train_step(chain_loss(_two_stages()), None, "1f1b", num_microbatches=3),
+                    init_params=init_layers(2), get_input_batch=make_batch)
+
+
 def test_unknown_schedule():
     with pytest.raises(ValueError, match=r"unknown pipeline schedule 'zigzag'; known schedules"):
         microbatch(lambda p, b: 0.0, 0, 4, schedule="zigzag")

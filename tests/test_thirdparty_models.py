@@ -38,6 +38,7 @@ import functools
 import hashlib
 import importlib
 import importlib.util
+import re
 import sys
 import types
 from collections.abc import Callable, Sequence
@@ -55,6 +56,7 @@ from jax.sharding import PartitionSpec as P
 
 from multimesh.checkpoint import CheckpointManager, abstract_target
 from multimesh.jax import build_mesh, microbatch, parallelize, register_task
+from multimesh.trace.implicit import is_backprop, scope_names
 
 pytestmark = pytest.mark.devices(8)
 
@@ -284,10 +286,11 @@ def gemma() -> Model:
     return Model(
         "flax_gemma", init=init, loss=loss,
         spmd={"mesh": mesh, "rules": (("batch", "fsdp"),)},
-        # the NNX blocks by attribute path; the tied embedder is left where its uses put it
-        stages=(r"layers\.0", r"layers\.1"),
+        # the NNX submodules by attribute path; the tied embedder's lookup (its __call__, "embedder") on
+        # the first stage, its logits (its method attend, "embedder.attend") with the last
+        stages=(r"embedder|layers\.0", r"layers\.1|final_norm|embedder\.attend"),
         stage_mesh={"fsdp": 2, "tp": 2}, stage_rules=(("batch", "fsdp"),),
-        stage_params=(("layers/0",), ("layers/1",)),
+        stage_params=(("embedder", "layers/0"), ("layers/1", "final_norm")),
         reference_init=reference_init, reference_loss=reference_loss,
         context=lambda: jax.set_mesh(mesh))
 
@@ -606,6 +609,25 @@ def test_pipeline_equals_one_device(name):
         assert array.sharding.device_set in on_stage
 
 
+def test_gemma_tied_embedder_is_read_on_both_stages():
+    """Gemma's natural layout: the embedder's lookup (``embedder``) with the first layers, its logits
+    (``embedder.attend``, an NNX method other than ``__call__``) with the last; the table lives on the
+    first stage and is copied to the last, forward and backward alike."""
+    fn = pipeline("flax_gemma")[0]
+    seen = set()
+    for seg in fn.plan.segments:
+        for e in seg.eqns:
+            names = scope_names(e.source_info.name_stack)
+            if "embedder.attend" in names or "embedder" in names:
+                use = "logits" if "embedder.attend" in names else "lookup"
+                assert seg.placement.name == model("flax_gemma").stages[use == "logits"], (use, seg.placement.name)
+                seen.add((use, is_backprop(e.source_info.name_stack)))
+    assert seen == {(u, b) for u in ("lookup", "logits") for b in (False, True)}
+    # the (VOCAB, embed_dim) table: copied to the logits' stage once a step, its gradient back per microbatch
+    copies = re.findall(r"reshard float32\[32[@\w]*,16[@\w]*\] from (input|\[\d+\])", str(fn.plan))
+    assert copies.count("input") == 1 and len(copies) == 1 + MICROBATCHES, copies
+
+
 def test_gemma_pipeline_estimate_holds_what_it_built():
     """The Gemma pipeline on Explicit axes: Flax NNX's Embed with out_sharding takes its rows under
     jax.sharding.auto_axes, so a value crosses from stage to stage typed on Auto axes of the Explicit mesh.
@@ -671,6 +693,7 @@ def one_device_target(name: str) -> Any:
     ("flax_wmt", "pipeline", "spmd"),
     ("nanodo", "spmd", "one device"),
     ("flax_gemma", "spmd", "one device"),
+    ("flax_gemma", "spmd", "pipeline"),   # onto its natural layout: the tied table on the first stage
     ("flax_on_pjit", "spmd", "one device"),
 ])
 def test_checkpoint_across_layouts(name, source, target, tmp_path):
@@ -681,8 +704,8 @@ def test_checkpoint_across_layouts(name, source, target, tmp_path):
     saved = jax.device_get(state)
     with CheckpointManager(tmp_path / "ckpt") as mgr:
         mgr.save(SAVE_AT, state, metadata={"model": name, "layout": source})
-    if target == "spmd":
-        step_fn = spmd(name)[0]
+    if target in ("spmd", "pipeline"):
+        step_fn = (spmd if target == "spmd" else pipeline)(name)[0]
         with CheckpointManager(tmp_path / "ckpt", read_only=True) as mgr:
             restored = mgr.restore(SAVE_AT, target=step_fn)
         expected = jax.tree.leaves(step_fn.param_shardings)
@@ -698,7 +721,7 @@ def test_checkpoint_across_layouts(name, source, target, tmp_path):
         assert np.array_equal(np.asarray(a), b)                     # bit for bit
         assert a.sharding.is_equivalent_to(sharding, a.ndim)
     state, losses = restored.state, []
-    with model(name).context() if target == "spmd" else contextlib.nullcontext():
+    with model(name).context() if target != "one device" else contextlib.nullcontext():
         for _ in range(STEPS - SAVE_AT):
             loss, state = step_fn(state, model(name).batch())
             losses.append(float(loss))

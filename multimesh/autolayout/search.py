@@ -29,6 +29,7 @@ from ..core.fmt import format_bytes
 from ..core.rules import Rules, as_axes
 from ..estimate import Estimate, HardwareProfile, get_profile, held_bytes
 from ..estimate.report import bytes_per_device
+from ..run.mesh_errors import MeshAxesError
 from .building import PipelineFactory, build_on, layout_rules
 from .checks import (
     LeafNames,
@@ -374,6 +375,8 @@ def _try(layout: Layout, step: Callable, pool: list, pipeline: PipelineFactory |
     except Exception as e:  # the layout's own misfit, e.g. more stages than layers, a dimension that won't split
         if not isinstance(e, (ValueError, NotImplementedError)) and type(e).__name__ != "ShardingTypeError":
             raise
+        if isinstance(e, MeshAxesError):  # its advice is for a mesh the user passes; the search's is below
+            e = e.__cause__
         why = f"{_INVALID}cannot be built: {type(e).__name__}: {e}{_explicit_hint(e)}"
         return Candidate(layout, rejected=why), names
     step_fn = built[0]

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import heapq
 import math
+import re
 from collections.abc import Sequence
+from typing import Any
 
 from jax.extend.core import Literal
 
 from ..schedules import Schedule
-from ..trace.implicit import microbatch_of
+from ..trace.implicit import microbatch_of, placed_by
 from ..trace.microbatch import Pipeline
 from ..trace.task import Placement
 from .segment import Segment
@@ -72,10 +74,8 @@ def _schedule_for(segments: Sequence[Segment], pipelines: Sequence[Pipeline]) ->
     if len(logical) % len(groups) or any(logical[l] is not groups[l % len(groups)] for l in range(len(logical))):
         raise ValueError(
             f"microbatch({spec.name}): the tasks form the stage sequence {names}; a pipeline needs each "
-            f"submesh once per microbatch, or (interleaved) the same cycle of submeshes repeated. A weight "
-            f"used at both ends (a tied embedding's lookup and logits, e.g. Linen's embed.attend, which a "
-            f"pattern for embed matches) need not be on one stage: register its second use with the last stage "
-            f"(e.g. r'layers_3|embed\\.attend'); the table is then read on both and its gradient summed"
+            f"submesh once per microbatch, or (interleaved) the same cycle of submeshes repeated. "
+            + _revisit_advice(segments, logical)
         )
     chunks = len(logical) // len(groups)
     if chunks > 1 and spec.interleave != chunks:
@@ -110,6 +110,44 @@ def _schedule_for(segments: Sequence[Segment], pipelines: Sequence[Pipeline]) ->
         seg.action = schedule.action(logical_stage, u.microbatch, "B" if u.backward else "F")
         seg.stage = stage_of[seg.placement]
     return schedule
+
+
+def _revisit_advice(segments: Sequence[Segment], logical: Sequence[Placement]) -> str:
+    """What to register where, when microbatch 0's forward comes back to a stage it left: the scope names
+    (Linen's or NNX's, as this step has them) that placed the return there, and the last stage's pattern
+    with them added."""
+    back = next(r for r in range(1, len(logical)) if any(p is logical[r] for p in logical[:r]))
+    first = next(r for r in range(back) if logical[r] is logical[back])
+    microbatch = min(s.unit.microbatch for s in segments if s.unit is not None)
+
+    def placing(run: int) -> dict[str, Any]:
+        """Scope name -> the registration whose match of it placed microbatch 0's forward of ``run``."""
+        found: dict[str, Any] = {}
+        for seg in segments:
+            u = seg.unit
+            if u is not None and u.microbatch == microbatch and not u.backward and u.run == run:
+                for e in seg.eqns:
+                    if (hit := placed_by(e.source_info.name_stack)) is not None:
+                        found.setdefault(*hit)
+        return found
+
+    again, before = placing(back), placing(first)
+    own = [n for n in again if n not in before]
+    where = f"Stage {logical[back].name} runs again after {logical[back - 1].name}"
+    if not own:
+        shown = ", ".join(repr(n) for n in list(again)[:4]) or "no registered name"
+        return (f"{where} for equations under {shown}, the names its first visit runs under too: give the "
+                f"second use a name of its own (a method other than __call__ runs under 'module.method', Linen's "
+                f"and NNX's alike; or a jax.named_scope) and register that name with the last stage")
+    shown = ", ".join(repr(n) for n in own[:4]) + (f" ({len(own)} names)" if len(own) > 4 else "")
+    matched = dict.fromkeys(reg.pattern.pattern for n in own if (reg := again[n]) is not None)
+    calls = " and ".join(f"register_task(r'{p}')" for p in matched)
+    by = f" (matched by {calls})" if calls else ""
+    last = dict.fromkeys(reg.pattern.pattern for reg in placing(back - 1).values() if reg is not None)
+    example = "|".join([*last, *(re.escape(n) for n in own[:4])])
+    return (f"{where} for the equations under {shown}{by}. A weight used at both ends (a tied embedding's "
+            f"lookup and logits) need not be on one stage: register its second use with the last stage, e.g. "
+            f"register_task(r'{example}', ...); the table is then read on both and its gradient summed")
 
 
 def _priorities(segments: Sequence[Segment], schedule: Schedule) -> tuple[list[float], list[set[int]]]:

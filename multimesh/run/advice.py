@@ -3,53 +3,75 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from ..core.layout import Layout
 from ..core.placement import Placement
 
-__all__ = ["warn_everything_replicated", "warn_replicated_batch"]
+__all__ = ["mesh_axes_of", "warn_everything_replicated", "warn_replicated_batch"]
 
 _PREFERRED = ("data", "batch", "fsdp")  # the axes a batch usually goes over, in the order to suggest them
 
 
-def _shard_axis(placement: Placement, size: int) -> str | None:
+def _shard_axis(placement: Placement, size: int, model_axes: Collection[str] = ()) -> str | None:
     """The mesh axis to suggest for a batch dimension of ``size``: one that divides it and that no rule
-    given uses (an axis the rules give the model, as tensor parallelism's, is not for the batch);
-    a data-like one first."""
-    sizes, taken = placement.axis_sizes, placement.own_rules.mesh_axes
+    given uses (an axis the rules give the model, as tensor parallelism's, is not for the batch), nor the
+    model's own parameters unless it is data-like (FSDP's); a data-like one first."""
+    sizes = placement.axis_sizes
+    taken = set(placement.own_rules.mesh_axes) | (set(model_axes) - set(_PREFERRED))
     fitting = [a for a in sizes if sizes[a] > 1 and size % sizes[a] == 0 and a not in taken]
     return next((a for a in _PREFERRED if a in fitting), fitting[0] if fitting else None)
 
 
-def warn_replicated_batch(layout: Layout, placement_for: Callable[[int], Placement], *, stacklevel: int = 2) -> None:
-    """Warn when batch leaves laid out by the default spec are replicated only because the rules given have
-    no rule for its logical name, although a mesh axis that no rule uses could shard them (a data axis);
-    name the leaves and the rule.
+def mesh_axes_of(layout: Layout) -> tuple[str, ...]:
+    """The mesh axes a layout's arrays are sharded over, in order of first use."""
+    axes: dict[str, None] = {}
+    for leaf in layout.leaves:
+        for entry in leaf.spec:
+            axes.update(dict.fromkeys(entry if isinstance(entry, tuple) else () if entry is None else (entry,)))
+    return tuple(axes)
 
-    Silent without rules (everything is replicated then, and `parallelize` says so), for a name that a
-    rule maps to None (replicated on purpose), and for leaves a constraint in the step lays out.
+
+def warn_replicated_batch(layout: Layout, placement_for: Callable[[int], Placement], *,
+                          model_axes: Sequence[str] = (), main: Placement | None = None, stacklevel: int = 2) -> None:
+    """Warn when batch leaves laid out by the default spec are replicated only because no rule names their
+    logical name, although a mesh axis that no rule uses could shard them (a data axis); name the leaves and
+    the rule.
+
+    ``model_axes``: the mesh axes the parameters are sharded over. Without rules, silent when that is none
+    (everything is replicated then, and `parallelize` says so); when the model shards its own parameters
+    (mesh axes in its metadata), it says so. Silent for a name that a rule maps to None (replicated on
+    purpose), and for leaves a constraint in the step lays out. ``main``: the step's placement (a leaf on
+    another is on a task's, whose rules its registration gives).
     """
-    missing: dict[tuple[str, str, str], list[str]] = {}
+    missing: dict[tuple[str, str, str, bool], list[str]] = {}
     for i, leaf in enumerate(layout.leaves):
         if leaf.source != "default" or not leaf.logical:
             continue
         placement = placement_for(i)
-        if not placement.own_rules:
+        if not placement.own_rules and not model_axes:
             continue
         for d, name in enumerate(leaf.logical):
             if not isinstance(name, str) or name in placement.rules.logical_names or leaf.spec[d] is not None:
                 continue
-            axis = _shard_axis(placement, leaf.shape[d])
+            axis = _shard_axis(placement, leaf.shape[d], model_axes)
             if axis is not None:
-                missing.setdefault((name, axis, placement.describe()), []).append(leaf.path or "the batch")
-    for (name, axis, where), paths in missing.items():
+                key = (name, axis, placement.describe(), bool(placement.own_rules), placement is not main)
+                missing.setdefault(key, []).append(leaf.path or "the batch")
+    for (name, axis, where, with_rules, on_task), paths in missing.items():
         shown = ", ".join(repr(p) for p in paths[:8]) + (f", ... ({len(paths)} in all)" if len(paths) > 8 else "")
+        if with_rules:
+            why, fix = f"the rules have no rule for the batch's logical name {name!r}", f"add the rule ({name!r}, {axis!r})"
+        else:
+            over = ", ".join(repr(a) for a in model_axes)
+            why = (f"the model shards its own parameters (over {over}) and no rule names the batch's logical "
+                   f"name {name!r}")
+            fix = (f"give the task's register_task logical_axes=[({name!r}, {axis!r})]" if on_task and main else
+                   f"pass rules=[({name!r}, {axis!r})]")
         warnings.warn(
-            f"parallelize: the rules have no rule for the batch's logical name {name!r}, so batch leaves {shown} "
-            f"are replicated on {where} (every device gets the whole batch); add the rule ({name!r}, {axis!r}) to "
-            f"shard them over {axis!r}, or ({name!r}, None) to keep them replicated",
+            f"parallelize: {why}, so batch leaves {shown} are replicated on {where} (every device gets the whole "
+            f"batch); {fix} to shard them over {axis!r}, or ({name!r}, None) to keep them replicated",
             stacklevel=stacklevel + 1,
         )
 

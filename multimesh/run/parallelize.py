@@ -30,9 +30,10 @@ from ..trace.microbatch import collect_pipelines
 from ..trace.nnx_scopes import StepScopes
 from ..trace.step_context import traced_in_context
 from ..trace.taskspec import current_global_mesh, use_global_mesh
-from .advice import warn_everything_replicated, warn_replicated_batch
+from .advice import mesh_axes_of, warn_everything_replicated, warn_replicated_batch
 from .checks import check_arrays, check_in_place_nnx, check_outputs, checked, fun_name
 from .initializers import ShardedInitializer, StepAndInit, StepFunctions, with_initializers
+from .mesh_errors import explained_mesh_errors
 from .mpmd import MPMDFunction, state_scalars
 from .rule_coverage import constraint_names, rule_coverage, warn_rule_coverage
 from .spmd import ShardedFunction
@@ -149,22 +150,24 @@ def parallelize(
     placement = Placement(the_mesh, Rules(rules if rules is not None else (), strict=strict))
     path_rules = PathRules(param_rules) if param_rules is not None else PathRules()
 
-    with use_placement(placement):
-        # with the shardings their code gives their outputs (a jit's out_shardings): eval_shape omits those
-        abstract_params = abstract_outputs(checked(init_params, "init_params"))
-        if get_input_batch is not None:
-            abstract_batch = abstract_outputs(checked(get_input_batch, "get_input_batch"))
-        else:
-            check_arrays(initial_batch, "initial_batch", "batch")
-            abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)), initial_batch)
-    # Traced once, logical constraints deferred: only the plan knows where glue runs.
-    fun, traced, pipelines = _trace_in_context(
-        fun, placement, *_typed(placement, abstract_params, abstract_batch, path_rules, batch_spec))
-    closed, out_shape = traced if traced is not None else (None, None)
-    plan = make_plan(closed, placement, pipelines) if closed is not None else None
-    if plan is not None and plan.placements != [placement] and explicit_axes(the_mesh):
-        closed, out_shape, plan = _retrace_on_stages(fun, plan, placement, abstract_params, abstract_batch,
-                                                     path_rules, batch_spec)
+    with explained_mesh_errors(the_mesh, mesh):
+        with use_placement(placement):
+            # with the shardings their code gives their outputs (a jit's out_shardings): eval_shape omits those
+            abstract_params = abstract_outputs(checked(init_params, "init_params"))
+            if get_input_batch is not None:
+                abstract_batch = abstract_outputs(checked(get_input_batch, "get_input_batch"))
+            else:
+                check_arrays(initial_batch, "initial_batch", "batch")
+                abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)),
+                                              initial_batch)
+        # Traced once, logical constraints deferred: only the plan knows where glue runs.
+        fun, traced, pipelines = _trace_in_context(
+            fun, placement, *_typed(placement, abstract_params, abstract_batch, path_rules, batch_spec))
+        closed, out_shape = traced if traced is not None else (None, None)
+        plan = make_plan(closed, placement, pipelines) if closed is not None else None
+        if plan is not None and plan.placements != [placement] and explicit_axes(the_mesh):
+            closed, out_shape, plan = _retrace_on_stages(fun, plan, placement, abstract_params, abstract_batch,
+                                                         path_rules, batch_spec)
     if plan is not None and plan.placements == [placement] and registered_tasks():
         _unmatched_registrations(plan, strict)
     if plan is not None and plan.placements != [placement]:
@@ -314,7 +317,8 @@ def _input_layouts(plan: Plan | None, placement: Placement, abstract_params: Any
                           constraints={i - n_params: s for i, s in found.items() if i >= n_params})
     advice: tuple[str, ...] = ()
     if advise:
-        warn_replicated_batch(batch, placement_of(n_params), stacklevel=3)
+        warn_replicated_batch(batch, placement_of(n_params), model_axes=mesh_axes_of(params), main=placement,
+                              stacklevel=3)
         spmd = plan is None or plan.placements == [placement]
         names = constraint_names(plan.step_jaxpr or plan.jaxpr) if plan is not None and spmd else None
         advice = tuple(rule_coverage([(params, param_placement), (batch, placement_of(n_params))], placement, names))

@@ -53,6 +53,7 @@ __all__ = [
     "match_name",
     "microbatch_of",
     "names_in",
+    "placed_by",
     "placement_in_scope",
     "register_scope",
     "register_task",
@@ -273,9 +274,10 @@ def register_task(
         stack, outermost first: a Linen module's name (``"layers_3"``), a named
         scope, or a Flax NNX submodule's attribute path from the model, parts
         joined with ``.`` (``"blocks.3"``, ``"blocks.3.mlp"``; see `trace.nnx_scopes`).
-        A Linen module's other methods run under ``module.method``
-        (``"embed.attend"``): a pattern for the module matches them too, and a
-        pattern for the whole ``module.method`` name takes precedence over it.
+        A module's other methods than ``__call__`` run under ``module.method``
+        (Linen's ``"embed.attend"``, NNX's ``"embedder.attend"``): a pattern for
+        the module matches them too, and a pattern for the whole
+        ``module.method`` name takes precedence over it.
         The outermost match wins (on one name, the first registered): an equation
         inside ``decoder/layers_3`` runs where the registration of ``decoder``
         places it, and a registration of ``layers_3`` that would place it
@@ -355,10 +357,8 @@ def make_registration(
             raise TypeError(f"{who}: task= must be a multimesh Task, got {task!r}")
         if callback is not None or any(x is not None for x in (mesh, dims, devices, axes, rules)):
             raise ValueError(f"{who}: task= says where matches run; give it alone, or use callback=/mesh=/devices=")
-        if task.needs_global_mesh() and global_mesh is None and current_global_mesh() is None:
-            raise ValueError(f"{who}: {'task ' + repr(task.name) if task.name else 'the task'} has a mesh_slice, "
-                             f"which slices the global mesh; register it inside `with MultiMesh(...):`, `with "
-                             f"jax.set_mesh(mesh):` or `with mesh:`, or with multi_mesh.register_task(...)")
+        # a mesh_slice slices the global mesh in force where a name is matched, while the step is traced
+        # (`Registration.placement_for`): it may be registered before that mesh is entered, as in MultiMesh
         return Registration(pattern, name or task.name, None, None, task=task, global_mesh=global_mesh)
     if callback is not None:
         if mesh is not None or devices is not None:
@@ -523,12 +523,23 @@ def implicit_placement(name_stack: Any) -> Placement | None:
     if not _REGISTRY and not _SCOPES:
         return None
     # the global mesh is part of the key: a Task's mesh_slice slices the one in force (JAX's mesh in context too)
-    return _lookup(str(name_stack), is_backprop(name_stack), current_global_mesh())
+    found = _lookup(str(name_stack), is_backprop(name_stack), current_global_mesh())
+    return found[0] if found is not None else None
+
+
+def placed_by(name_stack: Any) -> tuple[str, Registration | None] | None:
+    """The scope name whose match placed an equation with this scope stack, and the registration that
+    matched it (None for a `flax.task` class); None when no registration places it."""
+    if not _REGISTRY and not _SCOPES:
+        return None
+    found = _lookup(str(name_stack), is_backprop(name_stack), current_global_mesh())
+    return found[1:] if found is not None else None
 
 
 def match_name(pattern: re.Pattern, name: str) -> re.Match | None:
-    """``pattern`` against one scope name. Flax Linen runs a module's methods other than ``__call__`` under
-    ``module.method`` (``embed.attend``): a pattern that matches the module matches its methods too."""
+    """``pattern`` against one scope name. Flax Linen (and, while traced, NNX: `nnx_scopes`) runs a module's
+    methods other than ``__call__`` under ``module.method`` (``embed.attend``): a pattern that matches the
+    module matches its methods too."""
     m = pattern.fullmatch(name)
     if m is None and "." in name:
         m = pattern.fullmatch(name.rsplit(".", 1)[0])
@@ -548,8 +559,10 @@ def _matches(name: str) -> list[tuple[str, Registration, re.Match, bool]]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _lookup(text: str, backprop: bool, global_mesh: Mesh | None) -> Placement | None:
-    """The outermost match wins: the first name of the stack (outermost first) that a registration places.
+def _lookup(text: str, backprop: bool,
+            global_mesh: Mesh | None) -> tuple[Placement, str, Registration | None] | None:
+    """The outermost match wins: the first name of the stack (outermost first) that a registration places;
+    (placement, that name, the registration), or None.
 
     ``global_mesh`` (the one in force) is only part of the cache key: a Task's mesh_slice slices it."""
     iteration = microbatch_of(text)
@@ -557,7 +570,7 @@ def _lookup(text: str, backprop: bool, global_mesh: Mesh | None) -> Placement | 
     for i, n in enumerate(names):
         if n in _SCOPES:  # a flax.task class; with a loop_dependent_mesh_slice, the microbatch's slice
             family = loop_slices(_SCOPES[n]) if iteration is not None else None
-            return family.at(iteration) if family is not None else _SCOPES[n]
+            return (family.at(iteration) if family is not None else _SCOPES[n]), n, None
         found = _matches(n)
         for k, (_, reg, m, whole) in enumerate(found):
             placement = reg.placement_for(m, backprop, iteration)
@@ -566,7 +579,7 @@ def _lookup(text: str, backprop: bool, global_mesh: Mesh | None) -> Placement | 
                 later = [hit for hit in found[k + 1:] if hit[3] == whole]
                 later += [hit for inner in names[i + 1:] for hit in _matches(inner)]
                 _warn_shadowed(reg, n, placement, later, backprop, iteration)
-                return placement
+                return placement, n, reg
     return None
 
 

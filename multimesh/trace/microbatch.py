@@ -121,10 +121,23 @@ def _count(leaves: list, dim: int, size: int, where: str) -> int:
     return counts.pop()
 
 
+def _size_for(leaves: list, dim: int, count: int, name: str, argnum: int) -> int:
+    """The microbatch size that splits dimension ``dim`` of ``leaves`` into ``count`` microbatches."""
+    shape = np.shape(leaves[0])
+    if not -len(shape) <= dim < len(shape):
+        raise ValueError(f"microbatch({name}) argument {argnum}: cannot split along dim {dim}: a leaf has shape "
+                         f"{shape}")
+    if shape[dim] % count:
+        raise ValueError(f"microbatch({name}) argument {argnum}: dimension {dim} has size {shape[dim]}, which "
+                         f"num_microbatches={count} does not divide; use a number of microbatches that divides "
+                         f"{shape[dim]}")
+    return shape[dim] // count
+
+
 def microbatch(
     fun: Callable,
     dim: int,
-    size: int,
+    size: int | None = None,
     argnum: int = 0,
     schedule: str | Schedule | type[Schedule] | None = None,
     num_stages: int | None = None,
@@ -132,15 +145,23 @@ def microbatch(
     unrolling: int | None = None,
     arg_shardings: Any = None,
     custom_schedule: Any = None,
+    *,
+    num_microbatches: int | None = None,
 ) -> Callable:
     """``fun`` run on microbatches of argument ``argnum``, its results summed.
+
+    ``microbatch(loss, 0, 4)`` splits dimension 0 into microbatches of *size*
+    4 (as MultiMesh's third argument); ``microbatch(loss, 0,
+    num_microbatches=4)`` into four microbatches. Give exactly one of the two.
 
     Args:
       fun: any function; its results (a pytree) are summed over microbatches,
         so a loss must be normalised by the *global* batch for the sum to be
         the mean.
       dim: the dimension of every leaf of argument ``argnum`` to split.
-      size: the microbatch size along ``dim``; it must divide the dimension.
+      size: the microbatch size along ``dim`` (not their number); it must divide the dimension.
+      num_microbatches: instead of ``size``, how many microbatches to split
+        ``dim`` into; it must divide the dimension.
       argnum: which positional argument to split.
       schedule: with tasks inside, the pipeline schedule: ``"gpipe"``,
         ``"1f1b"`` (default), ``"interleaved"`` (needs the tasks to visit
@@ -165,8 +186,13 @@ def microbatch(
     Raises:
       ValueError: a size that does not divide the batch, or an unknown schedule.
     """
-    if not isinstance(size, (int, np.integer)) or size <= 0:
-        raise ValueError(f"microbatch: size must be a positive integer, got {size!r}")
+    if (size is None) == (num_microbatches is None):
+        raise TypeError("microbatch needs exactly one of size (the third argument: how many examples each microbatch "
+                        "holds along dim) and num_microbatches= (how many microbatches to split dim into); got "
+                        + ("neither" if size is None else f"size={size!r} and num_microbatches={num_microbatches!r}"))
+    for what, value in (("size", size), ("num_microbatches", num_microbatches)):
+        if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0):
+            raise ValueError(f"microbatch: {what} must be a positive integer, got {value!r}")
     for what, value in (("dim", dim), ("argnum", argnum)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
             raise TypeError(f"microbatch: {what} must be an int (a dimension / a positional argument index), "
@@ -201,9 +227,12 @@ def microbatch(
             raise ValueError(f"microbatch({name}): argument {argnum} has no arrays to split")
         # a layout search may choose the pipeline from outside the step (`pipeline_choice`)
         choice = chosen_pipeline()
-        mb_size, mb_schedule, mb_stages, mb_interleave = (size, schedule, num_stages, interleave) \
-            if choice is None else (choice.size_for(f"microbatch({name})", leaves, dim), choice.schedule,
-                                    choice.stages, choice.interleave)
+        if choice is None:
+            mb_size = size if size is not None else _size_for(leaves, dim, num_microbatches, name, argnum)
+            mb_schedule, mb_stages, mb_interleave = schedule, num_stages, interleave
+        else:
+            mb_size = choice.size_for(f"microbatch({name})", leaves, dim)
+            mb_schedule, mb_stages, mb_interleave = choice.schedule, choice.stages, choice.interleave
         n = _count(leaves, dim, mb_size, f"microbatch({name}) argument {argnum}")
         collector = _COLLECTOR.get()
         if collector is not None:

@@ -2,10 +2,15 @@
 
 Flax Linen runs every module method under a `jax.named_scope`, which is how
 `register_task` finds a module's equations. Flax NNX opens none. While
-`module_scopes()` is active, each call of an NNX module's ``__call__`` (or of
-another public method its class defines) runs under a `jax.named_scope` named
-by the module's *attribute path* from the model: the attribute names and list
-or dict keys joined with `SEPARATOR` (``blocks.3``, ``layers.0.mlp``). Nested
+`module_scopes()` is active, each call of an NNX module's ``__call__`` runs
+under a `jax.named_scope` named by the module's *attribute path* from the
+model: the attribute names and list or dict keys joined with `SEPARATOR`
+(``blocks.3``, ``layers.0.mlp``). Another public method its class defines runs
+under ``path.method`` (``embedder.attend``), as Linen runs ``embed.attend``: a
+registration of the module matches it too, and one of the whole name takes
+precedence (`implicit.register_task`), so the two uses of a tied embedding can
+run on two stages. A method that calls another of its own module's methods
+stays in the first one's scope. Nested
 calls nest their scopes, each named with its whole path (``blocks.3`` then
 ``blocks.3.mlp``), so a registration ``blocks\\.3`` matches the block and
 everything it calls, and ``blocks\\.3\\.mlp`` its MLP alone. The backward
@@ -51,12 +56,18 @@ from jax.extend.core import ClosedJaxpr
 from .implicit import match_name, registered_tasks
 from .twin_names import name_twins
 
-__all__ = ["SEPARATOR", "StepScopes", "module_path", "module_scopes", "scopes_for_tasks"]
+__all__ = ["SEPARATOR", "StepScopes", "method_scope", "module_path", "module_scopes", "scopes_for_tasks"]
 
 #: Joins the parts of a submodule's attribute path into its scope name: ``blocks.3.mlp``.
 SEPARATOR = "."
 _PLACEHOLDER = "multimesh-twin-"  # the scope of a copy of several twins until the data names it
 _MAX_COPIES = 16  # NNX transforms nested inside each other that a copy is traced back through
+
+
+def method_scope(path: str, method: str) -> str:
+    """The scope a module's method runs under: ``path`` for ``__call__``, else ``path.method``
+    (``embedder.attend``)."""
+    return path if method == "__call__" else f"{path}{SEPARATOR}{method}"
 
 
 def module_path(parts: tuple) -> str:
@@ -149,7 +160,7 @@ class _Tracing:
         return closed
 
     @contextlib.contextmanager
-    def call(self, module: nnx.Module) -> Iterator[None]:
+    def call(self, module: nnx.Module, method: str = "__call__") -> Iterator[None]:
         if self.stack and self.stack[-1][0] is module:  # a method calling another of its own: one scope
             yield
             return
@@ -159,7 +170,7 @@ class _Tracing:
         self.stack.append((module, table))
         try:
             if path:
-                with jax.named_scope(path):
+                with jax.named_scope(method_scope(path, method)):
                     yield
             else:
                 yield
@@ -214,13 +225,15 @@ _PATCHED: dict[tuple[type, str], Callable] = {}  # (class, method name) -> the o
 _USERS = 0  # active blocks, in all threads: the last to end restores the classes
 
 
-def _scoped(method: Callable) -> Callable:
+def _scoped(method: Callable, name: str) -> Callable:
+    """``method`` (the class's attribute ``name``) run under its module's scope while a block is active."""
+
     @functools.wraps(method)
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         tracing = _ACTIVE.get()
         if tracing is None or not isinstance(self, nnx.Module):
             return method(self, *args, **kwargs)
-        with tracing.call(self):
+        with tracing.call(self, name):
             return method(self, *args, **kwargs)
 
     return call
@@ -241,7 +254,7 @@ def _patch() -> None:
         for name, value in list(vars(cls).items()):
             if inspect.isfunction(value) and (name == "__call__" or not name.startswith("_")):
                 _PATCHED[(cls, name)] = value
-                setattr(cls, name, _scoped(value))
+                setattr(cls, name, _scoped(value, name))
 
 
 def _restore() -> None:

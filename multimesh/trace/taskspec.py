@@ -296,9 +296,10 @@ class Task:
         if self.needs_global_mesh():
             gm = global_mesh if global_mesh is not None else current_global_mesh()
             if gm is None:
-                raise ValueError(f"{who}: mesh_slice= slices the global mesh, and none is in force; call (or "
-                                 f"register) the task inside `with MultiMesh(...):`, `with jax.set_mesh(mesh):` "
-                                 f"or `with mesh:`, or register it with multi_mesh.register_task(...)")
+                raise ValueError(f"{who}: mesh_slice= slices the global mesh, and none is in force; call the "
+                                 f"task (or trace the step its registration matches: parallelize, jax.jit) inside "
+                                 f"`with MultiMesh(...):`, `with jax.set_mesh(mesh):` or `with mesh:`, or register "
+                                 f"it with multi_mesh.register_task(...)")
             mesh = self._slice_at(iteration, gm, who)
         elif isinstance(self.mesh, TaskMesh):
             mesh = self.mesh.mesh(global_mesh)
