@@ -56,8 +56,7 @@ class _Launcher:
 
 def resolve(coordinator_address: str | None = None, num_processes: int | None = None,
             process_id: int | None = None, local_device_ids: Sequence[int] | None = None, *,
-            method: str | None = None, timeout: int = 300,
-            environ: Mapping[str, str] | None = None) -> Launch | None:
+            method: str | None = None, timeout: int = 300) -> Launch | None:
     """The values given, with the missing ones from the environment; None where nothing was given and
     no launcher is found (a single process).
 
@@ -66,7 +65,7 @@ def resolve(coordinator_address: str | None = None, num_processes: int | None = 
         JAX's detection failed; some values were given, and the others are found nowhere.
       ValueError: ``process_id`` given outside ``0 .. num_processes - 1`` (both given).
     """
-    env = os.environ if environ is None else environ
+    env = os.environ  # where JAX's detection reads them too
     sources = {k: "argument" for k, v in (("coordinator_address", coordinator_address),
                                          ("num_processes", num_processes), ("process_id", process_id),
                                          ("local_device_ids", local_device_ids)) if v is not None}
