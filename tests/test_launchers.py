@@ -4,10 +4,11 @@ Kubernetes indexed Job (`multimesh.distributed.find_launch`, `initialize()`, ``m
 The default suite reads each launcher's variables as it sets them, in this process (milliseconds): the
 place found, arguments winning over variables, and variables that do not fit together (a StartupError
 naming the variable and its value). The slow tests start the trainer's 2-stage pipeline as 2 processes
-on this machine: with the variables srun sets, by a real ``mpirun -np 2`` (Debian's openmpi-bin; .ci
-installs it), and with a Kubernetes indexed Job's variables; each must exit 0, and process 0's
-summary says the last step. They pick free ports, bound their time, and end only the processes they
-started.
+on this machine: with the variables srun sets, by a real ``srun -n 2`` (a one-node SLURM cluster of
+Debian's slurm-wlm started for the test, as root), by a real ``mpirun -np 2`` (Debian's openmpi-bin),
+and with a Kubernetes indexed Job's variables; each must exit 0, and process 0's summary says the last
+step. .ci/setup.sh installs both packages where apt-get can. The tests pick free ports, bound their
+time, and end only the processes they started.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -273,3 +275,106 @@ def test_mpirun_trains_the_pipeline_on_two_processes(tmp_path):
     assert all(len(files) == 1 for files in ranks), list(logs.rglob("*"))
     outs = [(0, files[0].read_text(), "") for files in ranks]
     _check_run(outs, tmp_path / "run")
+
+
+# -- a real one-node SLURM cluster (slow; root, Debian's slurm-wlm and munge) ---------------------------
+
+SLURM_DAEMONS = ("munged", "slurmctld", "slurmd", "srun", "sinfo")
+_SLURM_CONF = """ClusterName=multimesh-test
+SlurmctldHost={node}
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket={dir}/munge.sock
+StateSaveLocation={dir}/state
+SlurmdSpoolDir={dir}/spool
+SlurmctldPidFile={dir}/slurmctld.pid
+SlurmdPidFile={dir}/slurmd.pid
+SlurmctldLogFile={dir}/slurmctld.log
+SlurmdLogFile={dir}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MpiDefault=none
+ReturnToService=2
+FirstJobId={first_job_id}
+NodeName={node} CPUs={cpus} State=UNKNOWN
+PartitionName=main Nodes={node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
+"""
+
+
+def _unused_port() -> int:
+    """A port free now (slurmctld and slurmd bind without SO_REUSEPORT, so it is not held)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _end(procs: list[subprocess.Popen]) -> None:
+    """End the processes this test started, by pid: SIGTERM, then SIGKILL after 10 s."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(any(shutil.which(d) is None for d in SLURM_DAEMONS) or os.geteuid() != 0,
+                    reason="needs root and Debian's slurm-wlm and munge (apt-get install slurm-wlm)")
+def test_srun_trains_the_pipeline_on_two_processes(tmp_path):
+    """``srun -n 2 multimesh-train pipeline`` on a one-node cluster of this machine (munged, slurmctld and
+    slurmd in the foreground, in a temporary directory, ended by pid)."""
+    lab = tmp_path / "slurm"
+    for d in ("state", "spool"):
+        (lab / d).mkdir(parents=True)
+    key = lab / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o600)
+    held: list[socket.socket] = []
+    node = socket.gethostname().split(".")[0]
+    conf = lab / "slurm.conf"
+    conf.write_text(_SLURM_CONF.format(node=node, dir=lab, ctld_port=_unused_port(), slurmd_port=_unused_port(),
+                                       first_job_id=_a_free_job_id(held), cpus=os.cpu_count()))
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")
+           and not LAUNCHER_VARIABLE.match(k)}
+    env.update(SLURM_CONF=str(conf), PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
+               JAX_PLATFORMS="cpu")
+    daemons: list[subprocess.Popen] = []
+    try:
+        for argv in (["munged", "-F", "--force", f"--key-file={key}", f"--socket={lab}/munge.sock",
+                      f"--pid-file={lab}/munged.pid", f"--seed-file={lab}/munge.seed", f"--log-file={lab}/munged.log"],
+                     ["slurmctld", "-D", "-i", "-f", str(conf)], ["slurmd", "-D", "-f", str(conf)]):
+            daemons.append(subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            time.sleep(1.0)
+        deadline = time.monotonic() + 60
+        while "idle" not in subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True,
+                                           timeout=30, check=False).stdout:
+            assert time.monotonic() < deadline and all(d.poll() is None for d in daemons), (
+                f"the test cluster did not come up: {[d.poll() for d in daemons]}\n"
+                + "".join(f.read_text()[-1500:] for f in lab.glob("*.log")))
+            time.sleep(1.0)
+        srun = subprocess.Popen(["srun", "-n", "2", "--output", f"{lab}/task-%t.out", "--error", f"{lab}/task-%t.err",
+                                 sys.executable, *PIPELINE, f"train.out_dir={tmp_path / 'run'}"],
+                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = srun.communicate(timeout=TIMEOUT_S)
+        finally:
+            _end([srun])  # srun cancels its step's tasks on SIGTERM
+    finally:
+        _end(daemons[::-1])
+        for s in held:
+            s.close()
+    tasks = [(lab / f"task-{t}.out", lab / f"task-{t}.err") for t in range(2)]
+    assert srun.returncode == 0, (f"srun exited {srun.returncode}:\n{out[-2000:]}\n{err[-2000:]}\n"
+                                  + "".join(e.read_text()[-3000:] for _, e in tasks if e.exists()))
+    _check_run([(0, o.read_text(), e.read_text()) for o, e in tasks], tmp_path / "run")
