@@ -1,8 +1,11 @@
 """Start one process of a multi-process run (multi-controller JAX).
 
 Every process runs the same program; call `initialize` in each, before any
-other JAX call. It wraps `jax.distributed.initialize` and sets what
-multimesh's runtime needs:
+other JAX call. Under a launcher (``srun``, ``mpirun``, a Kubernetes indexed
+Job, a Cloud TPU pod) ``initialize()`` needs no arguments: the coordinator,
+the process count and id come from the launcher's variables, read by JAX's
+own detection (`multimesh.core.launch`); arguments given win. It wraps
+`jax.distributed.initialize` and sets what multimesh's runtime needs:
 
 * CPU collectives across processes (gloo), so an SPMD program (a stage) may
   span processes; GPUs keep JAX's defaults; gloo's connection notices, which
@@ -43,26 +46,31 @@ import jax
 from ._version import __version__
 from .core.agreement import DisagreementError, agree, source_digest
 from .core.gloo_notices import drop_gloo_notices
+from .core.launch import Launch, resolve
 from .core.processes import ProcessLostError, exception_chain, heartbeat_timeout, lost_process_error
 from .core.rollcall import StartupError, roll_call, split_address
 
-__all__ = ["DisagreementError", "ProcessLostError", "StartupError", "agree", "initialize", "is_initialized",
-           "reserve_port"]
+__all__ = ["DisagreementError", "Launch", "ProcessLostError", "StartupError", "agree", "find_launch", "initialize",
+           "is_initialized", "reserve_port"]
 
 _started = False
 
 
-def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
-               local_device_ids: int | list[int] | None = None, transfer_address: str | None = None,
-               heartbeat_timeout_seconds: int = 30, initialization_timeout: int = 300,
-               exit_on_error: bool = True) -> None:
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, *, local_device_ids: int | list[int] | None = None,
+               transfer_address: str | None = None, heartbeat_timeout_seconds: int = 30,
+               initialization_timeout: int = 300, exit_on_error: bool = True,
+               cluster_detection_method: str | None = None) -> None:
     """Join the run of ``num_processes`` processes coordinated by process 0 at ``coordinator_address``.
 
     Args:
-      coordinator_address: ``"HOST:PORT"`` where process 0 serves the coordination service.
-      num_processes: how many processes take part.
-      process_id: this process, in ``0 .. num_processes - 1``.
-      local_device_ids: restrict this process to some of its local devices (as in JAX).
+      coordinator_address: ``"HOST:PORT"`` where process 0 serves the coordination service (default:
+        ``JAX_COORDINATOR_ADDRESS``, else the launcher's: see `find_launch`).
+      num_processes: how many processes take part (default: the launcher's).
+      process_id: this process, in ``0 .. num_processes - 1`` (default: the launcher's).
+      local_device_ids: restrict this process to some of its local devices (as in JAX; default
+        ``JAX_LOCAL_DEVICE_IDS``, else JAX's choice: under srun and mpirun one GPU per process, the
+        process's local rank).
       transfer_address: ``"HOST:PORT"`` this process receives cross-host transfers on (default:
         the address it reaches the coordinator from, on a free port).
       heartbeat_timeout_seconds: how long the others wait for a process that stopped answering.
@@ -70,23 +78,35 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
         process prints every 10 s which processes it waits for, then raises `StartupError` naming them.
       exit_on_error: an uncaught exception prints its traceback and ends the process at once (exit
         status 1), so the others learn within ``heartbeat_timeout_seconds`` that it is gone.
+      cluster_detection_method: JAX's name of the launcher to detect (``"mpi4py"``, which JAX tries only
+        when asked; default: every other one JAX knows).
 
     Raises:
       StartupError: a process did not join within ``initialization_timeout``, two were given one id or
         different ``num_processes``, the coordinator's host does not resolve or cannot be reached, or
-        its port is held by another program (on process 0).
+        its port is held by another program (on process 0); a value not given and no launcher found; a
+        launcher's variables that do not fit together (naming the variable and its value).
       DisagreementError: the processes run different multimesh versions or sources.
     """
     global _started
-    if not 0 <= process_id < num_processes:
-        raise ValueError(f"process_id must be in 0..{num_processes - 1}, got {process_id}")
+    if isinstance(local_device_ids, int):
+        local_device_ids = [local_device_ids]
+    launch = find_launch(coordinator_address, num_processes, process_id, local_device_ids,
+                         cluster_detection_method=cluster_detection_method, timeout=initialization_timeout)
+    if launch is None:
+        raise StartupError("no coordinator_address, num_processes or process_id given, and no launcher found "
+                           "that sets them (srun, mpirun, a Kubernetes indexed Job, a Cloud TPU pod): give all "
+                           "three, e.g. initialize('host0:5000', num_processes=2, process_id=0)")
+    coordinator_address, num_processes, process_id = (launch.coordinator_address, launch.num_processes,
+                                                      launch.process_id)
     host, port = split_address(coordinator_address)
     roll_call(coordinator_address, num_processes, process_id, timeout=initialization_timeout)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     drop_gloo_notices()  # its "[Gloo] Rank r is connected to n peer ranks" lines, from every process, on stdout
     jax.config.update("jax_cross_host_transfer_socket_address", transfer_address or _free_address(host, port))
     jax.distributed.initialize(coordinator_address, num_processes=num_processes, process_id=process_id,
-                               local_device_ids=local_device_ids, initialization_timeout=initialization_timeout,
+                               local_device_ids=launch.local_device_ids,
+                               initialization_timeout=initialization_timeout,
                                heartbeat_timeout_seconds=heartbeat_timeout_seconds)
     _started = True
     heartbeat_timeout(heartbeat_timeout_seconds)
@@ -94,6 +114,23 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
         sys.excepthook = _exit_on_uncaught
     agree("multimesh installation", {"multimesh.__version__": __version__,
                                      "multimesh source (sha256 of its .py files)": source_digest(__package__)})
+
+
+def find_launch(coordinator_address: str | None = None, num_processes: int | None = None,
+                process_id: int | None = None, local_device_ids: list[int] | None = None, *,
+                cluster_detection_method: str | None = None, timeout: int = 300) -> Launch | None:
+    """What `initialize` would start with, without starting: the values given, the others from the
+    launcher (``srun``: ``SLURM_NTASKS``, ``SLURM_PROCID``, the first host of ``SLURM_STEP_NODELIST``;
+    ``mpirun`` of Open MPI: ``OMPI_COMM_WORLD_SIZE``, ``OMPI_COMM_WORLD_RANK``; a Kubernetes indexed
+    Job: ``JOB_COMPLETION_INDEX`` with ``MULTIMESH_NUM_PROCESSES`` and ``JAX_COORDINATOR_ADDRESS``; Cloud
+    TPU and mpi4py as JAX finds them); None where nothing is given and no launcher found. Touches no
+    JAX backend, so a program may size its devices (``XLA_FLAGS``) by the process count first.
+
+    Raises:
+      StartupError: as `initialize`, for the values and variables.
+    """
+    return resolve(coordinator_address, num_processes, process_id, local_device_ids,
+                   method=cluster_detection_method, timeout=timeout)
 
 
 def _exit_on_uncaught(kind: type, error: BaseException, tb: object) -> None:

@@ -405,13 +405,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     return reserve_port(host)
 
 
-def run_workers(argvs: list[list[str]], *, timeout: float,
-                extra_env: Mapping[str, str] | None = None) -> list[dict]:
-    """Run one process per argv (Python scripts of this checkout, started from its root without the caller's
-    XLA_FLAGS, with ``extra_env`` added), wait at most ``timeout`` s, end only those still running, by pid; fail
-    naming every process that failed (the first to fail may not be process 0), with its output's end; else
-    their last stdout lines read as JSON, in order."""
-    import json
+def run_commands(argvs: list[list[str]], *, timeout: float, extra_env: Mapping[str, str] | None = None,
+                 envs: list[Mapping[str, str]] | None = None) -> list[tuple[int, str, str]]:
+    """Run one process per argv (``python ARGV``, from this checkout's root without the caller's XLA_FLAGS, with
+    ``extra_env`` and the process's own ``envs[i]`` added), wait at most ``timeout`` s, end only those still
+    running, by pid; each one's exit status, stdout and stderr."""
     import os
     import subprocess
     import sys
@@ -421,8 +419,9 @@ def run_workers(argvs: list[list[str]], *, timeout: float,
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])  # this checkout
     env.update(extra_env or {})
-    procs = [subprocess.Popen([sys.executable, *argv], cwd=root, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for argv in argvs]
+    procs = [subprocess.Popen([sys.executable, *argv], cwd=root, env={**env, **(envs[i] if envs else {})},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, argv in enumerate(argvs)]
     try:
         outs = [p.communicate(timeout=timeout) for p in procs]
     finally:
@@ -430,10 +429,20 @@ def run_workers(argvs: list[list[str]], *, timeout: float,
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    failed = [f"process {i} failed ({p.returncode}); last output: {out.strip().splitlines()[-1:]}\n{err[-3000:]}"
-              for i, (p, (out, err)) in enumerate(zip(procs, outs)) if p.returncode != 0]
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+
+def run_workers(argvs: list[list[str]], *, timeout: float,
+                extra_env: Mapping[str, str] | None = None) -> list[dict]:
+    """`run_commands`, then fail naming every process that failed (the first to fail may not be process 0),
+    with its output's end; else their last stdout lines read as JSON, in order."""
+    import json
+
+    done = run_commands(argvs, timeout=timeout, extra_env=extra_env)
+    failed = [f"process {i} failed ({code}); last output: {out.strip().splitlines()[-1:]}\n{err[-3000:]}"
+              for i, (code, out, err) in enumerate(done) if code != 0]
     assert not failed, "\n".join(failed)
-    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    return [json.loads(out.strip().splitlines()[-1]) for _, out, _ in done]
 
 
 def in_a_small_tmpfs(mount: str, size: str, argv: list[str]) -> list[str] | None:

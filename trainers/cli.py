@@ -14,6 +14,10 @@ import os
 import sys
 import textwrap
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from multimesh.distributed import Launch
 
 __all__ = ["main"]
 
@@ -68,10 +72,15 @@ def _train_parser() -> argparse.ArgumentParser:
     multi = p.add_argument_group(
         "several processes",
         "one command per process, all with the same config and train.out_dir; on CPU each\n"
-        "process gets 8/N simulated devices. Process 0 shows progress and writes the metrics.")
-    multi.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0 (jax.distributed)")
-    multi.add_argument("--num-processes", type=int, default=None, metavar="N", help="processes in the run (default 1)")
-    multi.add_argument("--process-id", type=int, default=0, metavar="I", help="this process, 0..N-1 (default 0)")
+        "process gets 8/N simulated devices. Process 0 shows progress and writes the metrics.\n"
+        "Under srun, mpirun (Open MPI), a Kubernetes indexed Job or a Cloud TPU pod no flag is\n"
+        "needed: the launcher's variables say them; flags given win.")
+    multi.add_argument("--coordinator", metavar="HOST:PORT",
+                       help="address of process 0 (jax.distributed; default: the launcher's)")
+    multi.add_argument("--num-processes", type=int, default=None, metavar="N",
+                       help="processes in the run (default: the launcher's, else 1)")
+    multi.add_argument("--process-id", type=int, default=None, metavar="I",
+                       help="this process, 0..N-1 (default: the launcher's, else 0)")
     multi.add_argument("--startup-timeout", type=int, default=300, metavar="SECONDS",
                        help="how long to wait for every process to join (default 300); the missing ones are "
                             "named every 10 s, then the run stops with an error naming them")
@@ -101,22 +110,34 @@ def _setup_devices(num_processes: int = 1) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
-def _check_process_flags(opts: argparse.Namespace) -> int:
-    """The number of processes; exit 2 naming the flags that contradict each other."""
+def _launch(opts: argparse.Namespace) -> Launch | None:
+    """This process's place in the run: the flags, with what they leave out from the launcher (srun,
+    mpirun, ...); None for one process. Exits 2 naming the flags that contradict each other, or the
+    launcher's variable that is wrong."""
+    from multimesh.distributed import Launch, StartupError, find_launch
+
+    if opts.num_processes is not None and opts.num_processes < 1:
+        _usage_error(f"--num-processes must be >= 1, got {opts.num_processes}")
+    if opts.startup_timeout < 1:
+        _usage_error(f"--startup-timeout must be >= 1 (seconds), got {opts.startup_timeout}")
+    try:
+        found = find_launch(timeout=opts.startup_timeout)
+        if found is not None and (opts.coordinator, opts.num_processes, opts.process_id) != (None, None, None):
+            found = find_launch(opts.coordinator, opts.num_processes, opts.process_id, timeout=opts.startup_timeout)
+    except (StartupError, ValueError) as e:
+        _usage_error(f"{type(e).__name__}: {e}")
+    if found is not None:
+        return found if found.num_processes > 1 else None
     n = 1 if opts.num_processes is None else opts.num_processes
-    if n < 1:
-        _usage_error(f"--num-processes must be >= 1, got {n}")
     if opts.coordinator is not None and opts.num_processes is None:
         _usage_error(f"--coordinator {opts.coordinator} needs --num-processes N (how many processes the run has) "
                      f"and --process-id I on every process")
-    if opts.process_id != 0 and opts.num_processes is None:
+    if opts.process_id not in (None, 0) and opts.num_processes is None:
         _usage_error(f"--process-id {opts.process_id} needs --num-processes N and --coordinator HOST:PORT")
-    if n > 1 and (opts.coordinator is None or not 0 <= opts.process_id < n):
+    if n > 1 and (opts.coordinator is None or opts.process_id is None or not 0 <= opts.process_id < n):
         _usage_error(f"--num-processes {n} needs --coordinator HOST:PORT and a --process-id in 0..{n - 1} "
                      f"(got {opts.coordinator}, {opts.process_id})")
-    if opts.startup_timeout < 1:
-        _usage_error(f"--startup-timeout must be >= 1 (seconds), got {opts.startup_timeout}")
-    return n
+    return None if n == 1 else Launch(opts.coordinator, n, opts.process_id)
 
 
 def _usage_error(message: str) -> None:
@@ -124,16 +145,17 @@ def _usage_error(message: str) -> None:
     raise SystemExit(2)
 
 
-def _start_processes(opts: argparse.Namespace, num_processes: int, cfg) -> None:
+def _start_processes(launch: Launch | None, cfg, startup_timeout: int) -> None:
     """Join the other processes of the run (``jax.distributed``) and check that all were given the same
     config, ``out_dir`` and code, before anything is compiled; nothing for one process."""
-    if num_processes == 1:
+    if launch is None:
         return
     import multimesh.distributed as dist
 
     # CPU collectives and cross-host transfers (pipeline stages on other processes)
-    dist.initialize(opts.coordinator, num_processes, opts.process_id, initialization_timeout=opts.startup_timeout)
-    dist.agree("trainer config", _run_identity(cfg, num_processes))
+    dist.initialize(launch.coordinator_address, launch.num_processes, launch.process_id,
+                    local_device_ids=launch.local_device_ids, initialization_timeout=startup_timeout)
+    dist.agree("trainer config", _run_identity(cfg, launch.num_processes))
 
 
 def _run_identity(cfg, num_processes: int) -> dict[str, object]:
@@ -171,7 +193,8 @@ def _train(argv: Sequence[str]) -> int:
     if not opts.plan and (opts.num_devices is not None or opts.profile is not None):
         _usage_error("--num-devices and --profile go with --plan (they estimate the layout without training)")
     config_name, overrides = _split_args(opts.args)
-    num_processes = _check_process_flags(opts)
+    launch = _launch(opts)
+    num_processes = 1 if launch is None else launch.num_processes
     _setup_devices(num_processes)
     from trainers.config import ConfigError, load_config
 
@@ -192,7 +215,7 @@ def _train(argv: Sequence[str]) -> int:
     from multimesh.distributed import DisagreementError, StartupError
 
     try:
-        _start_processes(opts, num_processes, cfg)
+        _start_processes(launch, cfg, opts.startup_timeout)
     except (StartupError, DisagreementError) as e:
         print(f"multimesh-train: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
@@ -219,7 +242,7 @@ def _train(argv: Sequence[str]) -> int:
         print("multimesh-train: interrupted (SIGINT) outside the training steps; the checkpoints already "
               "committed are kept", file=sys.stderr)
         return 130
-    if opts.process_id == 0:  # the others' numbers are the same
+    if launch is None or launch.process_id == 0:  # the others' numbers are the same
         print(result.summary())
     return 0
 
