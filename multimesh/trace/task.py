@@ -235,8 +235,11 @@ def make_placement(
 
 
 def _as_devices(name: str, devices: Any) -> np.ndarray:
-    """``devices`` as an array of jax devices: integer ids are looked up; repeats are refused."""
+    """``devices`` as an array of jax devices: integer ids are looked up; none, or repeats, are refused."""
     arr = np.asarray(devices, dtype=object)
+    if arr.size == 0:  # JAX's device list aborts the interpreter on an empty one: refuse it here
+        raise ValueError(f"task {name!r}: devices={devices!r} is empty; give at least one device (e.g. "
+                         f"devices=jax.devices()[:4], or integer ids), or leave devices= out to span all devices")
     by_id = {d.id: d for d in jax.devices()}
     flat = []
     for d in arr.flat:
