@@ -16,7 +16,8 @@ multimesh's runtime needs:
   for the others, naming the missing ones every 10 s, and every start-up mistake (a process that does
   not arrive within ``initialization_timeout``, a duplicate id, different process counts, a port held
   by another program, an unresolvable or unreachable coordinator) ends every process with a
-  `StartupError` naming the address, ids or counts; then all processes check that they run the same
+  `StartupError` naming the address, ids or counts; a process of another run (another ``run_id``) is
+  refused, so two runs given one port never join; then all processes check that they run the same
   multimesh (`agree`: version and a digest of its source);
 * failure handling: when a process dies, the others stop within about
   ``heartbeat_timeout_seconds`` with an error naming it, instead of waiting
@@ -37,6 +38,7 @@ import os
 import socket
 import sys
 import traceback
+from typing import Any
 
 import jax
 
@@ -49,13 +51,15 @@ from .core.rollcall import StartupError, roll_call, split_address
 __all__ = ["DisagreementError", "ProcessLostError", "StartupError", "agree", "initialize", "is_initialized",
            "reserve_port"]
 
-_started = False
+_started: dict[str, Any] | None = None  # the arguments this process joined its run with
+
+RUN_ID_VARIABLE = "MULTIMESH_RUN_ID"
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
                local_device_ids: int | list[int] | None = None, transfer_address: str | None = None,
                heartbeat_timeout_seconds: int = 30, initialization_timeout: int = 300,
-               exit_on_error: bool = True) -> None:
+               exit_on_error: bool = True, run_id: str | None = None) -> None:
     """Join the run of ``num_processes`` processes coordinated by process 0 at ``coordinator_address``.
 
     Args:
@@ -70,30 +74,52 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
         process prints every 10 s which processes it waits for, then raises `StartupError` naming them.
       exit_on_error: an uncaught exception prints its traceback and ends the process at once (exit
         status 1), so the others learn within ``heartbeat_timeout_seconds`` that it is gone.
+      run_id: names this run, the same in every one of its processes (default: the environment
+        variable ``MULTIMESH_RUN_ID``, else none): process 0 refuses a process given another one, so
+        two runs given one coordinator port never join each other's processes.
 
     Raises:
       StartupError: a process did not join within ``initialization_timeout``, two were given one id or
-        different ``num_processes``, the coordinator's host does not resolve or cannot be reached, or
-        its port is held by another program (on process 0).
+        different ``num_processes``, a process of another run id came, the coordinator's host does not
+        resolve or cannot be reached, its port is held by another program (on process 0), or this
+        process already joined a run (`initialize` is called once per process).
       DisagreementError: the processes run different multimesh versions or sources.
     """
     global _started
+    _check_not_started(coordinator_address, num_processes, process_id)
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process_id must be in 0..{num_processes - 1}, got {process_id}")
     host, port = split_address(coordinator_address)
-    roll_call(coordinator_address, num_processes, process_id, timeout=initialization_timeout)
+    run_id = os.environ.get(RUN_ID_VARIABLE, "") if run_id is None else str(run_id)
+    roll_call(coordinator_address, num_processes, process_id, timeout=initialization_timeout, run_id=run_id)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     drop_gloo_notices()  # its "[Gloo] Rank r is connected to n peer ranks" lines, from every process, on stdout
     jax.config.update("jax_cross_host_transfer_socket_address", transfer_address or _free_address(host, port))
     jax.distributed.initialize(coordinator_address, num_processes=num_processes, process_id=process_id,
                                local_device_ids=local_device_ids, initialization_timeout=initialization_timeout,
                                heartbeat_timeout_seconds=heartbeat_timeout_seconds)
-    _started = True
+    _started = {"coordinator_address": coordinator_address, "num_processes": num_processes,
+                "process_id": process_id}
     heartbeat_timeout(heartbeat_timeout_seconds)
     if exit_on_error:
         sys.excepthook = _exit_on_uncaught
     agree("multimesh installation", {"multimesh.__version__": __version__,
                                      "multimesh source (sha256 of its .py files)": source_digest(__package__)})
+
+
+def _check_not_started(coordinator_address: str, num_processes: int, process_id: int) -> None:
+    """A `StartupError` when this process already joined a run (here, or by ``jax.distributed.initialize``):
+    a second roll call would find the coordinator port held by this very process."""
+    if _started is not None:
+        first = ", ".join(f"{k}={v!r}" for k, v in _started.items())
+        raise StartupError(f"multimesh.distributed.initialize was already called in this process (pid "
+                           f"{os.getpid()}, {first}); call it once per process, before any other JAX call "
+                           f"(is_initialized() tells whether it ran)")
+    if jax.distributed.is_initialized():
+        raise StartupError(f"jax.distributed is already initialized in this process (pid {os.getpid()}, "
+                           f"process {jax.process_index()} of {jax.process_count()}), so "
+                           f"multimesh.distributed.initialize({coordinator_address!r}, {num_processes}, "
+                           f"{process_id}) cannot start it again; call one of them, once per process")
 
 
 def _exit_on_uncaught(kind: type, error: BaseException, tb: object) -> None:
@@ -112,7 +138,7 @@ def _exit_on_uncaught(kind: type, error: BaseException, tb: object) -> None:
 
 def is_initialized() -> bool:
     """Whether this process joined a multi-process run through `initialize`."""
-    return _started
+    return _started is not None
 
 
 def _free_address(coordinator_host: str, coordinator_port: int) -> str:

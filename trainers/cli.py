@@ -75,6 +75,10 @@ def _train_parser() -> argparse.ArgumentParser:
     multi.add_argument("--startup-timeout", type=int, default=300, metavar="SECONDS",
                        help="how long to wait for every process to join (default 300); the missing ones are "
                             "named every 10 s, then the run stops with an error naming them")
+    multi.add_argument("--run-id", default=None, metavar="NAME",
+                       help="names this run, the same on each of its processes (default: $MULTIMESH_RUN_ID): "
+                            "process 0 refuses processes of another run, so two runs given one --coordinator "
+                            "port never join")
     return p
 
 
@@ -132,7 +136,8 @@ def _start_processes(opts: argparse.Namespace, num_processes: int, cfg) -> None:
     import multimesh.distributed as dist
 
     # CPU collectives and cross-host transfers (pipeline stages on other processes)
-    dist.initialize(opts.coordinator, num_processes, opts.process_id, initialization_timeout=opts.startup_timeout)
+    dist.initialize(opts.coordinator, num_processes, opts.process_id, initialization_timeout=opts.startup_timeout,
+                    run_id=opts.run_id)
     dist.agree("trainer config", _run_identity(cfg, num_processes))
 
 
