@@ -221,6 +221,10 @@ def test_truncated_data_file_raises_corrupt_error(tmp_path, damage):
     ("state/manifest.ocdbt", "truncate"),
     ("state/_METADATA", "truncate"),       # Orbax's tree metadata (JSON)
     ("multimesh/metadata", "truncate"),    # our manifest (JSON)
+    ("state/_METADATA", "flip"),           # one byte not UTF-8 any more: not a raw UnicodeDecodeError
+    ("multimesh/metadata", "flip"),
+    ("multimesh/metadata", "random"),      # the whole file replaced by random bytes
+    ("state/_METADATA", "random"),
 ])
 def test_damaged_metadata_files_raise_corrupt_error(tmp_path, relpath, damage):
     directory, values = _saved(tmp_path)
@@ -228,6 +232,9 @@ def test_damaged_metadata_files_raise_corrupt_error(tmp_path, relpath, damage):
     assert os.path.isfile(path), sorted(glob.glob(os.path.join(directory, "1", "**"), recursive=True))
     if damage == "flip":
         _flip_byte(path)
+    elif damage == "random":
+        with open(path, "wb") as f:
+            f.write(np.random.default_rng(3).bytes(os.path.getsize(path)))
     else:
         with open(path, "r+b") as f:
             f.truncate(os.path.getsize(path) // 2)

@@ -760,7 +760,7 @@ def _versions() -> dict:
 
 
 # Signs that an exception came from reading damaged files (TensorStore status
-# codes, Orbax's read wrapper, JSON decoding, missing files).
+# codes, Orbax's read wrapper, JSON or UTF-8 decoding, missing files).
 _STORAGE_MARKERS = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "Error reading", "Error decoding",
                     "Encountered error while reading", "Error opening")
 _FILE_RE = re.compile(r'local file "([^"]+)"')
@@ -772,7 +772,7 @@ def _as_corrupt(e: BaseException, step: int, path: str) -> BaseException:
     chain = exception_chain(e)
 
     def is_storage(x: BaseException) -> bool:
-        return isinstance(x, (json.JSONDecodeError, FileNotFoundError)) or any(
+        return isinstance(x, (json.JSONDecodeError, UnicodeDecodeError, FileNotFoundError)) or any(
             m in str(x) for m in _STORAGE_MARKERS)
 
     # TensorStore's own status ("OUT_OF_RANGE: ...") says most; Orbax wraps it.
