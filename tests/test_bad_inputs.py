@@ -271,6 +271,17 @@ def corrupt_meta(sh: Shared) -> str:
         return m.info(3)
 
 
+def deleted_under_reader(sh: Shared, what: str):
+    """A read-only manager opened on a checkpoint whose directory (or step directory) is then deleted."""
+    import shutil
+
+    d = sh.tmp("deleted")
+    save(d, 1, ckpt_state())
+    with CheckpointManager(d, read_only=True) as m:
+        shutil.rmtree(d if what == "directory" else os.path.join(d, "1"))
+        return m.restore(target=ckpt_target())
+
+
 def closed_manager(sh: Shared):
     m = mgr(sh)
     m.close()
@@ -804,6 +815,10 @@ CHECKPOINTS = [
       "read-only", "ckpt"),
     C("ckpt-delete-missing-step", lambda s: mgr(s).delete(9), FileNotFoundError, "step 9"),
     C("ckpt-info-missing-step", lambda s: mgr(s).info(4), FileNotFoundError, "step 4", "[1]"),
+    C("ckpt-directory-deleted-under-a-reader", lambda s: deleted_under_reader(s, "directory"), FileNotFoundError,
+      "the checkpoint directory", "deleted", "is gone", "after this CheckpointManager listed step 1"),
+    C("ckpt-step-deleted-under-a-reader", lambda s: deleted_under_reader(s, "step"), FileNotFoundError,
+      "step 1's directory", "deleted", "is gone"),
     C("ckpt-closed-manager", lambda s: closed_manager(s), RuntimeError, "closed", "ckpt"),
     C("ckpt-step-without-metadata", lambda s: corrupt_meta(s), CheckpointCorruptError, "step 3", "'multimesh'"),
     C("ckpt-abstract-target-not-a-sharding", lambda s: abstract_target({"w": jnp.ones(2)}, {"w": P()}),

@@ -497,6 +497,12 @@ class CheckpointManager:
         self.wait_until_finished()
         step = self._resolve(step)
         path = self.step_path(step)
+        if "://" not in path and not os.path.isdir(path):  # listed when the manager looked, gone since
+            gone, what = (path, f"step {step}'s directory") if os.path.isdir(self._directory) else \
+                (self._directory, "the checkpoint directory")
+            raise FileNotFoundError(
+                f"{what} {gone} is gone: it was deleted or moved after this CheckpointManager listed step "
+                f"{step}; open a new CheckpointManager on the directory that holds the checkpoints now")
         if not os.path.isdir(os.path.join(path, META_ITEM)) and "://" not in path:
             raise CheckpointCorruptError(
                 step, path, f"no '{META_ITEM}' item: the step directory was not "
