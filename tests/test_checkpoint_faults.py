@@ -245,6 +245,15 @@ def test_damaged_metadata_files_raise_corrupt_error(tmp_path, relpath, damage):
     assert err.value.step == 1
 
 
+def test_a_step_without_its_state_item_names_the_step_and_the_path(tmp_path):
+    directory, values = _saved(tmp_path)
+    shutil.rmtree(os.path.join(directory, "1", "state"))
+    with CheckpointManager(directory) as mgr, pytest.raises(CheckpointCorruptError) as err:
+        mgr.restore(1, target=_target(values, _mesh((4, 2))))
+    assert err.value.step == 1 and err.value.path == os.path.join(directory, "1", "state")
+    assert "'state' item (the arrays) is missing" in str(err.value)
+
+
 # ---------------------------------------------------------- older formats
 def _rewrite_doc(directory: str, change) -> None:
     path = os.path.join(directory, "1", "multimesh", "metadata")

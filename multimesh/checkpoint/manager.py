@@ -479,6 +479,30 @@ class CheckpointManager:
         self._reload_quietly()
         return as_save_error(e, step, self._directory) or e
 
+    def set_aside(self, step: int) -> str:
+        """Moves a complete step that cannot be restored (a `CheckpointCorruptError`) out of the list, to
+        ``<directory>/corrupt-<step>`` (kept for inspection), so that the step may be saved again; returns
+        the new path. With several processes, call it in every process: process 0 moves it."""
+        self._check_open()
+        if self._read_only:
+            raise PermissionError(f"checkpoint manager for {self._directory} is read-only")
+        self.wait_until_finished()
+        self._resolve(step)
+        self._hold_directory()
+        aside = os.path.join(self._directory, f"corrupt-{step}")
+        n = 1
+        while os.path.lexists(aside):
+            n += 1
+            aside = os.path.join(self._directory, f"corrupt-{step}.{n}")
+        if jax.process_index() == 0:
+            os.rename(self.step_path(step), aside)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"multimesh checkpoint set aside {step}")
+        self._mgr.reload()
+        return aside
+
     def delete(self, step: int) -> None:
         """Deletes a complete checkpoint."""
         self._check_open()
@@ -593,6 +617,10 @@ class CheckpointManager:
             raise CheckpointCorruptError(
                 step, step_dir, f"its checksums are of an unknown kind ({info.checksum_algorithm!r}); "
                 "restore it with the multimesh version that wrote it, or with checksums=False")
+        if "://" not in step_dir and not os.path.isdir(os.path.join(step_dir, STATE_ITEM)):
+            raise CheckpointCorruptError(
+                step, os.path.join(step_dir, STATE_ITEM), f"its '{STATE_ITEM}' item (the arrays) is missing; "
+                "the step directory was damaged after it was committed")
         reader = self._state_handler.arrays
         # hash on the read path (while other blocks are still being read)
         hash_on_read = verify and info.checksum_algorithm == _checksum.ALGORITHM
