@@ -575,6 +575,14 @@ def _double(x):
     return 2 * x
 
 
+def task_given_donated_state():
+    """A task called eagerly with a state a donating step freed (JAX: "Array has been deleted ...")."""
+    step, init = build(mesh=MESH, rules=[("batch", "data")], donate=True)
+    state = init()
+    step(state, spmd_batch())
+    return task(lambda p: jax.tree.map(_double, p), "double", devices=D()[:4])(state)
+
+
 def nested_tasks():
     inner = task(_double, "inner", devices=D()[4:])
     return task(lambda x: inner(x) + 1, "outer", devices=D()[:4])(jnp.ones(4))
@@ -639,6 +647,8 @@ TASKS = [
     C("task-empty-device-array", lambda s: task(_double, "none", devices=np.empty((0, 2), object),
                                                 device_axes=("a", "b")), ValueError, "task 'none'", "is empty"),
     C("register-empty-devices", lambda s: register_task("blk", devices=[]), ValueError, "'blk'", "is empty"),
+    C("task-given-donated-state", lambda s: task_given_donated_state(), DonatedArrayError, "task 'double'",
+      "deleted array(s): argument 0 leaf 'b', argument 0 leaf 'w'", "donate=True", "the state it returned"),
     C("task-device-a-string", lambda s: task(_double, "bad", devices=["cpu"]), TypeError, "task 'bad'", "'cpu'"),
     C("task-logical-axes-unknown-axis", lambda s: task(_double, "t", devices=D()[:4], device_axes=("x",),
                                                        logical_axes=[("batch", "y")]), RuleError,

@@ -28,6 +28,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ..core.donation import DonatedArrayError, deleted_paths
 from ..core.meshes import constrain, explicit_axes
 from ..core.nonarrays import non_arrays
 from ..core.placement import Placement, current_placement, use_placement
@@ -189,6 +190,14 @@ def _eager_call(placement: Placement, fun: Callable, args: tuple) -> Any:
         with use_placement(placement):
             return fun(*a)
 
+    deleted = [f"argument {i}" + ("" if p == "(the whole tree)" else f" leaf {p!r}")
+               for i, a in enumerate(args) for p in deleted_paths(a)]
+    if deleted:  # JAX would say only "Array has been deleted with shape=..."
+        raise DonatedArrayError(
+            f"task {placement.name!r} was called with deleted array(s): {', '.join(deleted[:3])}"
+            f"{' ...' if len(deleted) > 3 else ''}: a step built with "
+            f"donate=True frees the state it is given, so use the state it returned (loss, state = "
+            f"step(state, batch)), or build the step with donate=False to keep the old one")
     inputs = jax.tree.map(put, args)
     if jax.sharding.get_abstract_mesh().empty:
         return jax.jit(scoped)(*inputs)
