@@ -950,6 +950,17 @@ FITS = [
     C("cli-corpus-smaller-than-max-bytes", lambda s: cli(f"data.paths=[{small_corpus(s)}]", "train.steps=1",
                                                          out_dir(s)), CliFailed,
       "exit 2", "the corpus (3,000 bytes", "data.paths", "validation split", "add text to data.paths"),
+    C("cli-state-over-the-memory-limit", lambda s: with_memory_limit("1MiB", lambda: cli("train.steps=1", out_dir(s))),
+      CliFailed, "exit 2", "the train state (", "M parameters and their optimizer state) does not fit",
+      "the host has 1.0 MiB ($MULTIMESH_MEMORY_LIMIT)", "short", "no layout on this host holds it",
+      "--num-processes"),
+    C("cli-state-copied-over-the-memory-limit", lambda s: with_memory_limit(
+        "20MiB", lambda: cli("train.steps=1", out_dir(s))), CliFailed, "exit 2", "does not fit", "20.0 MiB",
+      "shard it over the host's devices instead of copying it to each", "layout.mesh={data: 8}"),
+    C("memory-limit-not-a-size", lambda s: with_memory_limit("ten gigs", lambda: cli("train.steps=1", out_dir(s))),
+      CliFailed, "MULTIMESH_MEMORY_LIMIT='ten gigs'", "10GiB"),
+    C("state-over-each-devices-memory", lambda s: state_over_device_memory(), ValueError, "the state does not fit",
+      "device 0 holds 64.0 KiB of it", "each device holds 32.0 KiB (as given)", "32.0 KiB short"),
     C("cli-out-dir-a-file-plan", lambda s: cli("--plan", f"train.out_dir={a_file(s)}"), CliFailed, "exit 2",
       "train.out_dir=", "a_file'", "is an existing file"),
     C("cli-out-dir-a-file-train", lambda s: cli("train.steps=1", f"train.out_dir={a_file(s)}"), CliFailed,
@@ -957,6 +968,27 @@ FITS = [
     C("cli-out-dir-under-a-file", lambda s: cli("train.steps=1", f"train.out_dir={a_file(s)}/run"), CliFailed,
       "exit 2", "a_file/run'", "lies under", "an existing file"),
 ]
+
+
+def with_memory_limit(limit: str, run: Callable[[], object]) -> object:
+    """``run()`` with ``MULTIMESH_MEMORY_LIMIT`` set to ``limit`` (the memory the state is checked against)."""
+    before = os.environ.get("MULTIMESH_MEMORY_LIMIT")
+    os.environ["MULTIMESH_MEMORY_LIMIT"] = limit
+    try:
+        return run()
+    finally:
+        if before is None:
+            del os.environ["MULTIMESH_MEMORY_LIMIT"]
+        else:
+            os.environ["MULTIMESH_MEMORY_LIMIT"] = before
+
+
+def state_over_device_memory():
+    """A state of 8 x 64 KiB float32 rows sharded over 8 devices, each device said to hold 32 KiB."""
+    from multimesh.estimate.memory import MemoryLimit, check_state_fits
+
+    state = {"w": jax.ShapeDtypeStruct((8, 16384), jnp.float32, sharding=NamedSharding(build_mesh({"d": 8}), P("d")))}
+    check_state_fits(state, what="the state", limit=MemoryLimit(2**15, True, "as given"))
 
 
 def out_dir(sh: Shared) -> str:

@@ -53,7 +53,7 @@ from trainers.config_diff import changed_keys, describe_changes, yaml_value
 from trainers.continuation import continue_schedule, optimizer_changes
 from trainers.data import TextDataset, load_corpus, make_datasets
 from trainers.feed import Feed
-from trainers.fit import check_data, make_out_dir
+from trainers.fit import check_data, check_memory, make_out_dir
 from trainers.layout import build_layout, write_schedule_png
 from trainers.layout_search import resolve_auto_layout
 from trainers.metrics import MetricsLog, StepBar, Throughput, plot_losses, read_metrics, strict_json
@@ -255,6 +255,7 @@ def _train(cfg: Config, *, devices: Any, quiet: bool, stop_after: int | None, re
             if report:  # before the first step compiles, so that a layout is judged without waiting
                 print(sharding, file=sys.stdout, flush=True)
         n_params = count_params(program.abstract_state["params"])
+        check_memory(program.abstract_state, n_params, len(devices) if devices is not None else jax.device_count())
         _log(quiet, f"config {cfg.name}: {cfg.model.num_layers} layers, d_model {cfg.model.d_model}, "
                     f"{n_params / 1e6:.2f}M parameters, {cfg.model.dtype}; {layout.describe()}")
         _log(quiet, f"data: {len(train_ds.tokens):,} train / {len(val_ds.tokens):,} validation bytes, "
