@@ -44,6 +44,7 @@ import jax
 
 from ._version import __version__
 from .core.agreement import DisagreementError, agree, source_digest
+from .core import presence
 from .core.gloo_notices import drop_gloo_notices
 from .core.processes import ProcessLostError, exception_chain, heartbeat_timeout, lost_process_error
 from .core.rollcall import StartupError, roll_call, split_address
@@ -91,7 +92,19 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
         raise ValueError(f"process_id must be in 0..{num_processes - 1}, got {process_id}")
     host, port = split_address(coordinator_address)
     run_id = os.environ.get(RUN_ID_VARIABLE, "") if run_id is None else str(run_id)
-    roll_call(coordinator_address, num_processes, process_id, timeout=initialization_timeout, run_id=run_id)
+    grace = _grace_seconds(heartbeat_timeout_seconds)
+    server, go = None, {}
+    if process_id == 0 and num_processes > 1:
+        server, presence_port = presence.serve(num_processes)
+        go = {"presence": presence_port}
+    try:
+        answer = roll_call(coordinator_address, num_processes, process_id, timeout=initialization_timeout,
+                           run_id=run_id, go=go)
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
+    _watch_each_other(server, answer, host, num_processes, process_id, grace)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     drop_gloo_notices()  # its "[Gloo] Rank r is connected to n peer ranks" lines, from every process, on stdout
     jax.config.update("jax_cross_host_transfer_socket_address", transfer_address or _free_address(host, port))
@@ -105,6 +118,33 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
         sys.excepthook = _exit_on_uncaught
     agree("multimesh installation", {"multimesh.__version__": __version__,
                                      "multimesh source (sha256 of its .py files)": source_digest(__package__)})
+
+
+def _grace_seconds(heartbeat_timeout_seconds: float) -> float:
+    """How long a process waits to stop by itself after another was lost (`multimesh.core.presence`):
+    well within the heartbeat timeout, at which JAX's coordination service would abort it."""
+    return max(0.5, min(5.0, heartbeat_timeout_seconds / 3))
+
+
+def _watch_each_other(server: socket.socket | None, answer: dict, host: str, n: int, me: int,
+                      grace: float) -> None:
+    """The run's presence connections (`multimesh.core.presence`); where one cannot be made, that process's
+    loss is left to JAX's heartbeat (said on stderr)."""
+    if n == 1:
+        return
+    if me == 0:
+        missing = presence.accept(server, n, grace, timeout=30)
+        if missing:
+            print(f"multimesh: process 0: process(es) {missing} did not connect to the presence port; their loss "
+                  f"is noticed by JAX's heartbeat only", file=sys.stderr, flush=True)
+        return
+    if "presence" not in answer:
+        return
+    try:
+        presence.join(f"{host}:{int(answer['presence'])}", me, n, grace)
+    except (OSError, ValueError) as e:
+        print(f"multimesh: process {me}: cannot connect to process 0's presence port {host}:{answer['presence']} "
+              f"({e}); the loss of process 0 is noticed by JAX's heartbeat only", file=sys.stderr, flush=True)
 
 
 def _check_not_started(coordinator_address: str, num_processes: int, process_id: int) -> None:

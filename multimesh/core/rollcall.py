@@ -45,11 +45,13 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 def roll_call(coordinator_address: str, num_processes: int, process_id: int, *, timeout: float,
-              every: float = 10.0, say: Callable[[str], None] | None = None, run_id: str = "") -> None:
+              every: float = 10.0, say: Callable[[str], None] | None = None, run_id: str = "",
+              go: dict | None = None) -> dict:
     """Return once all ``num_processes`` processes have reported to process 0 at ``coordinator_address``
     and agree on the count; raise `StartupError` otherwise, within ``timeout`` seconds. While waiting,
     ``say`` (default: print to stderr) hears every ``every`` seconds who is still missing. Only processes
-    given process 0's ``run_id`` join it; one of another run gets a `StartupError` naming both ids."""
+    given process 0's ``run_id`` join it; one of another run gets a `StartupError` naming both ids.
+    Process 0 sends ``go`` (more keys of its "go" answer) to every process; each returns that answer."""
     say = say or _to_stderr
     host, port = split_address(coordinator_address)
     try:
@@ -59,11 +61,11 @@ def roll_call(coordinator_address: str, num_processes: int, process_id: int, *, 
                            f"does not resolve ({e.strerror}); give every process the address of process 0's "
                            f"host as HOST:PORT") from None
     if num_processes == 1:
-        return
+        return {"status": "go", **(go or {})}
     if process_id == 0:
-        _Gathering(host, port, num_processes, timeout, every, say, run_id).run()
-    else:
-        _report_in(host, port, num_processes, process_id, timeout, every, say, run_id)
+        _Gathering(host, port, num_processes, timeout, every, say, run_id).run(go or {})
+        return {"status": "go", **(go or {})}
+    return _report_in(host, port, num_processes, process_id, timeout, every, say, run_id)
 
 
 def _to_stderr(message: str) -> None:
@@ -109,7 +111,7 @@ class _Gathering:
     def missing(self) -> list[int]:
         return sorted(set(range(1, self.n)) - {m.process_id for m in self.members.values()})
 
-    def run(self) -> None:
+    def run(self, go: dict) -> None:
         server = self._listen()
         sel = selectors.DefaultSelector()
         sel.register(server, selectors.EVENT_READ)
@@ -142,7 +144,7 @@ class _Gathering:
                     else:
                         self._read(key.fileobj, sel)
             for conn in self.members:
-                _send(conn, {"status": "go"})
+                _send(conn, {**go, "status": "go"})
             self._wait_for_close(sel, server)
         finally:
             for conn in list(self.buffers):
@@ -288,7 +290,7 @@ def _holder(port: int) -> str:
 
 
 def _report_in(host: str, port: int, n: int, process_id: int, timeout: float, every: float,
-               say: Callable[[str], None], run_id: str = "") -> None:
+               say: Callable[[str], None], run_id: str = "") -> dict:
     address, me = f"{host}:{port}", f"process {process_id}"
     start = time.monotonic()
     deadline, next_note = start + timeout, start + every
@@ -332,6 +334,7 @@ def _report_in(host: str, port: int, n: int, process_id: int, timeout: float, ev
                                        f"before every process had joined ({answers.why}; see its output)")
                 raise StartupError(f"{me}: not every process joined at {address} within the start-up timeout "
                                    f"of {timeout:g} s; see process 0's output for the missing ones")
+        return answer
 
 
 class _Answers:
