@@ -308,6 +308,19 @@ def test_trainer_names_a_missing_process_at_its_startup_timeout(tmp_path):
     assert "start-up timeout of 3 s" in err and "Traceback" not in err, err[-2000:]
 
 
+def test_trainer_processes_of_another_run_id_are_refused(tmp_path):
+    """``--run-id``: process 1 of run 'b' reaching run 'a''s process 0 exits 2 naming both ids; process 0,
+    whose own process 1 never comes, names the refused one at its start-up timeout."""
+    port = free_port()
+    start = time.monotonic()
+    done = _wait(_start([_cli(port, 2, i, f"train.out_dir={tmp_path}", "--run-id", run, "--startup-timeout", "4")
+                         for i, run in ((0, "a"), (1, "b"))]), timeout=60)
+    assert time.monotonic() - start < 30
+    (code0, err0), (code1, err1) = done
+    assert code1 == 2 and "has run id 'b'" in err1 and "runs run id 'a'" in err1, err1[-2000:]
+    assert code0 == 2 and "came with run id 'b' and was refused" in err0, err0[-2000:]
+
+
 @pytest.mark.slow  # ~15 s: the first progress line comes after 10 s
 def test_trainer_says_whom_it_waits_for_while_waiting(tmp_path):
     port = free_port()

@@ -124,8 +124,10 @@ def lost_message() -> str | None:
 def serve(n: int) -> tuple[socket.socket, int]:
     """Process 0: listen for the other processes' connections (on all addresses, a free port); the
     listening socket and its port, for the roll call's go. `accept` then takes them."""
-    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    server.bind(("", 0))
+    if socket.has_dualstack_ipv6():  # reached at the coordinator's host, whichever address family it has
+        server = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+    else:
+        server = socket.create_server(("", 0))
     server.listen(max(n, 8))
     return server, server.getsockname()[1]
 
