@@ -124,11 +124,9 @@ def lost_message() -> str | None:
 def serve(n: int) -> tuple[socket.socket, int]:
     """Process 0: listen for the other processes' connections (on all addresses, a free port); the
     listening socket and its port, for the roll call's go. `accept` then takes them."""
-    if socket.has_dualstack_ipv6():  # reached at the coordinator's host, whichever address family it has
-        server = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
-    else:
-        server = socket.create_server(("", 0))
-    server.listen(max(n, 8))
+    dual = socket.has_dualstack_ipv6()  # reached at the coordinator's host, whichever address family it has
+    server = socket.create_server(("", 0), family=socket.AF_INET6 if dual else socket.AF_INET,
+                                  backlog=max(n, 8), dualstack_ipv6=dual)
     return server, server.getsockname()[1]
 
 
