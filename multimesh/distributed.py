@@ -19,11 +19,13 @@ multimesh's runtime needs:
   `StartupError` naming the address, ids or counts; a process of another run (another ``run_id``) is
   refused, so two runs given one port never join; then all processes check that they run the same
   multimesh (`agree`: version and a digest of its source);
-* failure handling: when a process dies, the others stop within about
-  ``heartbeat_timeout_seconds`` with an error naming it, instead of waiting
-  forever for its transfers; and an uncaught exception ends its process at
-  once (``exit_on_error``) rather than letting it wait at JAX's shutdown
-  barrier while the others wait for it.
+* failure handling: every process holds a connection to process 0 for the
+  run (`multimesh.core.presence`), so when a process dies the others know at
+  once and stop within seconds with a `ProcessLostError` naming it (before
+  JAX's coordination service would abort them at ``heartbeat_timeout_seconds``),
+  instead of waiting forever for its transfers; and an uncaught exception ends
+  its process at once (``exit_on_error``) rather than letting it wait at JAX's
+  shutdown barrier while the others wait for it.
 
 Plain `jax.distributed.initialize` works too when these flags are set before
 it: ``jax.config.update("jax_cpu_collectives_implementation", "gloo")`` and
@@ -43,8 +45,8 @@ from typing import Any
 import jax
 
 from ._version import __version__
-from .core.agreement import DisagreementError, agree, source_digest
 from .core import presence
+from .core.agreement import DisagreementError, agree, source_digest
 from .core.gloo_notices import drop_gloo_notices
 from .core.processes import ProcessLostError, exception_chain, heartbeat_timeout, lost_process_error
 from .core.rollcall import StartupError, roll_call, split_address
@@ -74,7 +76,7 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
       initialization_timeout: how long to wait for every process to join (seconds); while waiting, each
         process prints every 10 s which processes it waits for, then raises `StartupError` naming them.
       exit_on_error: an uncaught exception prints its traceback and ends the process at once (exit
-        status 1), so the others learn within ``heartbeat_timeout_seconds`` that it is gone.
+        status 1), so the others learn at once that it is gone.
       run_id: names this run, the same in every one of its processes (default: the environment
         variable ``MULTIMESH_RUN_ID``, else none): process 0 refuses a process given another one, so
         two runs given one coordinator port never join each other's processes.

@@ -11,8 +11,8 @@ from . import presence
 
 __all__ = ["ProcessLostError", "exception_chain", "heartbeat_timeout", "is_failed_exchange", "lost_process_error"]
 
-_HEARTBEAT = {"seconds": 100.0}
-_PRESENCE_WAIT = 2.0  # seconds a failed exchange waits for a lost process's connection to close  # JAX's default until `multimesh.distributed.initialize` sets it
+_HEARTBEAT = {"seconds": 100.0}  # JAX's default until `multimesh.distributed.initialize` sets it
+_PRESENCE_WAIT = 2.0  # seconds a failed exchange waits for a lost process's connection to close
 
 
 class ProcessLostError(RuntimeError):
