@@ -97,6 +97,10 @@ def constrain(x: Array, spec: P) -> Array:
     return with_sharding_constraint(x, spec)
 
 
+#: The dtypes ``dtype`` and ``param_dtype`` may name (float64 would need JAX's x64 mode).
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
     """Hyper-parameters of :class:`Transformer` (hashable, so usable as a module field).
@@ -153,8 +157,15 @@ class TransformerConfig:
         for field in ("vocab_size", "num_layers", "d_model", "num_heads", "max_len"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
-        for name in (self.dtype, self.param_dtype):
-            jnp.dtype(name)  # validate dtype names early
+        for field in ("dtype", "param_dtype"):  # validated early: JAX refuses others deep in a traceback
+            name = getattr(self, field)
+            try:
+                known = jnp.dtype(name).name
+            except TypeError:
+                known = None
+            if known not in FLOAT_DTYPES:
+                raise ValueError(f"{field}={name!r} is not a floating-point dtype this model runs in; use one of "
+                                 f"{', '.join(map(repr, FLOAT_DTYPES))}")
 
     @property
     def compute_dtype(self) -> jnp.dtype:

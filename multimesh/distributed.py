@@ -19,13 +19,16 @@ own detection (`multimesh.core.launch`); arguments given win. It wraps
   for the others, naming the missing ones every 10 s, and every start-up mistake (a process that does
   not arrive within ``initialization_timeout``, a duplicate id, different process counts, a port held
   by another program, an unresolvable or unreachable coordinator) ends every process with a
-  `StartupError` naming the address, ids or counts; then all processes check that they run the same
+  `StartupError` naming the address, ids or counts; a process of another run (another ``run_id``) is
+  refused, so two runs given one port never join; then all processes check that they run the same
   multimesh (`agree`: version and a digest of its source);
-* failure handling: when a process dies, the others stop within about
-  ``heartbeat_timeout_seconds`` with an error naming it, instead of waiting
-  forever for its transfers; and an uncaught exception ends its process at
-  once (``exit_on_error``) rather than letting it wait at JAX's shutdown
-  barrier while the others wait for it.
+* failure handling: every process holds a connection to process 0 for the
+  run (`multimesh.core.presence`), so when a process dies the others know at
+  once and stop within seconds with a `ProcessLostError` naming it (before
+  JAX's coordination service would abort them at ``heartbeat_timeout_seconds``),
+  instead of waiting forever for its transfers; and an uncaught exception ends
+  its process at once (``exit_on_error``) rather than letting it wait at JAX's
+  shutdown barrier while the others wait for it.
 
 Plain `jax.distributed.initialize` works too when these flags are set before
 it: ``jax.config.update("jax_cpu_collectives_implementation", "gloo")`` and
@@ -40,10 +43,12 @@ import os
 import socket
 import sys
 import traceback
+from typing import Any
 
 import jax
 
 from ._version import __version__
+from .core import presence
 from .core.agreement import DisagreementError, agree, source_digest
 from .core.gloo_notices import drop_gloo_notices
 from .core.launch import Launch, resolve
@@ -53,14 +58,16 @@ from .core.rollcall import StartupError, roll_call, split_address
 __all__ = ["DisagreementError", "Launch", "ProcessLostError", "StartupError", "agree", "find_launch", "initialize",
            "is_initialized", "reserve_port"]
 
-_started = False
+_started: dict[str, Any] | None = None  # the arguments this process joined its run with
+
+RUN_ID_VARIABLE = "MULTIMESH_RUN_ID"
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, local_device_ids: int | list[int] | None = None,
                transfer_address: str | None = None, heartbeat_timeout_seconds: int = 30,
                initialization_timeout: int = 300, exit_on_error: bool = True,
-               cluster_detection_method: str | None = None) -> None:
+               cluster_detection_method: str | None = None, run_id: str | None = None) -> None:
     """Join the run of ``num_processes`` processes coordinated by process 0 at ``coordinator_address``.
 
     Args:
@@ -77,18 +84,23 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       initialization_timeout: how long to wait for every process to join (seconds); while waiting, each
         process prints every 10 s which processes it waits for, then raises `StartupError` naming them.
       exit_on_error: an uncaught exception prints its traceback and ends the process at once (exit
-        status 1), so the others learn within ``heartbeat_timeout_seconds`` that it is gone.
+        status 1), so the others learn at once that it is gone.
       cluster_detection_method: JAX's name of the launcher to detect (``"mpi4py"``, which JAX tries only
         when asked; default: every other one JAX knows).
+      run_id: names this run, the same in every one of its processes (default: the environment
+        variable ``MULTIMESH_RUN_ID``, else none): process 0 refuses a process given another one, so
+        two runs given one coordinator port never join each other's processes.
 
     Raises:
       StartupError: a process did not join within ``initialization_timeout``, two were given one id or
-        different ``num_processes``, the coordinator's host does not resolve or cannot be reached, or
-        its port is held by another program (on process 0); a value not given and no launcher found; a
-        launcher's variables that do not fit together (naming the variable and its value).
+        different ``num_processes``, a process of another run id came, the coordinator's host does not
+        resolve or cannot be reached, or its port is held by another program (on process 0); a value not
+        given and no launcher found; a launcher's variables that do not fit together (naming the variable
+        and its value); this process already joined a run (`initialize` is called once per process).
       DisagreementError: the processes run different multimesh versions or sources.
     """
     global _started
+    _check_not_started(coordinator_address, num_processes, process_id)
     if isinstance(local_device_ids, int):
         local_device_ids = [local_device_ids]
     launch = find_launch(coordinator_address, num_processes, process_id, local_device_ids,
@@ -99,8 +111,23 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                            "three, e.g. initialize('host0:5000', num_processes=2, process_id=0)")
     coordinator_address, num_processes, process_id = (launch.coordinator_address, launch.num_processes,
                                                       launch.process_id)
+    if not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id must be in 0..{num_processes - 1}, got {process_id}")
     host, port = split_address(coordinator_address)
-    roll_call(coordinator_address, num_processes, process_id, timeout=initialization_timeout)
+    run_id = os.environ.get(RUN_ID_VARIABLE, "") if run_id is None else str(run_id)
+    grace = _grace_seconds(heartbeat_timeout_seconds)
+    server, go = None, {}
+    if process_id == 0 and num_processes > 1:
+        server, presence_port = presence.serve(num_processes)
+        go = {"presence": presence_port}
+    try:
+        answer = roll_call(coordinator_address, num_processes, process_id, timeout=initialization_timeout,
+                           run_id=run_id, go=go)
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
+    _watch_each_other(server, answer, host, num_processes, process_id, grace)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     drop_gloo_notices()  # its "[Gloo] Rank r is connected to n peer ranks" lines, from every process, on stdout
     jax.config.update("jax_cross_host_transfer_socket_address", transfer_address or _free_address(host, port))
@@ -108,7 +135,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                                local_device_ids=launch.local_device_ids,
                                initialization_timeout=initialization_timeout,
                                heartbeat_timeout_seconds=heartbeat_timeout_seconds)
-    _started = True
+    _started = {"coordinator_address": coordinator_address, "num_processes": num_processes,
+                "process_id": process_id}
     heartbeat_timeout(heartbeat_timeout_seconds)
     if exit_on_error:
         sys.excepthook = _exit_on_uncaught
@@ -133,6 +161,48 @@ def find_launch(coordinator_address: str | None = None, num_processes: int | Non
                    method=cluster_detection_method, timeout=timeout)
 
 
+def _grace_seconds(heartbeat_timeout_seconds: float) -> float:
+    """How long a process waits to stop by itself after another was lost (`multimesh.core.presence`):
+    well within the heartbeat timeout, at which JAX's coordination service would abort it."""
+    return max(0.5, min(5.0, heartbeat_timeout_seconds / 3))
+
+
+def _watch_each_other(server: socket.socket | None, answer: dict, host: str, n: int, me: int,
+                      grace: float) -> None:
+    """The run's presence connections (`multimesh.core.presence`); where one cannot be made, that process's
+    loss is left to JAX's heartbeat (said on stderr)."""
+    if n == 1:
+        return
+    if me == 0:
+        missing = presence.accept(server, n, grace, timeout=30)
+        if missing:
+            print(f"multimesh: process 0: process(es) {missing} did not connect to the presence port; their loss "
+                  f"is noticed by JAX's heartbeat only", file=sys.stderr, flush=True)
+        return
+    if "presence" not in answer:
+        return
+    try:
+        presence.join(f"{host}:{int(answer['presence'])}", me, n, grace)
+    except (OSError, ValueError) as e:
+        print(f"multimesh: process {me}: cannot connect to process 0's presence port {host}:{answer['presence']} "
+              f"({e}); the loss of process 0 is noticed by JAX's heartbeat only", file=sys.stderr, flush=True)
+
+
+def _check_not_started(coordinator_address: str, num_processes: int, process_id: int) -> None:
+    """A `StartupError` when this process already joined a run (here, or by ``jax.distributed.initialize``):
+    a second roll call would find the coordinator port held by this very process."""
+    if _started is not None:
+        first = ", ".join(f"{k}={v!r}" for k, v in _started.items())
+        raise StartupError(f"multimesh.distributed.initialize was already called in this process (pid "
+                           f"{os.getpid()}, {first}); call it once per process, before any other JAX call "
+                           f"(is_initialized() tells whether it ran)")
+    if jax.distributed.is_initialized():
+        raise StartupError(f"jax.distributed is already initialized in this process (pid {os.getpid()}, "
+                           f"process {jax.process_index()} of {jax.process_count()}), so "
+                           f"multimesh.distributed.initialize({coordinator_address!r}, {num_processes}, "
+                           f"{process_id}) cannot start it again; call one of them, once per process")
+
+
 def _exit_on_uncaught(kind: type, error: BaseException, tb: object) -> None:
     """Print the error and leave now: JAX's shutdown would wait for processes that wait for this one."""
     traceback.print_exception(kind, error, tb)
@@ -149,7 +219,7 @@ def _exit_on_uncaught(kind: type, error: BaseException, tb: object) -> None:
 
 def is_initialized() -> bool:
     """Whether this process joined a multi-process run through `initialize`."""
-    return _started
+    return _started is not None
 
 
 def _free_address(coordinator_host: str, coordinator_port: int) -> str:

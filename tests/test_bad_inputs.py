@@ -271,6 +271,17 @@ def corrupt_meta(sh: Shared) -> str:
         return m.info(3)
 
 
+def deleted_under_reader(sh: Shared, what: str):
+    """A read-only manager opened on a checkpoint whose directory (or step directory) is then deleted."""
+    import shutil
+
+    d = sh.tmp("deleted")
+    save(d, 1, ckpt_state())
+    with CheckpointManager(d, read_only=True) as m:
+        shutil.rmtree(d if what == "directory" else os.path.join(d, "1"))
+        return m.restore(target=ckpt_target())
+
+
 def closed_manager(sh: Shared):
     m = mgr(sh)
     m.close()
@@ -564,6 +575,14 @@ def _double(x):
     return 2 * x
 
 
+def task_given_donated_state():
+    """A task called eagerly with a state a donating step freed (JAX: "Array has been deleted ...")."""
+    step, init = build(mesh=MESH, rules=[("batch", "data")], donate=True)
+    state = init()
+    step(state, spmd_batch())
+    return task(lambda p: jax.tree.map(_double, p), "double", devices=D()[:4])(state)
+
+
 def nested_tasks():
     inner = task(_double, "inner", devices=D()[4:])
     return task(lambda x: inner(x) + 1, "outer", devices=D()[:4])(jnp.ones(4))
@@ -623,6 +642,13 @@ TASKS = [
       "task 'rep'", "[0]", "more than once"),
     C("task-unknown-device-id", lambda s: task(_double, "ids", devices=[0, 99]), ValueError, "task 'ids'",
       "device id 99"),
+    C("task-empty-devices", lambda s: task(_double, "none", devices=[]), ValueError, "task 'none'",
+      "devices=[] is empty", "at least one device"),
+    C("task-empty-device-array", lambda s: task(_double, "none", devices=np.empty((0, 2), object),
+                                                device_axes=("a", "b")), ValueError, "task 'none'", "is empty"),
+    C("register-empty-devices", lambda s: register_task("blk", devices=[]), ValueError, "'blk'", "is empty"),
+    C("task-given-donated-state", lambda s: task_given_donated_state(), DonatedArrayError, "task 'double'",
+      "deleted array(s): argument 0 leaf 'b', argument 0 leaf 'w'", "donate=True", "the state it returned"),
     C("task-device-a-string", lambda s: task(_double, "bad", devices=["cpu"]), TypeError, "task 'bad'", "'cpu'"),
     C("task-logical-axes-unknown-axis", lambda s: task(_double, "t", devices=D()[:4], device_axes=("x",),
                                                        logical_axes=[("batch", "y")]), RuleError,
@@ -799,6 +825,10 @@ CHECKPOINTS = [
       "read-only", "ckpt"),
     C("ckpt-delete-missing-step", lambda s: mgr(s).delete(9), FileNotFoundError, "step 9"),
     C("ckpt-info-missing-step", lambda s: mgr(s).info(4), FileNotFoundError, "step 4", "[1]"),
+    C("ckpt-directory-deleted-under-a-reader", lambda s: deleted_under_reader(s, "directory"), FileNotFoundError,
+      "the checkpoint directory", "deleted", "is gone", "after this CheckpointManager listed step 1"),
+    C("ckpt-step-deleted-under-a-reader", lambda s: deleted_under_reader(s, "step"), FileNotFoundError,
+      "step 1's directory", "deleted", "is gone"),
     C("ckpt-closed-manager", lambda s: closed_manager(s), RuntimeError, "closed", "ckpt"),
     C("ckpt-step-without-metadata", lambda s: corrupt_meta(s), CheckpointCorruptError, "step 3", "'multimesh'"),
     C("ckpt-abstract-target-not-a-sharding", lambda s: abstract_target({"w": jnp.ones(2)}, {"w": P()}),
@@ -851,7 +881,11 @@ CONFIGS = [
     C("cli-heads-not-dividing", lambda s: cli("model.num_heads=3", "--print-config"), CliFailed, "model",
       "num_heads=3", "d_model=128"),
     C("cli-unknown-dtype", lambda s: cli("model.dtype=float17", "--print-config"), CliFailed, "model",
-      "float17"),
+      "dtype='float17'", "'float32', 'bfloat16'"),
+    C("cli-integer-dtype", lambda s: cli("model.dtype=int32", "--print-config"), CliFailed, "exit 2",
+      "model: dtype='int32'", "floating-point", "'float32', 'bfloat16', 'float16'"),
+    C("cli-integer-param-dtype", lambda s: cli("model.param_dtype=int8", "--print-config"), CliFailed, "exit 2",
+      "param_dtype='int8'", "'float32'"),
     C("cli-num-processes-zero", lambda s: cli("--num-processes", "0"), CliFailed, "--num-processes", ">= 1"),
     C("cli-processes-without-coordinator", lambda s: cli("--num-processes", "2", "train.steps=1"), CliFailed,
       "--coordinator", "--process-id"),
@@ -916,6 +950,17 @@ FITS = [
     C("cli-corpus-smaller-than-max-bytes", lambda s: cli(f"data.paths=[{small_corpus(s)}]", "train.steps=1",
                                                          out_dir(s)), CliFailed,
       "exit 2", "the corpus (3,000 bytes", "data.paths", "validation split", "add text to data.paths"),
+    C("cli-state-over-the-memory-limit", lambda s: with_memory_limit("1MiB", lambda: cli("train.steps=1", out_dir(s))),
+      CliFailed, "exit 2", "the train state (", "M parameters and their optimizer state) does not fit",
+      "the host has 1.0 MiB ($MULTIMESH_MEMORY_LIMIT)", "short", "no layout on this host holds it",
+      "--num-processes"),
+    C("cli-state-copied-over-the-memory-limit", lambda s: with_memory_limit(
+        "20MiB", lambda: cli("train.steps=1", out_dir(s))), CliFailed, "exit 2", "does not fit", "20.0 MiB",
+      "shard it over the host's devices instead of copying it to each", "layout.mesh={data: 8}"),
+    C("memory-limit-not-a-size", lambda s: with_memory_limit("ten gigs", lambda: cli("train.steps=1", out_dir(s))),
+      CliFailed, "MULTIMESH_MEMORY_LIMIT='ten gigs'", "10GiB"),
+    C("state-over-each-devices-memory", lambda s: state_over_device_memory(), ValueError, "the state does not fit",
+      "device 0 holds 64.0 KiB of it", "each device holds 32.0 KiB (as given)", "32.0 KiB short"),
     C("cli-out-dir-a-file-plan", lambda s: cli("--plan", f"train.out_dir={a_file(s)}"), CliFailed, "exit 2",
       "train.out_dir=", "a_file'", "is an existing file"),
     C("cli-out-dir-a-file-train", lambda s: cli("train.steps=1", f"train.out_dir={a_file(s)}"), CliFailed,
@@ -923,6 +968,27 @@ FITS = [
     C("cli-out-dir-under-a-file", lambda s: cli("train.steps=1", f"train.out_dir={a_file(s)}/run"), CliFailed,
       "exit 2", "a_file/run'", "lies under", "an existing file"),
 ]
+
+
+def with_memory_limit(limit: str, run: Callable[[], object]) -> object:
+    """``run()`` with ``MULTIMESH_MEMORY_LIMIT`` set to ``limit`` (the memory the state is checked against)."""
+    before = os.environ.get("MULTIMESH_MEMORY_LIMIT")
+    os.environ["MULTIMESH_MEMORY_LIMIT"] = limit
+    try:
+        return run()
+    finally:
+        if before is None:
+            del os.environ["MULTIMESH_MEMORY_LIMIT"]
+        else:
+            os.environ["MULTIMESH_MEMORY_LIMIT"] = before
+
+
+def state_over_device_memory():
+    """A state of 8 x 64 KiB float32 rows sharded over 8 devices, each device said to hold 32 KiB."""
+    from multimesh.estimate.memory import MemoryLimit, check_state_fits
+
+    state = {"w": jax.ShapeDtypeStruct((8, 16384), jnp.float32, sharding=NamedSharding(build_mesh({"d": 8}), P("d")))}
+    check_state_fits(state, what="the state", limit=MemoryLimit(2**15, True, "as given"))
 
 
 def out_dir(sh: Shared) -> str:

@@ -221,6 +221,10 @@ def test_truncated_data_file_raises_corrupt_error(tmp_path, damage):
     ("state/manifest.ocdbt", "truncate"),
     ("state/_METADATA", "truncate"),       # Orbax's tree metadata (JSON)
     ("multimesh/metadata", "truncate"),    # our manifest (JSON)
+    ("state/_METADATA", "flip"),           # one byte not UTF-8 any more: not a raw UnicodeDecodeError
+    ("multimesh/metadata", "flip"),
+    ("multimesh/metadata", "random"),      # the whole file replaced by random bytes
+    ("state/_METADATA", "random"),
 ])
 def test_damaged_metadata_files_raise_corrupt_error(tmp_path, relpath, damage):
     directory, values = _saved(tmp_path)
@@ -228,6 +232,9 @@ def test_damaged_metadata_files_raise_corrupt_error(tmp_path, relpath, damage):
     assert os.path.isfile(path), sorted(glob.glob(os.path.join(directory, "1", "**"), recursive=True))
     if damage == "flip":
         _flip_byte(path)
+    elif damage == "random":
+        with open(path, "wb") as f:
+            f.write(np.random.default_rng(3).bytes(os.path.getsize(path)))
     else:
         with open(path, "r+b") as f:
             f.truncate(os.path.getsize(path) // 2)
@@ -236,6 +243,15 @@ def test_damaged_metadata_files_raise_corrupt_error(tmp_path, relpath, damage):
         with pytest.raises(CheckpointCorruptError, match="step 1 is corrupt") as err:
             mgr.restore(1, target=_target(values, _mesh((4, 2))))
     assert err.value.step == 1
+
+
+def test_a_step_without_its_state_item_names_the_step_and_the_path(tmp_path):
+    directory, values = _saved(tmp_path)
+    shutil.rmtree(os.path.join(directory, "1", "state"))
+    with CheckpointManager(directory) as mgr, pytest.raises(CheckpointCorruptError) as err:
+        mgr.restore(1, target=_target(values, _mesh((4, 2))))
+    assert err.value.step == 1 and err.value.path == os.path.join(directory, "1", "state")
+    assert "'state' item (the arrays) is missing" in str(err.value)
 
 
 # ---------------------------------------------------------- older formats

@@ -281,3 +281,39 @@ def test_a_save_that_loses_a_process_names_it_and_keeps_nothing(tmp_path, checks
     assert "process(es) [1] stopped" in report["message"] and "Nothing of step 1 was kept" in report["message"]
     assert report["seconds"] < 30, report
     assert report["steps"] == [0] and kept == ["0"]
+
+
+@pytest.mark.slow  # about 15 s a try: two processes
+@pytest.mark.parametrize("checksums", [True, False], ids=["checksums", "no-checksums"])
+def test_a_process_killed_during_a_save_ends_the_other_with_process_lost_error(tmp_path, checksums):
+    """Process 1 is killed (SIGKILL) while both save step 1: process 0 ends with multimesh's
+    `ProcessLostError` naming process 1, every try, within the heartbeat timeout; never by JAX's abort
+    ("another task died", SIGABRT), which its coordination service would deliver at that timeout."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+    worker = WORKER.with_name("mp_lost_save_worker.py")
+    for attempt in range(3):
+        port, directory = free_port(), tmp_path / f"ck{attempt}"
+        procs = [subprocess.Popen([sys.executable, str(worker), str(i), str(port), str(directory), str(int(checksums)),
+                                   "during"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for i in range(2)]
+        try:
+            assert procs[1].stdout.readline().strip() == "saving", procs[1].stderr.read()[-3000:]
+            procs[1].kill()
+            killed = time.monotonic()
+            out, err = procs[0].communicate(timeout=120)
+            seconds = time.monotonic() - killed
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        assert procs[0].returncode in (0, 1) and seconds < 10, (attempt, procs[0].returncode, seconds, err[-3000:])
+        assert "another task died" not in err and "detected fatal errors" not in err, err[-3000:]
+        if procs[0].returncode == 0:  # the save raised it, and the worker reported it
+            report = json.loads(out.strip().splitlines()[-1])
+            assert report["error"] == "ProcessLostError" and "process(es) [1] stopped" in report["message"], report
+        else:  # blocked in a barrier that waits for process 1: it printed the error and stopped itself
+            assert "ProcessLostError" in err and "process(es) [1] stopped" in err, err[-3000:]
+        kept = [p for p in os.listdir(directory) if p.isdigit()]
+        assert kept in (["0"], ["0", "1"]), kept  # step 1 only if process 0 committed it whole
+

@@ -24,21 +24,21 @@ from multimesh.core.rollcall import StartupError, roll_call
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _roll_call_all(port: int, calls: list[tuple[int, int]], timeout: float = 5, every: float = 0.5,
+def _roll_call_all(port: int, calls: list[tuple], timeout: float = 5, every: float = 0.5,
                    stagger: float = 0.0) -> tuple[dict[int, BaseException | None], list[str]]:
-    """``roll_call`` in one thread per ``(process_id, num_processes)``; each one's error (None: it went on)
-    and everything they said while waiting."""
+    """``roll_call`` in one thread per ``(process_id, num_processes)`` (or ``(process_id, num_processes,
+    run_id)``); each one's error (None: it went on) and everything they said while waiting."""
     results: dict[int, BaseException | None] = {}
     said: list[str] = []
 
-    def one(i: int, pid: int, n: int) -> None:
+    def one(i: int, pid: int, n: int, run_id: str = "") -> None:
         try:
-            roll_call(f"127.0.0.1:{port}", n, pid, timeout=timeout, every=every, say=said.append)
+            roll_call(f"127.0.0.1:{port}", n, pid, timeout=timeout, every=every, say=said.append, run_id=run_id)
             results[i] = None
         except BaseException as e:  # noqa: BLE001 -- handed to the test
             results[i] = e
 
-    threads = [threading.Thread(target=one, args=(i, pid, n), daemon=True) for i, (pid, n) in enumerate(calls)]
+    threads = [threading.Thread(target=one, args=(i, *call), daemon=True) for i, call in enumerate(calls)]
     for t in threads:
         t.start()
         time.sleep(stagger)
@@ -133,6 +133,25 @@ def test_a_port_that_answers_otherwise_is_refused_by_the_others():
     assert "an answer in another protocol" in message
 
 
+def test_a_process_of_another_run_is_refused_and_the_run_goes_on_with_its_own():
+    """Run B's process 1 reaches run A's process 0 first: it is refused, naming both run ids; A's own
+    process 1, coming later, joins, and run A starts with its own processes only."""
+    results, said = _roll_call_all(free_port(), [(0, 2, "run-a"), (1, 2, "run-b"), (1, 2, "run-a")], stagger=0.3)
+    assert results[0] is None and results[2] is None, results
+    assert isinstance(results[1], StartupError), results[1]
+    message = str(results[1])
+    assert "has run id 'run-b'" in message and "runs run id 'run-a'" in message, message
+    assert "two runs were given one coordinator port" in message and "its own port" in message, message
+    assert any("process 0: refused process 1" in s for s in said), said
+
+
+def test_a_refused_process_is_named_when_its_run_times_out():
+    results, _ = _roll_call_all(free_port(), [(0, 2, "run-a"), (1, 2, "")], timeout=2, stagger=0.2)
+    assert "has run id none" in str(results[1]), results[1]
+    assert "process(es) [1] of 2 did not join" in str(results[0]), results[0]
+    assert "came with run id none and was refused" in str(results[0]) and "run id 'run-a'" in str(results[0])
+
+
 def test_differences_name_each_key_and_the_processes():
     got = differences({0: {"optimizer.lr": 0.001, "steps": 4}, 1: {"optimizer.lr": 0.01, "steps": 4},
                        2: {"optimizer.lr": 0.001}})
@@ -185,6 +204,70 @@ def test_initialize_with_different_process_counts_fails_in_both_processes():
         assert "process 0 num_processes=2" in err and "num_processes=3" in err, err[-2000:]
 
 
+_TWICE = _INIT + """
+try:
+    d.initialize(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), initialization_timeout=int(sys.argv[4]))
+except d.StartupError as e:
+    print("second:", e, flush=True)
+"""
+
+
+def test_initialize_called_twice_says_it_is_already_initialized():
+    """The second call used to find the coordinator port held by the process itself (process 0) or by a
+    run already started (the others)."""
+    port = str(free_port())
+    procs = _start([[sys.executable, "-c", _TWICE, f"127.0.0.1:{port}", "2", str(i), "20"] for i in range(2)])
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        second = out.split("second: ", 1)[-1]
+        assert "joined" in out and "initialize was already called in this process" in second, out + err[-2000:]
+        assert f"pid {p.pid}" in second and f"coordinator_address='127.0.0.1:{port}'" in second, second
+
+
+def test_processes_of_two_runs_on_one_port_never_join(tmp_path):
+    """Two 2-process runs given one port, with their own run ids (``MULTIMESH_RUN_ID``): none of run B's
+    processes joins run A, which starts with its own two; B's stop with a StartupError."""
+    port = str(free_port())
+    hold = _INIT + "sys.stdin.readline()\n"
+
+    def start(i: int, run: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", hold, f"127.0.0.1:{port}", "2", str(i), "10"], cwd=REPO,
+                                env={**_ENV, "MULTIMESH_RUN_ID": run}, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    procs = [start(0, "a")]
+    try:
+        time.sleep(1.0)  # run A's process 0 gathers first; run B's process 1 reaches it before A's own
+        procs.append(start(1, "b"))
+        time.sleep(1.5)
+        procs += [start(1, "a"), start(0, "b")]
+        for p in procs:  # every process that joined leaves together (JAX's shutdown waits for all)
+            try:
+                p.stdin.write("\n")
+                p.stdin.flush()
+            except OSError:
+                pass  # it stopped already
+        outs = {p.pid: p.communicate(timeout=60) for p in procs}
+        outs = {p.pid: (p.returncode, *outs[p.pid]) for p in procs}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    (a0, a0_out, a0_err), (b1, _, b1_err), (a1, a1_out, a1_err), (b0, _, b0_err) = (outs[p.pid] for p in procs)
+    assert (a0, a1) == (0, 0) and "joined" in a0_out and "joined" in a1_out, a0_err[-2000:] + a1_err[-2000:]
+    assert b1 == 1 and "StartupError" in b1_err and "has run id 'b'" in b1_err and "runs run id 'a'" in b1_err, \
+        b1_err[-2000:]
+    assert b0 == 1 and "StartupError" in b0_err, b0_err[-2000:]
+
+
 def _cli(port: int, n: int, i: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "trainers", "tiny", "train.steps=2", "model.num_layers=1", "model.d_model=32",
             *args, "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n), "--process-id", str(i), "-q"]
@@ -223,6 +306,19 @@ def test_trainer_names_a_missing_process_at_its_startup_timeout(tmp_path):
     assert code == 2 and 3 <= took < 30, (code, took, err[-2000:])
     assert "StartupError" in err and f"process(es) [1] of 2 did not join at 127.0.0.1:{port}" in err, err[-2000:]
     assert "start-up timeout of 3 s" in err and "Traceback" not in err, err[-2000:]
+
+
+def test_trainer_processes_of_another_run_id_are_refused(tmp_path):
+    """``--run-id``: process 1 of run 'b' reaching run 'a''s process 0 exits 2 naming both ids; process 0,
+    whose own process 1 never comes, names the refused one at its start-up timeout."""
+    port = free_port()
+    start = time.monotonic()
+    done = _wait(_start([_cli(port, 2, i, f"train.out_dir={tmp_path}", "--run-id", run, "--startup-timeout", "4")
+                         for i, run in ((0, "a"), (1, "b"))]), timeout=60)
+    assert time.monotonic() - start < 30
+    (code0, err0), (code1, err1) = done
+    assert code1 == 2 and "has run id 'b'" in err1 and "runs run id 'a'" in err1, err1[-2000:]
+    assert code0 == 2 and "came with run id 'b' and was refused" in err0, err0[-2000:]
 
 
 @pytest.mark.slow  # ~15 s: the first progress line comes after 10 s

@@ -210,3 +210,38 @@ def test_a_full_disk_stops_the_run_at_a_step_and_it_resumes_from_the_last_checkp
         report
     assert "RESOURCE_EXHAUSTED" not in proc.stderr, proc.stderr[-3000:]
     shutil.rmtree(mount, ignore_errors=True)
+
+
+@pytest.mark.parametrize("damage", ["no state item", "unreadable manifest"])
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(tmp_path, capfd, damage):
+    """Step 4's directory lost its ``state`` item (or its manifest is garbage): the resumed run names
+    step 4 and its path, resumes from step 2, moves step 4 aside (kept) and saves its own step 4."""
+    run = tmp_path / "run"
+    steps = ["train.checkpoint_every=2", "train.keep=3", f"train.out_dir={run}"]
+    train(load_config("tiny", [*TINY, *steps, "train.steps=4"]), quiet=True)
+    step4 = run / "checkpoints" / "4"
+    if damage == "no state item":
+        shutil.rmtree(step4 / "state")
+    else:
+        (step4 / "multimesh" / "metadata").write_bytes(b"\x9c\xff" * 64)
+    capfd.readouterr()
+    result = train(load_config("tiny", [*TINY, *steps, "train.steps=6"]), quiet=True)
+    err = capfd.readouterr().err
+    assert result.start_step == 2, err
+    assert f"checkpoint step 4 is corrupt or unreadable ({step4}" in err, err
+    assert "Resuming from step 2, the newest intact one" in err and f"moved to {run / 'checkpoints' / 'corrupt-4'}" \
+        in err, err
+    assert (run / "checkpoints" / "corrupt-4").is_dir()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4", "6"]
+
+
+def test_no_intact_checkpoint_raises_the_newest_steps_error_and_moves_nothing(tmp_path):
+    run = tmp_path / "run"
+    steps = ["train.checkpoint_every=2", f"train.out_dir={run}", "train.steps=2"]
+    train(load_config("tiny", [*TINY, *steps]), quiet=True)
+    shutil.rmtree(run / "checkpoints" / "2" / "state")
+    from multimesh.checkpoint import CheckpointCorruptError
+
+    with pytest.raises(CheckpointCorruptError, match=r"step 2 is corrupt .*'state' item \(the arrays\) is missing"):
+        train(load_config("tiny", [*TINY, *steps]), quiet=True)
+    assert (run / "checkpoints" / "2").is_dir() and not (run / "checkpoints" / "corrupt-2").exists()

@@ -84,6 +84,10 @@ def _train_parser() -> argparse.ArgumentParser:
     multi.add_argument("--startup-timeout", type=int, default=300, metavar="SECONDS",
                        help="how long to wait for every process to join (default 300); the missing ones are "
                             "named every 10 s, then the run stops with an error naming them")
+    multi.add_argument("--run-id", default=None, metavar="NAME",
+                       help="names this run, the same on each of its processes (default: $MULTIMESH_RUN_ID): "
+                            "process 0 refuses processes of another run, so two runs given one --coordinator "
+                            "port never join")
     return p
 
 
@@ -145,7 +149,7 @@ def _usage_error(message: str) -> None:
     raise SystemExit(2)
 
 
-def _start_processes(launch: Launch | None, cfg, startup_timeout: int) -> None:
+def _start_processes(launch: Launch | None, cfg, startup_timeout: int, run_id: str | None) -> None:
     """Join the other processes of the run (``jax.distributed``) and check that all were given the same
     config, ``out_dir`` and code, before anything is compiled; nothing for one process."""
     if launch is None:
@@ -154,7 +158,8 @@ def _start_processes(launch: Launch | None, cfg, startup_timeout: int) -> None:
 
     # CPU collectives and cross-host transfers (pipeline stages on other processes)
     dist.initialize(launch.coordinator_address, launch.num_processes, launch.process_id,
-                    local_device_ids=launch.local_device_ids, initialization_timeout=startup_timeout)
+                    local_device_ids=launch.local_device_ids, initialization_timeout=startup_timeout,
+                    run_id=run_id)
     dist.agree("trainer config", _run_identity(cfg, launch.num_processes))
 
 
@@ -215,7 +220,7 @@ def _train(argv: Sequence[str]) -> int:
     from multimesh.distributed import DisagreementError, StartupError
 
     try:
-        _start_processes(launch, cfg, opts.startup_timeout)
+        _start_processes(launch, cfg, opts.startup_timeout, opts.run_id)
     except (StartupError, DisagreementError) as e:
         print(f"multimesh-train: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -22,8 +22,8 @@ from multimesh.core.rules import Rules
 from trainers.data import count_windows
 from trainers.errors import ConfigError
 
-__all__ = ["batch_shards", "check_batch", "check_data", "check_devices", "check_out_dir", "make_out_dir",
-           "mesh_text"]
+__all__ = ["batch_shards", "check_batch", "check_data", "check_devices", "check_memory", "check_out_dir",
+           "make_out_dir", "mesh_text"]
 
 
 def mesh_text(mesh: Mapping[str, int]) -> str:
@@ -129,3 +129,34 @@ def make_out_dir(path: str | os.PathLike) -> Path:
         raise ConfigError(f"train.out_dir={str(path)!r} cannot be created: {e.strerror or e}; give a train.out_dir "
                           f"where you may write") from None
     return path
+
+
+def check_memory(abstract_state: Any, n_params: int, device_count: int) -> None:
+    """A `ConfigError` when the train state (parameters and optimizer state, from its shapes and
+    shardings: nothing compiled) alone is larger than the memory it would live in, saying by how much
+    and what would hold it (`multimesh.estimate.memory`; ``MULTIMESH_MEMORY_LIMIT`` sets the limit)."""
+    from multimesh.estimate.memory import StateDoesNotFitError, check_state_fits
+
+    try:
+        check_state_fits(abstract_state, what=f"the train state ({n_params / 1e6:,.1f}M parameters and their "
+                                              f"optimizer state)")
+    except StateDoesNotFitError as e:
+        k, smaller = e.at_least, "or a smaller model (model.d_model, model.num_layers)"
+        if e.limit.per_device and k <= device_count:
+            fix = (f"shard it over more of this run's {device_count} devices, e.g. the fsdp config's rules with "
+                   f"layout.mesh={{data: {device_count}}} (each device then holds about "
+                   f"{e.total / device_count / 2**30:.1f} GiB of it), {smaller}")
+        elif e.limit.per_device:
+            fix = (f"it needs at least {k} such devices with the state sharded over all of them (the fsdp config's "
+                   f"rules with layout.mesh={{data: {k}}}), {smaller}")
+        elif e.total <= e.have:
+            fix = (f"shard it over the host's devices instead of copying it to each: the fsdp config's rules with "
+                   f"layout.mesh={{data: {device_count}}} keep one copy, {e.total / 2**30:.2f} GiB, on this host")
+        else:
+            fix = (f"no layout on this host holds it, as its devices share the host's memory: it needs at least {k} "
+                   f"such hosts with the state sharded over all their devices (--num-processes {k}, the fsdp "
+                   f"config's rules), more memory, {smaller}")
+        raise ConfigError(f"{e}; {fix}") from None
+    except ValueError as e:  # MULTIMESH_MEMORY_LIMIT that is not a size
+        raise ConfigError(str(e)) from None
+

@@ -47,13 +47,13 @@ import jax
 import numpy as np
 
 from models.transformer import count_params
-from multimesh.checkpoint import CheckpointManager
+from multimesh.checkpoint import CheckpointCorruptError, CheckpointManager, Restored
 from trainers.config import Config, ConfigError, config_from_dict
 from trainers.config_diff import changed_keys, describe_changes, yaml_value
 from trainers.continuation import continue_schedule, optimizer_changes
 from trainers.data import TextDataset, load_corpus, make_datasets
 from trainers.feed import Feed
-from trainers.fit import check_data, make_out_dir
+from trainers.fit import check_data, check_memory, make_out_dir
 from trainers.layout import build_layout, write_schedule_png
 from trainers.layout_search import resolve_auto_layout
 from trainers.metrics import MetricsLog, StepBar, Throughput, plot_losses, read_metrics, strict_json
@@ -115,16 +115,25 @@ def validate(program: Program, params: Any, val: Feed, num_batches: int) -> floa
     return float(np.mean(losses))
 
 
-def _resume_point(ckpt: CheckpointManager, cfg: Config) -> tuple[int | None, dict | None]:
-    """The checkpoint step to resume from (None: start afresh) and the config saved with it (plain data,
-    None if absent); refuses an incompatible one."""
-    latest = ckpt.latest_step()
-    if latest is None:
+def _resume_point(ckpt: CheckpointManager, cfg: Config,
+                  corrupt: list[CheckpointCorruptError]) -> tuple[int | None, dict | None]:
+    """The checkpoint step to resume from (None: start afresh): the newest whose manifest reads (the
+    errors of newer ones are added to ``corrupt``), and the config saved with it (plain data, None if
+    absent); refuses an incompatible one."""
+    steps = ckpt.all_steps()
+    if not steps:
         return None, None
     if not cfg.train.resume:
-        raise ConfigError(f"{ckpt.directory} already holds checkpoints {ckpt.all_steps()} and "
+        raise ConfigError(f"{ckpt.directory} already holds checkpoints {steps} and "
                           f"train.resume is false; use another train.out_dir or delete it")
-    metadata = ckpt.info(latest).metadata
+    for latest in reversed(steps):
+        try:
+            metadata = ckpt.info(latest).metadata
+            break
+        except CheckpointCorruptError as e:
+            corrupt.append(e)
+    else:
+        raise corrupt[0]
     saved = metadata.get("config") if isinstance(metadata, dict) else None
     if isinstance(saved, dict):
         try:
@@ -140,6 +149,27 @@ def _resume_point(ckpt: CheckpointManager, cfg: Config) -> tuple[int | None, dic
                 f"(saved -> now); resume with the saved ones ({overrides}) or use another train.out_dir"
             )
     return latest, saved if isinstance(saved, dict) else None
+
+
+def _restore_newest_intact(ckpt: CheckpointManager, latest: int, target: Any,
+                           corrupt: list[CheckpointCorruptError], main: bool) -> Restored:
+    """Step ``latest`` restored onto ``target``, else the newest older step that restores. Once one
+    does, each corrupt step after it (``corrupt``, and those found here) is set aside, with a line on
+    stderr naming it, so that the run saves those steps afresh; when none restores, the newest step's
+    `CheckpointCorruptError` is raised and nothing is moved."""
+    for step in [s for s in reversed(ckpt.all_steps()) if s <= latest]:
+        try:
+            restored = ckpt.restore(step, target=target)
+        except CheckpointCorruptError as e:
+            corrupt.append(e)
+            continue
+        for e in corrupt:
+            aside = ckpt.set_aside(e.step)
+            if main:
+                print(f"multimesh-train: {e} Resuming from step {step}, the newest intact one; step {e.step} "
+                      f"is moved to {aside}", file=sys.stderr, flush=True)
+        return restored
+    raise corrupt[0]
 
 
 def _layouts_so_far(ckpt: CheckpointManager, latest: int | None, current: str) -> list[str]:
@@ -214,7 +244,8 @@ def _train(cfg: Config, *, devices: Any, quiet: bool, stop_after: int | None, re
 
     with CheckpointManager(out / "checkpoints", max_to_keep=cfg.train.keep) as ckpt, \
             layout.tasks(cfg.model.num_layers, cfg.model.scan_layers):
-        latest, saved = _resume_point(ckpt, cfg)
+        corrupt: list[CheckpointCorruptError] = []  # steps that cannot be restored, newest first
+        latest, saved = _resume_point(ckpt, cfg, corrupt)
         cfg = continue_schedule(cfg, saved)  # a resumed run continues the schedule it started
         program = build_program(cfg, layout, train_ds.batch_at(0), val_ds.batch_at(0))
         train_feed, val_feed = Feed(train_ds, program.step), Feed(val_ds, program.evaluate)
@@ -224,6 +255,7 @@ def _train(cfg: Config, *, devices: Any, quiet: bool, stop_after: int | None, re
             if report:  # before the first step compiles, so that a layout is judged without waiting
                 print(sharding, file=sys.stdout, flush=True)
         n_params = count_params(program.abstract_state["params"])
+        check_memory(program.abstract_state, n_params, len(devices) if devices is not None else jax.device_count())
         _log(quiet, f"config {cfg.name}: {cfg.model.num_layers} layers, d_model {cfg.model.d_model}, "
                     f"{n_params / 1e6:.2f}M parameters, {cfg.model.dtype}; {layout.describe()}")
         _log(quiet, f"data: {len(train_ds.tokens):,} train / {len(val_ds.tokens):,} validation bytes, "
@@ -236,7 +268,7 @@ def _train(cfg: Config, *, devices: Any, quiet: bool, stop_after: int | None, re
             if cut is not None:
                 _log(quiet, cut)
         else:
-            restored = ckpt.restore(latest, target=program.abstract_state)
+            restored = _restore_newest_intact(ckpt, latest, program.abstract_state, corrupt, main)
             state, start = restored.state, restored.step
             train_ds.load_state_dict(restored.data_position)
             if train_ds.step != start:

@@ -479,6 +479,30 @@ class CheckpointManager:
         self._reload_quietly()
         return as_save_error(e, step, self._directory) or e
 
+    def set_aside(self, step: int) -> str:
+        """Moves a complete step that cannot be restored (a `CheckpointCorruptError`) out of the list, to
+        ``<directory>/corrupt-<step>`` (kept for inspection), so that the step may be saved again; returns
+        the new path. With several processes, call it in every process: process 0 moves it."""
+        self._check_open()
+        if self._read_only:
+            raise PermissionError(f"checkpoint manager for {self._directory} is read-only")
+        self.wait_until_finished()
+        self._resolve(step)
+        self._hold_directory()
+        aside = os.path.join(self._directory, f"corrupt-{step}")
+        n = 1
+        while os.path.lexists(aside):
+            n += 1
+            aside = os.path.join(self._directory, f"corrupt-{step}.{n}")
+        if jax.process_index() == 0:
+            os.rename(self.step_path(step), aside)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"multimesh checkpoint set aside {step}")
+        self._mgr.reload()
+        return aside
+
     def delete(self, step: int) -> None:
         """Deletes a complete checkpoint."""
         self._check_open()
@@ -497,6 +521,12 @@ class CheckpointManager:
         self.wait_until_finished()
         step = self._resolve(step)
         path = self.step_path(step)
+        if "://" not in path and not os.path.isdir(path):  # listed when the manager looked, gone since
+            gone, what = (path, f"step {step}'s directory") if os.path.isdir(self._directory) else \
+                (self._directory, "the checkpoint directory")
+            raise FileNotFoundError(
+                f"{what} {gone} is gone: it was deleted or moved after this CheckpointManager listed step "
+                f"{step}; open a new CheckpointManager on the directory that holds the checkpoints now")
         if not os.path.isdir(os.path.join(path, META_ITEM)) and "://" not in path:
             raise CheckpointCorruptError(
                 step, path, f"no '{META_ITEM}' item: the step directory was not "
@@ -587,6 +617,10 @@ class CheckpointManager:
             raise CheckpointCorruptError(
                 step, step_dir, f"its checksums are of an unknown kind ({info.checksum_algorithm!r}); "
                 "restore it with the multimesh version that wrote it, or with checksums=False")
+        if "://" not in step_dir and not os.path.isdir(os.path.join(step_dir, STATE_ITEM)):
+            raise CheckpointCorruptError(
+                step, os.path.join(step_dir, STATE_ITEM), f"its '{STATE_ITEM}' item (the arrays) is missing; "
+                "the step directory was damaged after it was committed")
         reader = self._state_handler.arrays
         # hash on the read path (while other blocks are still being read)
         hash_on_read = verify and info.checksum_algorithm == _checksum.ALGORITHM
@@ -760,7 +794,7 @@ def _versions() -> dict:
 
 
 # Signs that an exception came from reading damaged files (TensorStore status
-# codes, Orbax's read wrapper, JSON decoding, missing files).
+# codes, Orbax's read wrapper, JSON or UTF-8 decoding, missing files).
 _STORAGE_MARKERS = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "Error reading", "Error decoding",
                     "Encountered error while reading", "Error opening")
 _FILE_RE = re.compile(r'local file "([^"]+)"')
@@ -772,7 +806,7 @@ def _as_corrupt(e: BaseException, step: int, path: str) -> BaseException:
     chain = exception_chain(e)
 
     def is_storage(x: BaseException) -> bool:
-        return isinstance(x, (json.JSONDecodeError, FileNotFoundError)) or any(
+        return isinstance(x, (json.JSONDecodeError, UnicodeDecodeError, FileNotFoundError)) or any(
             m in str(x) for m in _STORAGE_MARKERS)
 
     # TensorStore's own status ("OUT_OF_RANGE: ...") says most; Orbax wraps it.

@@ -7,9 +7,12 @@ import time
 
 import jax
 
+from . import presence
+
 __all__ = ["ProcessLostError", "exception_chain", "heartbeat_timeout", "is_failed_exchange", "lost_process_error"]
 
 _HEARTBEAT = {"seconds": 100.0}  # JAX's default until `multimesh.distributed.initialize` sets it
+_PRESENCE_WAIT = 2.0  # seconds a failed exchange waits for a lost process's connection to close
 
 
 class ProcessLostError(RuntimeError):
@@ -57,6 +60,12 @@ def lost_process_error(error: BaseException, what: str) -> BaseException:
     client, n, me = distributed.global_state.client, jax.process_count(), jax.process_index()
     if client is None or n == 1 or not is_failed_exchange(error):
         return error
+    soon = time.monotonic() + _PRESENCE_WAIT
+    while time.monotonic() < soon:  # a killed process's connection closes at once (`presence`)
+        if presence.lost():
+            return ProcessLostError(f"{what} failed on process {me} of {n}: {presence.lost_message()}; the error "
+                                    f"was: {error}")
+        time.sleep(0.01)
     deadline = time.monotonic() + heartbeat_timeout() + 5
     while True:
         try:

@@ -5,10 +5,12 @@ never arrives means minutes of silence, then an abort; processes given different
 a job of process 0's count; a duplicate process id or a coordinator port held by another program aborts
 or crashes the process; two jobs given one port join each other's processes. So before JAX starts,
 process 0 listens on the coordinator's port itself and every other process connects and says who it is
-(its id, the process count it was given, its host and pid). Process 0 answers each with the processes
-still missing, names them while it waits, and lets everyone go on (and then starts JAX's coordination
-service on that port) only when all have joined and agree; any mistake ends every process that joined
-with a `StartupError` naming the address, ids and counts. The exchange is one JSON object per line.
+(its id, the process count it was given, its run id, its host and pid). Process 0 answers each with the
+processes still missing, names them while it waits, and lets everyone go on (and then starts JAX's
+coordination service on that port) only when all have joined and agree; any mistake ends every process
+that joined with a `StartupError` naming the address, ids and counts. A process of another run (another
+run id: two runs given one port) is refused alone, with a `StartupError` naming both run ids, and process
+0 waits on for its own. The exchange is one JSON object per line.
 """
 
 from __future__ import annotations
@@ -43,10 +45,13 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 def roll_call(coordinator_address: str, num_processes: int, process_id: int, *, timeout: float,
-              every: float = 10.0, say: Callable[[str], None] | None = None) -> None:
+              every: float = 10.0, say: Callable[[str], None] | None = None, run_id: str = "",
+              go: dict | None = None) -> dict:
     """Return once all ``num_processes`` processes have reported to process 0 at ``coordinator_address``
     and agree on the count; raise `StartupError` otherwise, within ``timeout`` seconds. While waiting,
-    ``say`` (default: print to stderr) hears every ``every`` seconds who is still missing."""
+    ``say`` (default: print to stderr) hears every ``every`` seconds who is still missing. Only processes
+    given process 0's ``run_id`` join it; one of another run gets a `StartupError` naming both ids.
+    Process 0 sends ``go`` (more keys of its "go" answer) to every process; each returns that answer."""
     say = say or _to_stderr
     host, port = split_address(coordinator_address)
     try:
@@ -56,11 +61,11 @@ def roll_call(coordinator_address: str, num_processes: int, process_id: int, *, 
                            f"does not resolve ({e.strerror}); give every process the address of process 0's "
                            f"host as HOST:PORT") from None
     if num_processes == 1:
-        return
+        return {"status": "go", **(go or {})}
     if process_id == 0:
-        _Gathering(host, port, num_processes, timeout, every, say).run()
-    else:
-        _report_in(host, port, num_processes, process_id, timeout, every, say)
+        _Gathering(host, port, num_processes, timeout, every, say, run_id).run(go or {})
+        return {"status": "go", **(go or {})}
+    return _report_in(host, port, num_processes, process_id, timeout, every, say, run_id)
 
 
 def _to_stderr(message: str) -> None:
@@ -77,11 +82,16 @@ def _send(conn: socket.socket, message: dict) -> None:
 # -- process 0 ---------------------------------------------------------------------------------------
 
 
+def _run_name(run_id: str) -> str:
+    return repr(run_id) if run_id else "none"
+
+
 @dataclass
 class _Member:
     process_id: int
     host: str
     pid: int
+    run_id: str = ""
 
     def __str__(self) -> str:
         return f"process {self.process_id} (host {self.host}, pid {self.pid})"
@@ -90,16 +100,18 @@ class _Member:
 class _Gathering:
     """Process 0's side: wait on the coordinator port until every process has reported in."""
 
-    def __init__(self, host: str, port: int, n: int, timeout: float, every: float, say: Callable[[str], None]):
-        self.address, self.port, self.n = f"{host}:{port}", port, n
+    def __init__(self, host: str, port: int, n: int, timeout: float, every: float, say: Callable[[str], None],
+                 run_id: str = ""):
+        self.address, self.port, self.n, self.run_id = f"{host}:{port}", port, n, run_id
         self.timeout, self.every, self.say = timeout, every, say
         self.members: dict[socket.socket, _Member] = {}
         self.buffers: dict[socket.socket, bytes] = {}
+        self.refused: list[_Member] = []  # processes of other runs, named at the timeout
 
     def missing(self) -> list[int]:
         return sorted(set(range(1, self.n)) - {m.process_id for m in self.members.values()})
 
-    def run(self) -> None:
+    def run(self, go: dict) -> None:
         server = self._listen()
         sel = selectors.DefaultSelector()
         sel.register(server, selectors.EVENT_READ)
@@ -109,10 +121,13 @@ class _Gathering:
             while self.missing():
                 now = time.monotonic()
                 if now - start >= self.timeout:
+                    refused = "".join(f"; {m} came with run id {_run_name(m.run_id)} and was refused"
+                                      for m in self.refused)
                     self._fail(f"process 0: process(es) {self.missing()} of {self.n} did not join at "
-                               f"{self.address} within the start-up timeout of {self.timeout:g} s; start them "
-                               f"(each with the same coordinator address, num_processes={self.n} and its own "
-                               f"process id), check that they reach {self.address}, or raise the timeout")
+                               f"{self.address} within the start-up timeout of {self.timeout:g} s{refused}; start "
+                               f"them (each with the same coordinator address, num_processes={self.n}, run id "
+                               f"{_run_name(self.run_id)} and its own process id), check that they reach "
+                               f"{self.address}, or raise the timeout")
                 if now >= next_note:
                     note = f"waiting for process(es) {self.missing()} at {self.address}, {now - start:.0f} s of " \
                            f"{self.timeout:g} s"
@@ -129,7 +144,7 @@ class _Gathering:
                     else:
                         self._read(key.fileobj, sel)
             for conn in self.members:
-                _send(conn, {"status": "go"})
+                _send(conn, {**go, "status": "go"})
             self._wait_for_close(sel, server)
         finally:
             for conn in list(self.buffers):
@@ -184,14 +199,30 @@ class _Gathering:
                 hello = json.loads(line)
                 if not isinstance(hello, dict) or hello.get("protocol") != PROTOCOL:
                     raise ValueError("not a hello")
-                member = _Member(int(hello["process_id"]), str(hello["host"]), int(hello["pid"]))
+                member = _Member(int(hello["process_id"]), str(hello["host"]), int(hello["pid"]),
+                                 str(hello.get("run_id", "")))
                 n = int(hello["num_processes"])
             except (ValueError, KeyError, TypeError):
                 sel.unregister(conn)  # not one of ours (a port scanner, a stray client): ignore it
                 del self.buffers[conn]
                 conn.close()
                 return
+            if member.run_id != self.run_id:  # another run's process: refuse it alone, wait on for ours
+                self._refuse(conn, member)
+                sel.unregister(conn)
+                del self.buffers[conn]
+                conn.close()
+                return
             self._admit(conn, member, n)
+
+    def _refuse(self, conn: socket.socket, member: _Member) -> None:
+        message = (f"{member} has run id {_run_name(member.run_id)}, but process 0 (the coordinator) at "
+                   f"{self.address} runs run id {_run_name(self.run_id)}: two runs were given one coordinator "
+                   f"port, or the processes of one run different run ids; give each run its own port, and every "
+                   f"process of a run the same run id")
+        self.say(f"process 0: refused {member}: {message}")
+        self.refused.append(member)
+        _send(conn, {"status": "error", "message": message})
 
     def _admit(self, conn: socket.socket, member: _Member, n: int) -> None:
         if n != self.n:
@@ -259,7 +290,7 @@ def _holder(port: int) -> str:
 
 
 def _report_in(host: str, port: int, n: int, process_id: int, timeout: float, every: float,
-               say: Callable[[str], None]) -> None:
+               say: Callable[[str], None], run_id: str = "") -> dict:
     address, me = f"{host}:{port}", f"process {process_id}"
     start = time.monotonic()
     deadline, next_note = start + timeout, start + every
@@ -280,7 +311,7 @@ def _report_in(host: str, port: int, n: int, process_id: int, timeout: float, ev
             time.sleep(0.2)
     with conn:
         conn.sendall((json.dumps({"protocol": PROTOCOL, "process_id": process_id, "num_processes": n,
-                                  "host": socket.gethostname(), "pid": os.getpid()}) + "\n").encode())
+                                  "host": socket.gethostname(), "pid": os.getpid(), "run_id": run_id}) + "\n").encode())
         answers = _Answers(conn)
         first = answers.next(ANSWER_SECONDS)
         if first is None or first.get("status") not in ("joined", "go", "error"):
@@ -303,6 +334,7 @@ def _report_in(host: str, port: int, n: int, process_id: int, timeout: float, ev
                                        f"before every process had joined ({answers.why}; see its output)")
                 raise StartupError(f"{me}: not every process joined at {address} within the start-up timeout "
                                    f"of {timeout:g} s; see process 0's output for the missing ones")
+        return answer
 
 
 class _Answers:

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ..core.donation import DonatedArrayError, deleted_paths
 from ..core.fmt import device_span, keypath_str
 from ..core.nonarrays import is_array, non_arrays
 
@@ -38,10 +39,6 @@ __all__ = [
 
 class StepInputError(ValueError):
     """A step was called with a leaf of another shape or layout than it was built for."""
-
-
-class DonatedArrayError(RuntimeError):
-    """A step was called with a buffer that an earlier call was given (donated) and has freed."""
 
 
 def fun_name(fun: Callable) -> str:
@@ -147,10 +144,6 @@ def check_shapes(built: Any, given: Any, what: str, fun: Callable) -> None:
         )
 
 
-def _deleted(tree: Any) -> list[str]:
-    return [p for p, x in _leaves(tree) if isinstance(x, jax.Array) and x.is_deleted()]
-
-
 def _layout_mismatches(shardings: Any, given: Any, what: str) -> list[str]:
     out = []
     for (path, s), x in zip(_leaves(shardings), jax.tree.leaves(given)):
@@ -173,7 +166,7 @@ def explain_call_error(e: Exception, fun: Callable, *, params: Any, batch: Any, 
     when the step moves its inputs itself), a batch of other shapes.
     """
     name = fun_name(fun)
-    deleted = _deleted(params)
+    deleted = deleted_paths(params)
     if deleted:
         why = (f"step {name!r} was built with donate=True, so each call gives the state's buffers to the "
                f"step and frees them: an earlier call of {name!r} was given these arrays"
@@ -184,7 +177,7 @@ def explain_call_error(e: Exception, fun: Callable, *, params: Any, batch: Any, 
             f"Feed back the state the step returned (loss, state = step(state, batch)) instead of the old one"
             + (", or build the step with donate=False to keep the old state alive" if donate else "")
         )
-    deleted = _deleted(batch)
+    deleted = deleted_paths(batch)
     if deleted:
         return DonatedArrayError(f"batch leaf(s) {', '.join(map(repr, deleted[:3]))} have been deleted before "
                                  f"this call of step {name!r}; build a new batch")

@@ -28,6 +28,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ..core.donation import DonatedArrayError, deleted_paths
 from ..core.meshes import constrain, explicit_axes
 from ..core.nonarrays import non_arrays
 from ..core.placement import Placement, current_placement, use_placement
@@ -189,6 +190,14 @@ def _eager_call(placement: Placement, fun: Callable, args: tuple) -> Any:
         with use_placement(placement):
             return fun(*a)
 
+    deleted = [f"argument {i}" + ("" if p == "(the whole tree)" else f" leaf {p!r}")
+               for i, a in enumerate(args) for p in deleted_paths(a)]
+    if deleted:  # JAX would say only "Array has been deleted with shape=..."
+        raise DonatedArrayError(
+            f"task {placement.name!r} was called with deleted array(s): {', '.join(deleted[:3])}"
+            f"{' ...' if len(deleted) > 3 else ''}: a step built with "
+            f"donate=True frees the state it is given, so use the state it returned (loss, state = "
+            f"step(state, batch)), or build the step with donate=False to keep the old one")
     inputs = jax.tree.map(put, args)
     if jax.sharding.get_abstract_mesh().empty:
         return jax.jit(scoped)(*inputs)
@@ -235,8 +244,11 @@ def make_placement(
 
 
 def _as_devices(name: str, devices: Any) -> np.ndarray:
-    """``devices`` as an array of jax devices: integer ids are looked up; repeats are refused."""
+    """``devices`` as an array of jax devices: integer ids are looked up; none, or repeats, are refused."""
     arr = np.asarray(devices, dtype=object)
+    if arr.size == 0:  # JAX's device list aborts the interpreter on an empty one: refuse it here
+        raise ValueError(f"task {name!r}: devices={devices!r} is empty; give at least one device (e.g. "
+                         f"devices=jax.devices()[:4], or integer ids), or leave devices= out to span all devices")
     by_id = {d.id: d for d in jax.devices()}
     flat = []
     for d in arr.flat:
