@@ -7,6 +7,8 @@ import time
 
 import jax
 
+from .._compat.jax import coordination_client
+
 __all__ = ["ProcessLostError", "exception_chain", "heartbeat_timeout", "is_failed_exchange", "lost_process_error"]
 
 _HEARTBEAT = {"seconds": 100.0}  # JAX's default until `multimesh.distributed.initialize` sets it
@@ -52,9 +54,7 @@ def lost_process_error(error: BaseException, what: str) -> BaseException:
     that stopped, when it is a failed exchange (`is_failed_exchange`) and the coordinator reports some
     stopped within the heartbeat timeout; else ``error`` itself."""
     # the coordination client: the only record of who is alive
-    from jax._src import distributed
-
-    client, n, me = distributed.global_state.client, jax.process_count(), jax.process_index()
+    client, n, me = coordination_client(), jax.process_count(), jax.process_index()
     if client is None or n == 1 or not is_failed_exchange(error):
         return error
     deadline = time.monotonic() + heartbeat_timeout() + 5

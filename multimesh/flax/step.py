@@ -13,6 +13,7 @@ from flax import nnx
 from flax.training.train_state import TrainState
 from jax.sharding import Mesh, NamedSharding
 
+from .._compat.flax import running_linen_module
 from ..core.meshes import build_mesh
 from ..core.rules import MeshAxes, Rules, standard_rules
 from ..run.parallelize import parallelize
@@ -50,10 +51,7 @@ def shard_axes(*names: str | None, init: Callable | None = None) -> Callable:
 def _module_default(initializer: Callable) -> Callable:
     """The class default of the field of the running Linen module that holds ``initializer`` (e.g. the
     ``kernel_init`` of an ``nn.Dense(kernel_init=shard_axes(...))``); `FALLBACK_INIT` when there is none."""
-    from flax.linen.module import _context  # Flax keeps the module being run here
-
-    stack = _context.module_stack
-    module = stack[-1] if stack else None
+    module = running_linen_module()
     fields = getattr(type(module), "__dataclass_fields__", {})
     for name, field in fields.items():
         value = getattr(module, name, None)

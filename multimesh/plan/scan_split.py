@@ -57,7 +57,7 @@ from typing import Any
 
 import jax
 from jax import lax
-from jax._src import source_info_util
+from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal, Var
 
 from ..core.jaxprs import subjaxprs

@@ -20,8 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from jax._src import core as jcore
-from jax.extend.core import Literal, Var
+from jax.extend.core import DropVar, Literal, Var
 
 from ..core.schedules import WEIGHT, Schedule
 from ..trace.task import Placement, task_call_p
@@ -48,7 +47,7 @@ def inline_backward_tasks(eqns: Sequence[Any], consts: dict[Var, Any]) -> tuple[
         made = {v for inner in body.eqns for v in inner.outvars}
         result: dict[Var, Var] = {}  # a body result computed by the body is written to the call's output
         for v, w in zip(body.outvars, e.outvars):
-            if isinstance(w, jcore.DropVar):
+            if isinstance(w, DropVar):
                 continue
             if isinstance(v, Literal) or v not in made or v in result:
                 raise NotImplementedError(

@@ -21,9 +21,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import mesh as mesh_lib
 from jax.sharding import AbstractMesh, Mesh
 
+from .._compat.jax import concrete_mesh_in_context, legacy_mesh_in_context
 from ..core.placement import Placement
 from ..core.rules import MeshAxes, Rules, identity_rules
 
@@ -57,10 +57,10 @@ def jax_mesh_in_context() -> Mesh | None:
     Read from JAX's own context (``jax.sharding.get_mesh`` refuses to answer
     inside ``jax.jit``, where tasks are traced; the context is the same there).
     """
-    mesh = mesh_lib.get_concrete_mesh()
+    mesh = concrete_mesh_in_context()
     if isinstance(mesh, Mesh) and not mesh.empty:
         return mesh
-    legacy = mesh_lib.thread_resources.env.physical_mesh
+    legacy = legacy_mesh_in_context()
     return None if legacy.empty else legacy
 
 
