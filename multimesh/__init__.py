@@ -7,7 +7,7 @@ names are re-exported here.
 import importlib
 
 from ._version import __version__  # noqa: F401
-from .jax import *
+from .jax import *  # noqa: F403 - the public API, re-exported (its __all__)
 from .jax import __all__  # noqa: F401
 
 # `estimate` names both the function and its package: the package, callable as the function (so that

@@ -159,7 +159,6 @@ def plot_losses(records: list[dict[str, Any]], path: str | os.PathLike, *, basel
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import MaxNLocator
 
     train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]

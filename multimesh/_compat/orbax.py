@@ -21,9 +21,7 @@ from orbax.checkpoint._src.metadata import array_metadata
 from orbax.checkpoint._src.metadata import array_metadata_store as array_metadata_store_lib
 from orbax.checkpoint._src.multihost import multihost
 from orbax.checkpoint._src.serialization import jax_array_handlers as orbax_arrays
-from orbax.checkpoint._src.serialization import limits
-from orbax.checkpoint._src.serialization import tensorstore_utils
-from orbax.checkpoint._src.serialization import types
+from orbax.checkpoint._src.serialization import limits, tensorstore_utils, types
 
 __all__ = [
     "JsonHandlerPreparingWrites",

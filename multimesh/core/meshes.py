@@ -126,7 +126,8 @@ def slice_mesh(mesh: Mesh, axis: str) -> list[Mesh]:
     return subs
 
 
-def place_mesh(shape: Mapping[str, int] | Sequence[int], devices: Sequence, axis_names: Sequence[str] | None = None) -> Mesh:
+def place_mesh(shape: Mapping[str, int] | Sequence[int], devices: Sequence,
+               axis_names: Sequence[str] | None = None) -> Mesh:
     """A mesh of ``shape`` over other ``devices`` (e.g. the same stage shape on the next device group)."""
     if isinstance(shape, Mapping):
         axis_names, sizes = tuple(shape), tuple(shape.values())

@@ -4,6 +4,9 @@
 """
 
 from .._version import __version__
+
+# the public parallelize: the run layer's, plus layout="auto" (the layout search above it)
+from ..autolayout import Layout, LayoutSearch, auto_layout, parallelize, stage_task
 from ..core.meshes import build_mesh, place_mesh, slice_mesh
 from ..core.report import ShardingReport
 from ..core.rules import PathRules, RuleError, Rules, named_rules, resolve, standard_rules
@@ -18,12 +21,10 @@ from ..core.schedules import (
 )
 from ..estimate import Estimate, HardwareProfile, estimate
 from ..run.checks import DonatedArrayError, StepInputError
+from ..run.initializers import ShardedInitializer
 from ..run.mjit import MJitFunction, mjit
 from ..run.mpmd import MPMDFunction
-from ..run.initializers import ShardedInitializer
 from ..run.parallelize import BatchStep, ShardedFunction, StepAndInit, StepFunctions
-# the public parallelize: the run layer's, plus layout="auto" (the layout search above it)
-from ..autolayout import Layout, LayoutSearch, auto_layout, parallelize, stage_task
 from ..trace.constraints import shard_map, with_sharding_constraint
 from ..trace.context import Context, MultiMesh, tasks
 from ..trace.implicit import (

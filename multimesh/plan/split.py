@@ -29,7 +29,8 @@ from .segment import Segment
 __all__ = ["inline_backward_tasks", "split_backward"]
 
 
-def inline_backward_tasks(eqns: Sequence[Any], consts: dict[Var, Any]) -> tuple[list, dict[Var, Any], dict[int, Placement]]:
+def inline_backward_tasks(eqns: Sequence[Any], consts: dict[Var, Any]
+                          ) -> tuple[list, dict[Var, Any], dict[int, Placement]]:
     """Replace every backward `task_call` by its body.
 
     Returns the equations, the constants (the bodies' own added), and the

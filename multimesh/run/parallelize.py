@@ -154,7 +154,8 @@ def parallelize(
             abstract_batch = jax.eval_shape(checked(get_input_batch, "get_input_batch"))
         else:
             check_arrays(initial_batch, "initial_batch", "batch")
-            abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)), initial_batch)
+            abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)),
+                                          initial_batch)
     # Traced once, logical constraints deferred: only the plan knows where glue runs.
     fun, traced, pipelines = _trace_in_context(
         fun, placement, *_typed(placement, abstract_params, abstract_batch, path_rules, batch_spec))

@@ -250,7 +250,8 @@ class Task:
                              f"runs either on its own mesh or on a slice of the global mesh")
         if self.mesh_slice is not None:
             if not isinstance(self.mesh_slice, Mapping) or not self.mesh_slice:
-                raise TypeError(f"{who}: mesh_slice must be a non-empty mapping {{axis: index}}, got {self.mesh_slice!r}")
+                raise TypeError(f"{who}: mesh_slice must be a non-empty mapping {{axis: index}}, "
+                                f"got {self.mesh_slice!r}")
             object.__setattr__(self, "mesh_slice", tuple(self.mesh_slice.items()))
         if self.loop_dependent_mesh_slice is not None and not callable(self.loop_dependent_mesh_slice):
             raise TypeError(f"{who}: loop_dependent_mesh_slice must be a function iteration -> {{axis: index}}")
@@ -274,7 +275,8 @@ class Task:
         if self.loop_dependent_mesh_slice is None:
             return slice_mesh_keep(global_mesh, self.slice, f"{who}: mesh_slice")
         base = (slice_mesh_keep(global_mesh, self.slice, f"{who}: mesh_slice") if self.mesh_slice is not None
-                else slice_mesh_keep(global_mesh, dict(self.loop_dependent_mesh_slice(0)), f"{who}: loop_dependent_mesh_slice(0)"))
+                else slice_mesh_keep(global_mesh, dict(self.loop_dependent_mesh_slice(0)),
+                                     f"{who}: loop_dependent_mesh_slice(0)"))
         if iteration is None:
             return base
         got = self.loop_dependent_mesh_slice(iteration)

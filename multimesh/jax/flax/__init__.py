@@ -13,4 +13,5 @@ from ...flax.step import parallelize_step, shard_axes
 from ...flax.task import task
 from ...trace.constraints import with_sharding_constraint
 
-__all__ = ["Annotation", "functional_step", "is_box", "parallelize_step", "read_box", "shard_axes", "task", "with_sharding_constraint"]
+__all__ = ["Annotation", "functional_step", "is_box", "parallelize_step", "read_box", "shard_axes", "task",
+           "with_sharding_constraint"]
