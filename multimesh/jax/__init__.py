@@ -6,7 +6,7 @@
 from .._version import __version__
 
 # the public parallelize: the run layer's, plus layout="auto" (the layout search above it)
-from ..autolayout import Layout, LayoutSearch, auto_layout, parallelize, stage_task
+from ..autolayout import LayoutSearch, ParallelLayout, auto_layout, parallelize, stage_task
 from ..core.meshes import build_mesh, place_mesh, slice_mesh
 from ..core.report import ShardingReport
 from ..core.rules import PathRules, RuleError, Rules, named_rules, resolve, standard_rules
@@ -24,7 +24,14 @@ from ..run.checks import DonatedArrayError, StepInputError
 from ..run.initializers import ShardedInitializer
 from ..run.mjit import MJitFunction, mjit
 from ..run.mpmd import MPMDFunction
-from ..run.parallelize import BatchStep, ShardedFunction, StepAndInit, StepFunctions
+from ..run.parallelize import (
+    BatchStep,
+    ParallelizeResult,
+    ShardedFunction,
+    StepAndInit,
+    StepFunctions,
+    StepOnly,
+)
 from ..trace.constraints import shard_map, with_sharding_constraint
 from ..trace.context import Context, MultiMesh, tasks
 from ..trace.implicit import (
@@ -53,10 +60,11 @@ __all__ = [
     "Estimate",
     "GPipe",
     "HardwareProfile",
-    "Layout",
+    "ParallelLayout",
     "LayoutSearch",
     "Interleaved1F1B",
     "BatchStep",
+    "ParallelizeResult",
     "MJitFunction",
     "MPMDFunction",
     "MatchedName",
@@ -71,6 +79,7 @@ __all__ = [
     "ShardingReport",
     "StepAndInit",
     "StepFunctions",
+    "StepOnly",
     "StepInputError",
     "Task",
     "TaskMesh",
