@@ -37,6 +37,7 @@ import os
 import socket
 import sys
 import traceback
+from types import TracebackType
 
 import jax
 
@@ -96,7 +97,7 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int, *,
                                      "multimesh source (sha256 of its .py files)": source_digest(__package__)})
 
 
-def _exit_on_uncaught(kind: type, error: BaseException, tb: object) -> None:
+def _exit_on_uncaught(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
     """Print the error and leave now: JAX's shutdown would wait for processes that wait for this one."""
     traceback.print_exception(kind, error, tb)
     if not any(isinstance(x, ProcessLostError) for x in exception_chain(error)):  # not named yet: who stopped?

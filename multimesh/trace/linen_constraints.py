@@ -62,10 +62,10 @@ _NO_FLAX_RULES = _NoFlaxRules((("\0multimesh: no Flax rules", None),))
 def flax_context_rules(mesh: Any) -> Rules | None:
     """The rules of Flax's ``nn.logical_axis_rules`` / ``nn_partitioning.axis_rules`` context (None outside
     one), checked against ``mesh``: what `parallelize` uses when it is given no ``rules=``."""
-    rules = flax_core_spmd.get_logical_axis_rules()
-    if not rules:
+    in_context = flax_core_spmd.get_logical_axis_rules()
+    if not in_context:
         return None
-    rules = Rules(rules)
+    rules = Rules(in_context)
     try:
         rules.check_mesh(dict(mesh.shape))
     except RuleError as e:
