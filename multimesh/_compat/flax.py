@@ -1,4 +1,4 @@
-"""Flax internals used by multimesh (tested on flax 0.12.x: 0.12.12).
+"""Flax internals used by multimesh (tested: the suite on flax 0.12.12, its smoke subset on 0.12.7).
 
 Linen has no public hook for routing its logical constraints nor for the module being run; these
 functions are the only places multimesh touches Flax below its public API.

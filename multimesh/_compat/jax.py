@@ -1,4 +1,4 @@
-"""JAX and jaxlib internals used by multimesh (tested on jax/jaxlib 0.12.0).
+"""JAX and jaxlib internals used by multimesh (tested: the suite on jax/jaxlib 0.12.0, its smoke subset on 0.11.0).
 
 Each function names the public API that would replace it. What jax 0.13 is known to change here is in
 ``README.md`` beside this module.

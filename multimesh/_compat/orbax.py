@@ -1,4 +1,5 @@
-"""Orbax internals used by multimesh's checkpoints (tested on orbax-checkpoint 0.12.x: 0.12.8).
+"""Orbax internals used by multimesh's checkpoints (tested: the suite on orbax-checkpoint 0.12.8, its smoke
+subset on 0.12.3).
 
 multimesh saves and restores through Orbax's handlers; it reaches below their public API to save the
 arrays of pipeline stages held by one process of several, to read leaner than Orbax does, to write
