@@ -12,4 +12,4 @@ from .jax import __all__  # noqa: F401
 
 # `estimate` names both the function and its package: the package, callable as the function (so that
 # ``multimesh.estimate(step)`` and ``multimesh.estimate.calibrate()`` both work)
-estimate = importlib.import_module(".estimate", __name__)  # type: ignore[assignment] - on purpose
+estimate = importlib.import_module(".estimate", __name__)  # type: ignore[assignment]  # the module, on purpose
