@@ -54,7 +54,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np
 
-from multimesh.autolayout import Layout, enumerate_layouts
+from multimesh.autolayout import ParallelLayout, enumerate_layouts
 from multimesh.estimate import HardwareProfile
 
 HERE = Path(__file__).resolve().parent
@@ -71,7 +71,7 @@ SIZES = {
 QUIET = ["train.checkpoint_every=0", "train.eval_every=100000"]
 
 
-def large_subset(layouts: Sequence[Layout]) -> list[Layout]:
+def large_subset(layouts: Sequence[ParallelLayout]) -> list[ParallelLayout]:
     """The larger size's candidates when time is short (``--full-large`` measures them all): every SPMD
     mesh, and the pipelines at 8 microbatches with 1f1b whose stage mesh has no fsdp axis."""
     return [lay for lay in layouts if lay.stages == 1 or (lay.microbatches == 8 and lay.schedule == "1f1b"
@@ -80,13 +80,13 @@ def large_subset(layouts: Sequence[Layout]) -> list[Layout]:
 
 # -- the candidates -------------------------------------------------------------------------------------------
 
-def candidates(rule_sets: Sequence[str] = ("standard",), stages: Sequence[int] = (1, 2, 4)) -> list[Layout]:
+def candidates(rule_sets: Sequence[str] = ("standard",), stages: Sequence[int] = (1, 2, 4)) -> list[ParallelLayout]:
     """Every layout `auto_layout` tries on 8 devices over data/fsdp/tensor with ``stages`` (1f1b and zb-h2
     at 4 and 8 microbatches) and ``rule_sets``: its own `enumerate_layouts`."""
     return list(enumerate_layouts(8, AXES, tuple(stages), (4, 8), ("1f1b", "zb-h2"), tuple(rule_sets)))
 
 
-def overrides(layout: Layout) -> list[str]:
+def overrides(layout: ParallelLayout) -> list[str]:
     """The trainer config overrides that lay the model out as ``layout``."""
     mesh = "{" + ", ".join(f"{k}: {v}" for k, v in layout.mesh.items()) + "}"
     pipeline = "null" if layout.stages == 1 else (
@@ -98,7 +98,7 @@ def overrides(layout: Layout) -> list[str]:
 
 @dataclasses.dataclass
 class Row:
-    layout: Layout
+    layout: ParallelLayout
     predicted: float
     measured: list[float]
     error: str | None = None
@@ -146,7 +146,7 @@ def host_state(size: list[str]):
 class Built:
     """One candidate built and warmed up: its step, state and placed batch, ready to be timed."""
 
-    def __init__(self, size: list[str], layout: Layout, profiles: dict, out: str, host_state: dict):
+    def __init__(self, size: list[str], layout: ParallelLayout, profiles: dict, out: str, host_state: dict):
         import jax
 
         from trainers.config import load_config
@@ -184,7 +184,7 @@ class Built:
             return (time.perf_counter() - start) / steps
 
 
-def measure_size(name: str, layouts: Sequence[Layout], profile, steps: int, rounds: int) -> list[Row]:
+def measure_size(name: str, layouts: Sequence[ParallelLayout], profile, steps: int, rounds: int) -> list[Row]:
     rows, built = [], []
     profiles = {"now": profile, "before": plain(profile)}
     state = {size_key(SIZES[name]): host_state(SIZES[name])}
@@ -278,11 +278,11 @@ def mp_worker(args: argparse.Namespace) -> None:
     """One process of the 2-process pipeline: calibrate both one-core devices, build, time, estimate."""
     sys.path.insert(0, str(HERE))
     import jax
+    import multiprocess_pipeline as mpp
     import numpy as _np
     from jax.sharding import Mesh
 
     import multimesh.distributed
-    import multiprocess_pipeline as mpp
     from multimesh.estimate import calibrate
     from multimesh.jax import parallelize, task
 
@@ -337,7 +337,7 @@ def multiprocess_rows(schedules: Sequence[str], microbatches: int, steps: int, r
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-        layout = Layout({"x": 1}, stages=2, microbatches=microbatches, schedule=schedule)
+        layout = ParallelLayout({"x": 1}, stages=2, microbatches=microbatches, schedule=schedule)
         row = Row(layout, max(r["predicted"] for r in results), [max(r["seconds"] for r in results)],
                   before=max(r["before"] for r in results))
         print(f"  {schedule:12s} predicted {row.predicted * 1e3:8.2f} ms measured {row.median * 1e3:8.2f} ms; "

@@ -43,6 +43,7 @@ import os
 import socket
 import sys
 import traceback
+from types import TracebackType
 from typing import Any
 
 import jax
@@ -51,7 +52,7 @@ from ._version import __version__
 from .core import presence
 from .core.agreement import DisagreementError, agree, source_digest
 from .core.gloo_notices import drop_gloo_notices
-from .core.launch import Launch, resolve
+from .core.launch import Launch, resolve_launch
 from .core.processes import ProcessLostError, exception_chain, heartbeat_timeout, lost_process_error
 from .core.rollcall import StartupError, roll_call, split_address
 
@@ -157,8 +158,8 @@ def find_launch(coordinator_address: str | None = None, num_processes: int | Non
     Raises:
       StartupError: as `initialize`, for the values and variables.
     """
-    return resolve(coordinator_address, num_processes, process_id, local_device_ids,
-                   method=cluster_detection_method, timeout=timeout)
+    return resolve_launch(coordinator_address, num_processes, process_id, local_device_ids,
+                          method=cluster_detection_method, timeout=timeout)
 
 
 def _grace_seconds(heartbeat_timeout_seconds: float) -> float:
@@ -174,6 +175,7 @@ def _watch_each_other(server: socket.socket | None, answer: dict, host: str, n: 
     if n == 1:
         return
     if me == 0:
+        assert server is not None  # process 0 of several serves presence
         missing = presence.accept(server, n, grace, timeout=30)
         if missing:
             print(f"multimesh: process 0: process(es) {missing} did not connect to the presence port; their loss "
@@ -188,7 +190,7 @@ def _watch_each_other(server: socket.socket | None, answer: dict, host: str, n: 
               f"({e}); the loss of process 0 is noticed by JAX's heartbeat only", file=sys.stderr, flush=True)
 
 
-def _check_not_started(coordinator_address: str, num_processes: int, process_id: int) -> None:
+def _check_not_started(coordinator_address: str | None, num_processes: int | None, process_id: int | None) -> None:
     """A `StartupError` when this process already joined a run (here, or by ``jax.distributed.initialize``):
     a second roll call would find the coordinator port held by this very process."""
     if _started is not None:
@@ -203,7 +205,7 @@ def _check_not_started(coordinator_address: str, num_processes: int, process_id:
                            f"{process_id}) cannot start it again; call one of them, once per process")
 
 
-def _exit_on_uncaught(kind: type, error: BaseException, tb: object) -> None:
+def _exit_on_uncaught(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
     """Print the error and leave now: JAX's shutdown would wait for processes that wait for this one."""
     traceback.print_exception(kind, error, tb)
     if not any(isinstance(x, ProcessLostError) for x in exception_chain(error)):  # not named yet: who stopped?

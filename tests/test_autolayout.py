@@ -23,10 +23,10 @@ import pytest
 
 from multimesh.autolayout import (
     Candidate,
-    Layout,
     LayoutSearch,
     NoLayoutFitsError,
     NoValidLayoutError,
+    ParallelLayout,
     enumerate_layouts,
     factorizations,
 )
@@ -92,14 +92,14 @@ def losses(step_fn, init_fn, batch_fn, steps=3):
 def test_factorizations_cover_every_mesh():
     assert sorted(factorizations(8, 2)) == [(1, 8), (2, 4), (4, 2), (8, 1)]
     assert len(factorizations(8, 3)) == 10 and all(np.prod(f) == 8 for f in factorizations(8, 3))
-    layout = Layout({"data": 2, "tensor": 2}, stages=2, microbatches=4, schedule="1f1b")
+    layout = ParallelLayout({"data": 2, "tensor": 2}, stages=2, microbatches=4, schedule="1f1b")
     assert layout.describe() == "2 stages of data=2 x tensor=2, 1f1b, 4 microbatches"
     assert layout.whole_mesh == {"pipe": 2, "data": 2, "tensor": 2} and layout.num_devices == 8
     # the sequence rules only where a tensor axis is: without one they are the standard rules
     both = list(enumerate_layouts(4, ("data", "tensor"), (1,), (), (), ("standard", "sequence")))
     assert [layout.describe() for layout in both if layout.rules == "sequence"] == \
         ["tensor=4 (sequence rules)", "data=2 x tensor=2 (sequence rules)"]
-    assert len(both) == 5 and Layout({"tensor": 4}, "sequence").rule_set().rules[-1] == ("length", "tensor")
+    assert len(both) == 5 and ParallelLayout({"tensor": 4}, "sequence").rule_set().rules[-1] == ("length", "tensor")
     with pytest.raises(ValueError, match="rule_sets=.*'megatron'.*'standard', 'sequence'"):
         list(enumerate_layouts(4, ("data",), (1,), (), (), ("megatron",)))
 
@@ -140,7 +140,7 @@ def test_a_search_on_devices_sharing_a_host_says_which_layouts_are_ties():
     shared = dataclasses.replace(datasheet, alone_speedup=4.0)
     meshes = [{"data": 4}, {"tensor": 4}, {"data": 2, "tensor": 2}, {"fsdp": 4}]
     times = [1.0, 1.09, 1.11, None]  # the last rejected
-    candidates = tuple(Candidate(Layout(m), time=t, peak_bytes=1, rejected=None if t else "too big")
+    candidates = tuple(Candidate(ParallelLayout(m), time=t, peak_bytes=1, rejected=None if t else "too big")
                        for m, t in zip(meshes, times))
 
     def table(profile, candidates=candidates):

@@ -17,7 +17,7 @@ import pytest
 import test_thirdparty_models as T
 
 from multimesh.autolayout import auto_layout
-from multimesh.autolayout.layouts import Layout
+from multimesh.autolayout.layouts import ParallelLayout
 from multimesh.autolayout.model_axes import model_axes
 from multimesh.core.meshes import spec_names
 from multimesh.jax import parallelize, register_task, stage_task
@@ -35,7 +35,7 @@ def _search_kwargs(m: T.Model) -> dict:
             **({"param_rules": m.param_rules} if m.param_rules else {})}
 
 
-def _assert_built_on(name: str, layout: Layout, built, state) -> None:
+def _assert_built_on(name: str, layout: ParallelLayout, built, state) -> None:
     """Every array of the state and the batch lies on the layout's whole mesh, and each axis it splits
     shards some array."""
     with T.model(name).context():

@@ -331,3 +331,29 @@ def test_a_body_shared_by_two_stages_is_constrained_on_each_stage(nest):
     fn, state = check_mpmd_against_reference(step, init, batch, steps=2)
     for i, m in enumerate((mesh0, mesh1)):
         assert state["p"][i]["a"].sharding.device_set == set(m.devices.flat)
+
+
+def test_a_vmapped_logical_constraint_between_tasks_runs_as_on_one_device():
+    """Glue between tasks is traced with its constraints deferred; one under ``jax.vmap`` batches (the
+    mapped dimension left to the compiler), its loss and gradients those of the one-device step."""
+    from helpers import check_mpmd_against_reference
+
+    from multimesh.jax import task
+
+    devs = np.array(jax.devices())
+    rules = [("batch", "data")]
+    first = task(lambda p, x: jnp.tanh(x @ p), "first", devices=devs[:4], device_axes=("data",), logical_axes=rules)
+    second = task(lambda p, x: jnp.sum(jnp.sin(x @ p)), "second", devices=devs[4:], device_axes=("data",),
+                  logical_axes=rules)
+
+    def loss(params, batch):
+        h = first(params["a"], batch)
+        h = jax.vmap(lambda row: with_sharding_constraint(row, P("embed")))(h)
+        return second(params["b"], h)
+
+    def step(params, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        return value, grads, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    check_mpmd_against_reference(step, lambda: {"a": _x((4, 4), 1), "b": _x((4, 4), 2)}, lambda: _x((8, 4), 3),
+                                 steps=2, rules=rules)

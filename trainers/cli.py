@@ -224,9 +224,10 @@ def _train(argv: Sequence[str]) -> int:
     except (StartupError, DisagreementError) as e:
         print(f"multimesh-train: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    from trainers.run_lock import DirectoryInUseError
-    from trainers.nonfinite import EXIT_CODE as NONFINITE_EXIT, NonFiniteError
+    from trainers.nonfinite import EXIT_CODE as NONFINITE_EXIT
+    from trainers.nonfinite import NonFiniteError
     from trainers.preemption import Preempted
+    from trainers.run_lock import DirectoryInUseError
     from trainers.train import train
 
     try:

@@ -31,9 +31,8 @@ import jax
 
 from multimesh.core.fmt import device_span
 from multimesh.core.rules import Rules
-from multimesh.schedules import Schedule, get_schedule
-from multimesh.schedules import plot_schedule
 from multimesh.jax import microbatch, parallelize, register_task
+from multimesh.schedules import Schedule, get_schedule, plot_schedule
 from trainers.config import LayoutConfig, PipelineConfig
 from trainers.fit import batch_shards, check_devices
 

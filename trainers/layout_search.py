@@ -19,7 +19,14 @@ from typing import Any
 
 import jax
 
-from multimesh.autolayout import Layout, LayoutSearch, LayoutSearchError, PipelineFactory, TimingError, stage_task
+from multimesh.autolayout import (
+    LayoutSearch,
+    LayoutSearchError,
+    ParallelLayout,
+    PipelineFactory,
+    TimingError,
+    stage_task,
+)
 from multimesh.estimate import UnknownProfileError
 from multimesh.jax import auto_layout, microbatch, register_task
 from trainers.config import Config
@@ -112,7 +119,7 @@ def search_layout(cfg: Config, devices: Any = None, progress: bool | None = None
         raise error from None
 
 
-def chosen_config(cfg: Config, layout: Layout) -> Config:
+def chosen_config(cfg: Config, layout: ParallelLayout) -> Config:
     """``cfg`` with ``layout.mesh``, ``rules`` and ``pipeline`` set to ``layout`` (checked like any config)."""
     pipeline = None
     if layout.is_pipeline:

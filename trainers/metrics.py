@@ -16,7 +16,8 @@ from typing import Any, Self
 
 import numpy as np
 from tqdm import tqdm
-from tqdm.std import EMA
+
+from multimesh._compat.tqdm import restart_clock
 
 __all__ = ["MetricsLog", "StepBar", "Throughput", "plot_losses", "read_metrics", "strict_json"]
 
@@ -147,9 +148,7 @@ class StepBar(tqdm):
     def time_from(self, step: int) -> None:
         if self.disable:
             return
-        self.n = self.last_print_n = self.initial = step
-        self.last_print_t = self.start_t = self._time()
-        self._ema_dn, self._ema_dt, self._ema_miniters = (EMA(self.smoothing) for _ in range(3))
+        restart_clock(self, step)
         self.refresh()
 
 
@@ -160,7 +159,6 @@ def plot_losses(records: list[dict[str, Any]], path: str | os.PathLike, *, basel
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import MaxNLocator
 
     train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]

@@ -1,1 +1,8 @@
-"""The only place multimesh reads private JAX, Orbax or Flax internals; each module says which and why."""
+"""The one place where multimesh reaches into its dependencies' private internals.
+
+One module per dependency (`jax`, `orbax`, `flax`, `tqdm`; `clusters`: JAX's launcher detection);
+every function says which public API would replace it and on which versions it is tested.
+Everything else in multimesh, `trainers` and `models` imports public API only
+(``tests/test_private_imports.py`` checks it). What the next versions are known to change is in
+``README.md`` beside this file.
+"""

@@ -12,7 +12,7 @@ estimates them); nothing below imports it. The public `parallelize` is
 
 from .building import PipelineFactory, stage_task
 from .front import parallelize
-from .layouts import RULE_SETS, STAGE_AXIS, Layout, enumerate_layouts, factorizations
+from .layouts import RULE_SETS, STAGE_AXIS, ParallelLayout, enumerate_layouts, factorizations
 from .search import (
     Candidate,
     LayoutSearch,
@@ -27,7 +27,7 @@ __all__ = [
     "RULE_SETS",
     "STAGE_AXIS",
     "Candidate",
-    "Layout",
+    "ParallelLayout",
     "LayoutSearch",
     "LayoutSearchError",
     "NoLayoutFitsError",

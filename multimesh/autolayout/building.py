@@ -1,4 +1,4 @@
-"""Building a step on a `Layout`: its mesh, its rules, and for a pipeline its stages and microbatches.
+"""Building a step on a `ParallelLayout`: its mesh, its rules, and for a pipeline its stages and microbatches.
 
 A pipeline's stages are slices of one mesh whose outermost axis is ``pipe``:
 stage ``s`` holds the devices ``[s * n, (s + 1) * n)`` (``n`` per stage), laid
@@ -22,10 +22,10 @@ from jax.sharding import AxisType, Mesh
 
 from ..core.meshes import context_axis_types
 from ..core.rules import Rules, as_axes, standard_rules
-from ..run.parallelize import parallelize
+from ..run.parallelize import parallelize_on_mesh
 from ..trace.pipeline_choice import choose_pipeline
 from ..trace.taskspec import Task, current_global_mesh, use_global_mesh
-from .layouts import STAGE_AXIS, Layout
+from .layouts import STAGE_AXIS, ParallelLayout
 
 __all__ = ["PipelineFactory", "build_on", "layout_mesh", "layout_rules", "stage_task"]
 
@@ -51,7 +51,7 @@ def stage_task(stage: int, name: str | None = None) -> Task:
     return Task(name=name or f"stage{stage}", mesh_slice={STAGE_AXIS: stage}, logical_axes=rules)
 
 
-def layout_mesh(layout: Layout, devices: Sequence[Any], explicit_axes: frozenset[str] | None = None) -> Mesh:
+def layout_mesh(layout: ParallelLayout, devices: Sequence[Any], explicit_axes: frozenset[str] | None = None) -> Mesh:
     """The layout's whole mesh over the first devices, in order (stage outermost). ``explicit_axes``: the axes
     of type Explicit, the others Auto; None: the types the mesh in context (``jax.set_mesh``) gives the axes
     it names, Auto for the others (as `parallelize` builds an ``{axis: size}`` mesh)."""
@@ -66,7 +66,7 @@ def layout_mesh(layout: Layout, devices: Sequence[Any], explicit_axes: frozenset
     return Mesh(picked.reshape(tuple(shape.values())), names, axis_types=types)
 
 
-def layout_rules(layout: Layout, own_rules: Rules | None = None) -> Rules:
+def layout_rules(layout: ParallelLayout, own_rules: Rules | None = None) -> Rules:
     """The layout's rule set, after ``own_rules`` (rules for the model's own logical names), each of which
     keeps the mesh axes this layout's mesh has (none: that name stays whole here)."""
     rules = layout.rule_set()
@@ -78,7 +78,7 @@ def layout_rules(layout: Layout, own_rules: Rules | None = None) -> Rules:
 
 
 @contextlib.contextmanager
-def _placed(layout: Layout, rules: Rules, mesh: Mesh, pipeline: PipelineFactory | None) -> Iterator[None]:
+def _placed(layout: ParallelLayout, rules: Rules, mesh: Mesh, pipeline: PipelineFactory | None) -> Iterator[None]:
     """The mesh in force for `stage_task`, and for a pipeline its registrations and chosen microbatches."""
     with use_global_mesh(mesh), contextlib.ExitStack() as stack:
         token = _LAYOUT_RULES.set(rules)
@@ -93,7 +93,7 @@ def _placed(layout: Layout, rules: Rules, mesh: Mesh, pipeline: PipelineFactory 
         yield
 
 
-def build_on(layout: Layout, fun: Callable, devices: Sequence[Any], pipeline: PipelineFactory | None,
+def build_on(layout: ParallelLayout, fun: Callable, devices: Sequence[Any], pipeline: PipelineFactory | None,
              quiet: bool = False, explicit_axes: frozenset[str] | None = None, own_rules: Rules | None = None,
              **kwargs: Any) -> Any:
     """``parallelize(fun, **kwargs)`` on ``layout`` (what `parallelize` returns), ``explicit_axes`` as for
@@ -104,4 +104,4 @@ def build_on(layout: Layout, fun: Callable, devices: Sequence[Any], pipeline: Pi
     with _placed(layout, rules, mesh, pipeline), warnings.catch_warnings():
         if quiet:
             warnings.simplefilter("ignore")
-        return parallelize(fun, mesh=mesh, rules=rules, **kwargs)
+        return parallelize_on_mesh(fun, mesh=mesh, rules=rules, **kwargs)

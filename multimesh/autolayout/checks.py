@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec
 from ..core.meshes import spec_names
 from ..core.rules import Rules, as_axes, standard_rules
 from ..run.rule_coverage import constraint_names
-from .layouts import STAGE_AXIS, Layout
+from .layouts import STAGE_AXIS, ParallelLayout
 
 __all__ = ["LeafNames", "batch_misfit", "fsdp_as_data", "idle_axis", "idle_by_names", "idle_rules",
            "pipeline_misfit", "shapes_of"]
@@ -32,7 +32,7 @@ __all__ = ["LeafNames", "batch_misfit", "fsdp_as_data", "idle_axis", "idle_by_na
 _BATCH_AXES = ("data", "fsdp")
 
 
-def batch_misfit(layout: Layout, batch_shapes: Sequence[tuple[int, ...]]) -> str | None:
+def batch_misfit(layout: ParallelLayout, batch_shapes: Sequence[tuple[int, ...]]) -> str | None:
     """Whether the batch's leading dimension splits into the layout's microbatches, each over its batch axes."""
     rows = {s[0] for s in batch_shapes if len(s) > 0}
     if not rows:
@@ -75,7 +75,7 @@ class LeafNames:
                              for n in spec_names(leaf.logical)))
 
 
-def idle_axis(layout: Layout, step_fn: Any, rules: Rules, names: LeafNames) -> str | None:
+def idle_axis(layout: ParallelLayout, step_fn: Any, rules: Rules, names: LeafNames) -> str | None:
     """A mesh axis of size > 1 that shards no parameter and no batch array of the step built with ``rules``
     (``names``: `LeafNames.of` the step, for the reason)."""
     used: set[str] = set()
@@ -87,7 +87,7 @@ def idle_axis(layout: Layout, step_fn: Any, rules: Rules, names: LeafNames) -> s
     return None
 
 
-def idle_by_names(layout: Layout, names: LeafNames, rules: Rules) -> str | None:
+def idle_by_names(layout: ParallelLayout, names: LeafNames, rules: Rules) -> str | None:
     """`idle_axis` before building: a mesh axis of size > 1 that nothing the step holds can be sharded over,
     whatever the mesh, because no array names it and ``rules`` map it no logical name that an array has
     (``names``: read from the step built on another layout)."""
@@ -98,7 +98,7 @@ def idle_by_names(layout: Layout, names: LeafNames, rules: Rules) -> str | None:
     return None
 
 
-def fsdp_as_data(layout: Layout, names: LeafNames, rules: Rules, axes: Sequence[str]) -> str | None:
+def fsdp_as_data(layout: ParallelLayout, names: LeafNames, rules: Rules, axes: Sequence[str]) -> str | None:
     """A layout whose ``fsdp`` axis, like ``data``, splits only the batch (``rules`` give neither a name any
     parameter has, and no parameter names either): the same layout as the one with both merged into
     ``data``, which the search over ``axes`` tries too."""
@@ -114,7 +114,7 @@ def fsdp_as_data(layout: Layout, names: LeafNames, rules: Rules, axes: Sequence[
             f"same layout as {dataclasses.replace(layout, mesh=merged).describe()}")
 
 
-def _idle(layout: Layout, axis: str, size: int, names: LeafNames, rules: Rules) -> str:
+def _idle(layout: ParallelLayout, axis: str, size: int, names: LeafNames, rules: Rules) -> str:
     """Why mesh ``axis`` shards nothing, in words."""
     unruled = sorted(names.params_logical - rules.logical_names - rules.generic - set(layout.whole_mesh))
     if not names.params_named:
@@ -136,7 +136,7 @@ def _names_given(rules: Rules, axis: str) -> set[str]:
     return {name for name, named in rules if axis in as_axes(named)}
 
 
-def idle_rules(layout: Layout, step_fn: Any) -> str | None:
+def idle_rules(layout: ParallelLayout, step_fn: Any) -> str | None:
     """A rule set other than the standard one whose extra rules name nothing the built step holds or
     constrains (e.g. the ``sequence`` rules for a step with no ``length`` dimension): the same layout as
     the standard rules'."""
@@ -157,7 +157,7 @@ def idle_rules(layout: Layout, step_fn: Any) -> str | None:
             f"named {listed}")
 
 
-def pipeline_misfit(layout: Layout, step_fn: Any) -> str | None:
+def pipeline_misfit(layout: ParallelLayout, step_fn: Any) -> str | None:
     """Whether a pipeline layout built as one: its stages registered and its microbatches scheduled."""
     if not layout.is_pipeline:
         return None

@@ -1,4 +1,5 @@
-"""The public `parallelize`: `multimesh.run.parallelize`, or with ``layout="auto"`` the layout `auto_layout` picks.
+"""The public `parallelize`: `multimesh.run.parallelize.parallelize_on_mesh`, or with ``layout="auto"`` the
+layout `auto_layout` picks.
 
 It lives here, above the search, so that the layer that builds steps
 (`multimesh.run`) never imports the one that searches layouts.
@@ -9,12 +10,13 @@ from __future__ import annotations
 import difflib
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, overload
 
 import jax
 
 from ..estimate import HardwareProfile
-from ..run.parallelize import parallelize as parallelize_on_mesh
+from ..run.initializers import StepAndInit, StepFunctions
+from ..run.parallelize import BatchStep, ParallelizeResult, StepOnly, parallelize_on_mesh
 from . import building
 from .building import PipelineFactory, build_on
 from .layouts import RULE_SETS
@@ -49,22 +51,63 @@ def _reissue(pending: list) -> None:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 
+@overload
+def parallelize(fun: Callable, *, init_params: Callable[[], Any], get_input_batch: Callable[[], Any],
+                **options: Any) -> StepFunctions: ...
+@overload
+def parallelize(fun: Callable, *, init_params: Callable[[], Any], initial_batch: Any,
+                **options: Any) -> StepAndInit: ...
+@overload
+def parallelize(fun: Callable, *, get_input_batch: Callable[[], Any], **options: Any) -> BatchStep: ...
+@overload
+def parallelize(fun: Callable, *, initial_batch: Any, **options: Any) -> StepOnly: ...
+
+
 def parallelize(fun: Callable, *, layout: str | None = None, profile: str | HardwareProfile | None = None,
                 num_devices: int | None = None, memory_limit: int | None = None,
                 axes: Sequence[str] | None = None, axis_types: AxisTypes = None,
                 pipeline: PipelineFactory | None = None,
                 stage_counts: Sequence[int] = (1,), microbatches: Sequence[int] = (4, 8),
                 schedules: Sequence[str] = ("1f1b", "zb-h2"), rule_sets: Sequence[str] = RULE_SETS,
-                progress: bool | None = None, time_top: int = 0, time_steps: int = 3, **kwargs: Any) -> Any:
-    """Compile ``fun(params, batch, *args)`` into a sharded function (see `multimesh.run.parallelize.parallelize`
-    for every other argument).
+                progress: bool | None = None, time_top: int = 0, time_steps: int = 3,
+                **kwargs: Any) -> ParallelizeResult:
+    """Compile ``fun(params, batch, *args)`` into a sharded function.
 
-    ``layout="auto"``: the mesh, rules and pipeline are chosen by `auto_layout` (``profile=`` required;
-    ``devices=``/``num_devices=``, ``memory_limit=``, ``axes=``, ``axis_types=``, ``pipeline=``,
-    ``stage_counts=``, ``microbatches=``, ``schedules=``, ``rule_sets=``, ``progress=``, ``time_top=``,
-    ``time_steps=`` as there, and ``rules=``: rules for the model's own logical names, given before the
-    search's), then built like any other layout with the real ``init_params``. The returned step has
-    ``.layout_search``, the `LayoutSearch`.
+    Args:
+      fun: the one-device step; parameters first, the batch second (without
+        ``init_params``: ``fun(batch)``).
+      init_params: zero-argument function returning the parameters (or the
+        whole train state); evaluated abstractly, then compiled so that each
+        parameter is created directly in its sharding. Optional when ``fun``
+        takes no parameters: the sharded function is then called as ``fn(batch)``.
+      get_input_batch: zero-argument function returning an example batch.
+      initial_batch: instead of ``get_input_batch``, a batch (array or pytree).
+      devices: the devices to use (default: all).
+      mesh: a `Mesh`, or an ``{axis: size}`` shape laid over ``devices``
+        (default: the global mesh of the `MultiMesh` in force, else 1-D
+        ``{"data": len(devices)}``).
+      rules: logical axis rules (see `multimesh.rules`); default: those of Flax's
+        ``nn.logical_axis_rules`` / ``axis_rules`` context in force, if any; without rules, only
+        annotations that name mesh axes shard anything.
+      param_rules: ``{regex: spec}`` for parameters that carry no metadata.
+      batch_spec: logical spec of every batch leaf unless ``fun`` constrains it
+        (default: the leading dimension is ``"batch"``).
+      donate: donate the parameters' buffers to the step (feed its new state back).
+      strict: indivisible dimensions and logical names without a rule are errors.
+      layout: ``"auto"``: the mesh, rules and pipeline are chosen by `auto_layout` (``profile=``
+        required; ``devices=``/``num_devices=``, ``memory_limit=``, ``axes=``, ``axis_types=``,
+        ``pipeline=``, ``stage_counts=``, ``microbatches=``, ``schedules=``, ``rule_sets=``,
+        ``progress=``, ``time_top=``, ``time_steps=`` as there, and ``rules=``: rules for the model's own
+        logical names, given before the search's), then built like any other layout with the real
+        ``init_params``. The returned step has ``.layout_search``, the `LayoutSearch`. Without it
+        (default) the step is built on ``mesh=`` (or the mesh in force) and those arguments are refused.
+
+    Returns:
+      A `ParallelizeResult`: with ``get_input_batch``, a `StepFunctions` ``(step, init_params,
+      get_input_batch)``, else a `StepAndInit` ``(step, init_params)``: named
+      tuples, so ``step_fn, init_fn, batch_fn = parallelize(...)`` unpacks
+      them. Without ``init_params`` the same less ``init_params``
+      (`BatchStep`, or `StepOnly` with ``initial_batch``).
     """
     auto_only = {"profile": profile, "num_devices": num_devices, "memory_limit": memory_limit,
                  "pipeline": pipeline, "time_top": time_top or None, "axes": axes, "axis_types": axis_types}

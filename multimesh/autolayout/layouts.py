@@ -1,4 +1,4 @@
-"""`Layout`: one way to lay a step out on devices, and the candidates a search tries.
+"""`ParallelLayout`: one way to lay a step out on devices, and the candidates a search tries.
 
 A layout is a per-stage mesh ``{axis: size}`` over the axes `standard_rules`
 gives roles to (``data``: the batch; ``fsdp``: the batch and the parameters'
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from ..core.rules import RULE_SETS, Rules, named_rules
 
-__all__ = ["AXES", "RULE_SETS", "STAGE_AXIS", "Layout", "enumerate_layouts", "factorizations"]
+__all__ = ["AXES", "RULE_SETS", "STAGE_AXIS", "ParallelLayout", "enumerate_layouts", "factorizations"]
 
 #: The mesh axes a search may factorize the devices over (``model`` is `standard_rules`' other name for tensor).
 AXES = ("data", "fsdp", "tensor", "model")
@@ -46,7 +46,7 @@ def factorizations(n: int, k: int) -> list[tuple[int, ...]]:
 
 
 @dataclass(frozen=True)
-class Layout:
+class ParallelLayout:
     """A layout: ``mesh`` (each stage's ``{axis: size}``), ``rules`` (a name in `RULE_SETS`), ``stages``
     (1: SPMD), and for a pipeline ``microbatches``, ``schedule`` and ``chunks`` (layer groups per stage)."""
 
@@ -90,7 +90,7 @@ class Layout:
         return f"{self.stages} stages of {mesh}, {self.schedule}{groups}, {self.microbatches} microbatches"
 
     def __repr__(self) -> str:
-        return f"Layout({self.describe()})"
+        return f"ParallelLayout({self.describe()})"
 
 
 def _mesh(axes: Sequence[str], sizes: Sequence[int], required: Sequence[str]) -> dict[str, int]:
@@ -103,7 +103,8 @@ def _mesh(axes: Sequence[str], sizes: Sequence[int], required: Sequence[str]) ->
 
 def enumerate_layouts(num_devices: int, axes: Sequence[str], stage_counts: Sequence[int],
                       microbatches: Sequence[int], schedules: Sequence[str],
-                      rule_sets: Sequence[str] = ("standard",), required: Sequence[str] = ()) -> Iterator[Layout]:
+                      rule_sets: Sequence[str] = ("standard",), required: Sequence[str] = ()
+                      ) -> Iterator[ParallelLayout]:
     """Every layout of ``num_devices``: per stage count dividing them, every mesh of the devices per stage
     over ``axes`` with each of ``rule_sets`` (``sequence`` only on a mesh with a tensor axis), and for a
     pipeline every microbatch count and schedule (duplicates left out). Every mesh has the ``required`` axes
@@ -111,7 +112,7 @@ def enumerate_layouts(num_devices: int, axes: Sequence[str], stage_counts: Seque
     unknown = [r for r in rule_sets if r not in RULE_SETS]
     if unknown or not rule_sets:
         raise ValueError(f"rule_sets={tuple(rule_sets)!r}: give names among {RULE_SETS}")
-    seen: set[Layout] = set()
+    seen: set[ParallelLayout] = set()
     for stages in stage_counts:
         if num_devices % stages:
             continue
@@ -120,7 +121,7 @@ def enumerate_layouts(num_devices: int, axes: Sequence[str], stage_counts: Seque
         for (m, schedule), mesh, rules in itertools.product(list(runs), meshes, rule_sets):
             if rules == "sequence" and not any(mesh.get(a, 1) > 1 for a in _TENSOR_AXES):
                 continue
-            layout = Layout(mesh, rules, stages, m, schedule, _CHUNKS.get(schedule, 1) if schedule else 1)
+            layout = ParallelLayout(mesh, rules, stages, m, schedule, _CHUNKS.get(schedule, 1) if schedule else 1)
             if layout not in seen:
                 seen.add(layout)
                 yield layout

@@ -41,7 +41,7 @@ from .checks import (
     pipeline_misfit,
     shapes_of,
 )
-from .layouts import AXES, RULE_SETS, Layout, enumerate_layouts
+from .layouts import AXES, RULE_SETS, ParallelLayout, enumerate_layouts
 from .model_axes import AxisTypes, axes_made_explicit, model_axes
 from .table import search_table
 from .timing import check_timing, time_layout
@@ -59,7 +59,7 @@ class Candidate:
     (the held bytes alone when rejected by them), predicted step ``time`` (s) and ``mfu``, why it was
     ``rejected`` (None: it fits), and its ``measured`` step (s; None: not timed, see ``time_top``)."""
 
-    layout: Layout
+    layout: ParallelLayout
     estimate: Estimate | None = None
     peak_bytes: int | None = None
     time: float | None = None
@@ -93,7 +93,7 @@ class LayoutSearch:
         return tuple(c for c in self.candidates if c.rejected is None)
 
     @property
-    def best(self) -> Layout:
+    def best(self) -> ParallelLayout:
         """The layout of the least measured step time among those timed (``time_top``), else of the least
         predicted among those that fit."""
         if not self.fitting:
@@ -320,7 +320,7 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
 
 
 def _timed(ranked: list[Candidate], top: int, steps: int, progress: bool | None,
-           build: Callable[[Layout], Any]) -> list[Candidate]:
+           build: Callable[[ParallelLayout], Any]) -> list[Candidate]:
     """``ranked`` with its ``top`` best-predicted fitting candidates timed (`time_layout`) and ranked again."""
     chosen = [c for c in ranked if c.rejected is None][:top]
     if not chosen:
@@ -359,7 +359,7 @@ def _over(limit: int, device: int, need: int, what: str) -> str:
             f"({need - limit:,} B) over the limit {format_bytes(limit)}")
 
 
-def _try(layout: Layout, step: Callable, pool: list, pipeline: PipelineFactory | None, limit: int,
+def _try(layout: ParallelLayout, step: Callable, pool: list, pipeline: PipelineFactory | None, limit: int,
          profile: HardwareProfile, kwargs: dict, batch_shapes: list, names: LeafNames | None,
          axes: tuple[str, ...]) -> tuple[Candidate, LeafNames | None]:
     """One layout through the checks, cheapest first (see the module docstring); and the names of the step's
@@ -389,7 +389,7 @@ def _try(layout: Layout, step: Callable, pool: list, pipeline: PipelineFactory |
     return _estimated(layout, step_fn, limit, profile), names
 
 
-def _estimated(layout: Layout, step_fn: Any, limit: int, profile: HardwareProfile) -> Candidate:
+def _estimated(layout: ParallelLayout, step_fn: Any, limit: int, profile: HardwareProfile) -> Candidate:
     """A built layout's candidate: refused on the bytes it holds, else compiled, estimated and checked."""
     held = held_bytes(step_fn.param_layout.leaves, step_fn.batch_layout.leaves)
     per_device = {d: held.params.get(d, 0) + held.optimizer.get(d, 0) + held.batch.get(d, 0)

@@ -43,13 +43,16 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
-from orbax.checkpoint._src.handlers import pytree_checkpoint_handler
-from orbax.checkpoint._src.metadata import (
-    array_metadata_store as array_metadata_store_lib,
-)
-from orbax.checkpoint._src.serialization import limits as ocp_limits
-from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 
+from .._compat.orbax import (
+    JsonHandlerPreparingWrites,
+    LeanByteLimit,
+    array_metadata_store,
+    array_read_spec,
+    handler_metadata_key,
+    is_orbax_byte_limiter,
+    use_pytree_handler,
+)
 from . import checksum as _checksum
 from .stage_local import StageLocalSerialize
 from .tree import is_prng_key, leaves_with_paths, path_str
@@ -86,7 +89,7 @@ class ArrayHandler(StageLocalSerialize, ocp.type_handlers.ArrayHandler):
         # Orbax's per-process write-shape records: its commit wants every array's record on process 0,
         # which does not write (nor record) the arrays of pipeline stages on other processes.
         single = jax.process_count() == 1
-        store = array_metadata_store_lib.Store() if single else None
+        store = array_metadata_store() if single else None
         # Replica-parallel writes let the hosts holding replicas of a shard write a part each; in one
         # process every replica is here, and splitting costs a jitted slice per replica and shard
         # (a replicated (512,) vector on a 4x2 mesh: 8 slices).
@@ -95,14 +98,14 @@ class ArrayHandler(StageLocalSerialize, ocp.type_handlers.ArrayHandler):
         self.hashed: set[str] = set()
 
     async def serialize(self, values: Sequence[Any], infos: Sequence[Any], args: Sequence[Any] | None = None) -> list:
-        leaner: dict[int, _LeanLimit] = {}
+        leaner: dict[int, LeanByteLimit] = {}
 
         def lean(info: Any) -> Any:
             limiter = getattr(info, "byte_limiter", None)
-            if type(limiter) is not ocp_limits.LimitInFlightBytes:
+            if not is_orbax_byte_limiter(limiter):
                 return info
             if id(limiter) not in leaner:
-                leaner[id(limiter)] = _LeanLimit(limiter.max_bytes)
+                leaner[id(limiter)] = LeanByteLimit(limiter.max_bytes)
             return info.replace(byte_limiter=leaner[id(limiter)])
 
         return await super().serialize(values, [lean(i) for i in infos], args)
@@ -118,7 +121,7 @@ class ArrayHandler(StageLocalSerialize, ocp.type_handlers.ArrayHandler):
                                                                   dtype=arg.dtype)
         here = [i for i in range(len(infos)) if out[i] is None]
         lean = [i for i in here if _lean_candidate(infos[i], args[i])]
-        stores = await _gather([_open(infos[i], args[i], self._metadata_key) for i in lean])
+        stores = await _gather([_open(infos[i], args[i], handler_metadata_key(self)) for i in lean])
         opened = {i: t for i, t in zip(lean, stores) if t is not None}
         fallback = [i for i in here if i not in opened]
         hasher = self.hasher
@@ -182,25 +185,6 @@ class ArrayHandler(StageLocalSerialize, ocp.type_handlers.ArrayHandler):
             return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=dtype)
         return jax.make_array_from_callback(
             shape, sharding, lambda index: bufs[_checksum.box_of(index, shape)])
-
-
-class _LeanLimit(ocp_limits.LimitInFlightBytes):
-    """Orbax's ``LimitInFlightBytes`` (same limit, same waiting) without its
-    debug-log lines, whose sizes are formatted (``humanize``) on every
-    reservation even when the log is off (4 strings per shard written)."""
-
-    async def wait_for_bytes(self, requested_bytes: int):
-        if requested_bytes >= self._max_bytes:
-            raise ValueError(f"Requested more bytes than we reserved space for: "
-                             f"{requested_bytes} > {self._max_bytes}")
-        async with self._cv:
-            await self._cv.wait_for(lambda: self._available_bytes > requested_bytes)
-            self._available_bytes -= requested_bytes
-
-    async def release_bytes(self, requested_bytes: int):
-        async with self._cv:
-            self._available_bytes += requested_bytes
-            self._cv.notify_all()
 
 
 class _ByteBudget:
@@ -302,10 +286,7 @@ def _lean_candidate(info: Any, arg: Any) -> bool:
 async def _open(info: Any, arg: Any, metadata_key: str | None) -> ts.TensorStore | None:
     """The leaf's TensorStore, or None when it needs Orbax's path (another
     shape or dtype than stored, an empty or a scalar non-addressable array)."""
-    spec = ts_utils.build_array_read_spec(
-        info, use_ocdbt=True, metadata_key=metadata_key,
-        raise_array_data_missing_error=info.raise_array_data_missing_error)
-    t = await ts.open(spec.json, open=True, context=info.ts_context)
+    t = await ts.open(array_read_spec(info, metadata_key), open=True, context=info.ts_context)
     shape = tuple(int(d) for d in t.shape)
     want = arg.global_shape if arg.global_shape is not None else arg.shape
     if want is not None and tuple(want) != shape:
@@ -343,8 +324,9 @@ class StateHandler(ocp.StandardCheckpointHandler):
     def __init__(self, *, compression: bool):
         super().__init__()
         self.arrays = ArrayHandler()
-        self._impl = pytree_checkpoint_handler.PyTreeCheckpointHandler(
+        self._pytree = ocp.PyTreeCheckpointHandler(
             use_compression=compression, type_handler_registry=_type_registry(self.arrays))
+        use_pytree_handler(self, self._pytree)
 
     @classmethod
     def typestr(cls) -> str:
@@ -358,10 +340,10 @@ class StateHandler(ocp.StandardCheckpointHandler):
     def _restore_subset(self, directory: Any, leaves: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
         """The saved tree's structure (Orbax's metadata) with every leaf but
         the wanted ones a placeholder, which Orbax skips without reading it."""
-        saved = self._impl.metadata(directory).tree
+        saved = self._pytree.metadata(directory).tree
         item = jax.tree_util.tree_map_with_path(
             lambda keypath, _: leaves.get(path_str(keypath), ocp.PLACEHOLDER), saved)
-        restored = self._impl.restore(directory, args=pytree_checkpoint_handler.PyTreeRestoreArgs(
+        restored = self._pytree.restore(directory, args=ocp.args.PyTreeRestore(
             item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item)))
         return {p: x for p, x in leaves_with_paths(restored) if p in leaves}
 
@@ -380,13 +362,11 @@ class PendingDoc(dict):
         return doc
 
 
-class DocHandler(ocp.JsonCheckpointHandler):
+class DocHandler(JsonHandlerPreparingWrites):
     """``JsonCheckpointHandler`` that completes a ``PendingDoc`` when it writes."""
 
-    async def _save_fn(self, x, directory):
-        if isinstance(x, PendingDoc):
-            x = await asyncio.to_thread(x.resolve)
-        await super()._save_fn(x, directory)
+    async def prepare(self, x: Any) -> Any:
+        return await asyncio.to_thread(x.resolve) if isinstance(x, PendingDoc) else x
 
     @classmethod
     def typestr(cls) -> str:

@@ -21,20 +21,14 @@ import logging
 import threading
 import time
 
+from .._compat.orbax import cancel_signaling_thread, signaling_thread_class
+
 _log = logging.getLogger(__name__)
-
-
-def _thread_class() -> type | None:
-    try:
-        from orbax.checkpoint._src.futures import future
-    except ImportError:  # pragma: no cover - another Orbax layout
-        return None
-    return getattr(future, "_SignalingThread", None)
 
 
 def signaling_threads() -> set[threading.Thread]:
     """Orbax's live signal-waiting threads (empty if this Orbax has none)."""
-    cls = _thread_class()
+    cls = signaling_thread_class()
     if cls is None:
         return set()
     return {t for t in threading.enumerate() if isinstance(t, cls) and t.is_alive()}
@@ -46,17 +40,10 @@ def release(threads: set[threading.Thread]) -> int:
     error is being reported."""
     released = 0
     try:
-        from orbax.checkpoint._src.futures import future, signaling_client
-
-        client = signaling_client.get_signaling_client()
-        contract = future.AwaitableSignalsContract
         for t in threads:
             if not t.is_alive():
                 continue
-            t._cancelled = True  # read by _SignalingThread.run once its wait ends
-            for signal in getattr(t, "_receive_signals", ()):
-                key = contract.get_unique_awaitable_singal_key(signal, t._operation_id)
-                client.key_value_set(key, "cancelled", allow_overwrite=True)
+            cancel_signaling_thread(t)
             released += 1
     except Exception as e:  # noqa: BLE001 - never mask the save error; pragma: no cover
         _log.warning("could not release Orbax's waiting threads after a failed save: %s", e)

@@ -20,6 +20,8 @@ from typing import Any
 
 import jax
 
+from .._compat.jax import coordination_client
+
 __all__ = ["DisagreementError", "agree", "differences", "source_digest"]
 
 _CALLS: dict[str, int] = defaultdict(int)  # a fresh key per call, so a name may be checked again
@@ -36,9 +38,7 @@ def agree(name: str, values: Mapping[str, Any], *, timeout_seconds: float = 30) 
     message names the leaf). Call it at the same point in every process; it returns at once in a
     single-process run. ``name`` says what is compared (``"the trainer config"``) in the message.
     """
-    from jax._src import distributed  # the coordination client: the only channel before any compile
-
-    client, n, me = distributed.global_state.client, jax.process_count(), jax.process_index()
+    client, n, me = coordination_client(), jax.process_count(), jax.process_index()
     if client is None or n == 1:
         return
     _CALLS[name] += 1

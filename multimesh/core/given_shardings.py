@@ -105,12 +105,12 @@ def _is_leaf(tree: Any) -> bool:
 def _subtrees(tree: Any, start: int):
     """``(subtree, index of its first leaf, its leaf count)`` for ``tree`` and each of its subtrees, outermost
     first."""
-    yield tree, start, jax.tree.structure(tree).num_leaves
+    yield tree, start, len(jax.tree.leaves(tree))
     if _is_leaf(tree):
         return
     for kid in jax.tree_util.tree_flatten(tree, is_leaf=lambda x: x is not tree)[0]:
         yield from _subtrees(kid, start)
-        start += jax.tree.structure(kid).num_leaves
+        start += len(jax.tree.leaves(kid))
 
 
 def _type_spec(leaf: Any) -> PartitionSpec | None:
@@ -145,10 +145,8 @@ class _Mover:
         return jaxpr.replace(eqns=[self.eqn(e) for e in jaxpr.eqns])
 
     def eqn(self, eqn: JaxprEqn) -> JaxprEqn:
-        shapes = {"in_shardings": [v.aval.shape for v in eqn.invars],
-                  "out_shardings": [v.aval.shape for v in eqn.outvars],
-                  "sharding": [v.aval.shape for v in eqn.outvars],
-                  "devices": [v.aval.shape for v in eqn.invars]}
+        ins, outs = [_shape(v) for v in eqn.invars], [_shape(v) for v in eqn.outvars]
+        shapes = {"in_shardings": ins, "out_shardings": outs, "sharding": outs, "devices": ins}
         params = {k: self.value(v, shapes.get(k), f"{self.what}: {eqn.primitive.name} {k}")
                   for k, v in eqn.params.items()}
         return eqn.replace(params=params)
@@ -169,3 +167,8 @@ class _Mover:
             return type(value)(self.value(v, shapes[i:i + 1] if shapes and i < len(shapes) else None, where)
                                for i, v in enumerate(value))
         return value
+
+
+def _shape(var: Any) -> tuple[int, ...]:
+    """A jaxpr variable's shape (a literal's or token's: none)."""
+    return tuple(getattr(var.aval, "shape", ()))

@@ -2,7 +2,7 @@
 
 ``srun`` (SLURM), ``mpirun`` (Open MPI), a Kubernetes indexed Job and a Cloud TPU pod tell each process
 its id, the process count and where process 0 is, in environment variables (or a metadata server).
-`resolve` takes the values given and fills the others in from there, as `jax.distributed.initialize`
+`resolve_launch` takes the values given and fills the others in from there, as `jax.distributed.initialize`
 would: from ``JAX_COORDINATOR_ADDRESS`` / ``JAX_LOCAL_DEVICE_IDS`` where set, then from JAX's own
 detection (`multimesh._compat.clusters`), or from a Kubernetes indexed Job's variables
 (``JOB_COMPLETION_INDEX``, with ``MULTIMESH_NUM_PROCESSES`` and ``JAX_COORDINATOR_ADDRESS`` set in its
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from .rollcall import StartupError, split_address
 
-__all__ = ["INDEXED_JOB_COUNT", "Launch", "resolve"]
+__all__ = ["INDEXED_JOB_COUNT", "Launch", "resolve_launch"]
 
 #: the process count of a Kubernetes indexed Job (its ``parallelism``), set in the pod template
 INDEXED_JOB_COUNT = "MULTIMESH_NUM_PROCESSES"
@@ -54,9 +54,9 @@ class _Launcher:
     index: str
 
 
-def resolve(coordinator_address: str | None = None, num_processes: int | None = None,
-            process_id: int | None = None, local_device_ids: Sequence[int] | None = None, *,
-            method: str | None = None, timeout: int = 300) -> Launch | None:
+def resolve_launch(coordinator_address: str | None = None, num_processes: int | None = None,
+                   process_id: int | None = None, local_device_ids: Sequence[int] | None = None, *,
+                   method: str | None = None, timeout: int = 300) -> Launch | None:
     """The values given, with the missing ones from the environment; None where nothing was given and
     no launcher is found (a single process).
 
@@ -90,6 +90,7 @@ def resolve(coordinator_address: str | None = None, num_processes: int | None = 
     if coordinator_address is None and num_processes is None and process_id is None:
         return None
     _check_complete(coordinator_address, num_processes, process_id, sources)
+    assert coordinator_address is not None and num_processes is not None and process_id is not None
     _check_place(num_processes, process_id, sources)
     if launcher is not None:  # a pod's DNS name appears only once that pod runs: wait for index 0's
         _check_resolves(coordinator_address, sources["coordinator_address"], launcher,
@@ -103,7 +104,7 @@ def resolve(coordinator_address: str | None = None, num_processes: int | None = 
 
 def _detect(env: Mapping[str, str], coordinator_address: str | None, num_processes: int | None,
             process_id: int | None, local_device_ids: Sequence[int] | None, method: str | None, timeout: int,
-            sources: dict[str, str]) -> tuple[str, str, int, int, list[int] | None] | None:
+            sources: dict[str, str]) -> tuple[str, str | None, int | None, int | None, list[int] | None] | None:
     """JAX's detection, after checking the variables it will read; fills ``sources`` in."""
     for present, check in _CHECKS:
         if present(env):

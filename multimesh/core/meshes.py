@@ -10,8 +10,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import core as jcore
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from .._compat.jax import trace_state_clean
 
 __all__ = ["abstract_mesh_context", "auto_meshes_in_context", "build_mesh", "constrain", "context_axis_types",
            "drop_axes", "explicit_axes", "mesh_context", "mesh_devices", "no_mesh_context", "place_mesh",
@@ -125,7 +126,8 @@ def slice_mesh(mesh: Mesh, axis: str) -> list[Mesh]:
     return subs
 
 
-def place_mesh(shape: Mapping[str, int] | Sequence[int], devices: Sequence, axis_names: Sequence[str] | None = None) -> Mesh:
+def place_mesh(shape: Mapping[str, int] | Sequence[int], devices: Sequence,
+               axis_names: Sequence[str] | None = None) -> Mesh:
     """A mesh of ``shape`` over other ``devices`` (e.g. the same stage shape on the next device group)."""
     if isinstance(shape, Mapping):
         axis_names, sizes = tuple(shape), tuple(shape.values())
@@ -161,7 +163,7 @@ def mesh_context(mesh: Mesh | None) -> Iterator[None]:
         return
     else:
         target = None
-    if not jcore.trace_state_clean():  # only the abstract mesh may be set inside a trace
+    if not trace_state_clean():  # only the abstract mesh may be set inside a trace
         if target is not None and not context.empty and explicit_axes(context):
             # Values traced so far are typed on the context's mesh, and ops refuse to mix meshes: a task's body
             # traced inside a step on a whole Explicit mesh stays there (`parallelize` traces a pipeline again,

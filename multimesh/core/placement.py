@@ -56,11 +56,13 @@ class Placement:
     def axis_sizes(self) -> dict[str, int]:
         return dict(self.mesh.shape)
 
-    def spec(self, logical: LogicalSpec | None, shape: Sequence[int] | None = None, *, path: str | None = None) -> PartitionSpec:
+    def spec(self, logical: LogicalSpec | None, shape: Sequence[int] | None = None, *,
+             path: str | None = None) -> PartitionSpec:
         """Resolve a logical spec (tuple or `PartitionSpec` of logical names)."""
         return self.rules.resolve(logical, self.axis_sizes, shape, path=path)
 
-    def sharding(self, logical: LogicalSpec | None, shape: Sequence[int] | None = None, *, path: str | None = None) -> NamedSharding:
+    def sharding(self, logical: LogicalSpec | None, shape: Sequence[int] | None = None, *,
+                 path: str | None = None) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(logical, shape, path=path))
 
     def physical(self, spec: PartitionSpec, shape: Sequence[int] | None = None, *, path: str | None = None,

@@ -7,6 +7,7 @@ import time
 
 import jax
 
+from .._compat.jax import coordination_client
 from . import presence
 
 __all__ = ["ProcessLostError", "exception_chain", "heartbeat_timeout", "is_failed_exchange", "lost_process_error"]
@@ -55,9 +56,7 @@ def lost_process_error(error: BaseException, what: str) -> BaseException:
     that stopped, when it is a failed exchange (`is_failed_exchange`) and the coordinator reports some
     stopped within the heartbeat timeout; else ``error`` itself."""
     # the coordination client: the only record of who is alive
-    from jax._src import distributed
-
-    client, n, me = distributed.global_state.client, jax.process_count(), jax.process_index()
+    client, n, me = coordination_client(), jax.process_count(), jax.process_index()
     if client is None or n == 1 or not is_failed_exchange(error):
         return error
     soon = time.monotonic() + _PRESENCE_WAIT

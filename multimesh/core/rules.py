@@ -141,7 +141,8 @@ class Rules:
                 if not all(isinstance(a, str) for a in axes):
                     raise RuleError(f"rule #{i} {rule!r}: mesh axes must be str, a tuple of str, or None")
                 if len(set(axes)) != len(axes):
-                    raise RuleError(f"rule #{i} {rule!r} names a mesh axis twice; a mesh axis shards one dimension once")
+                    raise RuleError(f"rule #{i} {rule!r} names a mesh axis twice; "
+                                    f"a mesh axis shards one dimension once")
                 if not axes:
                     axes = None  # () means no mesh axes: replicated, as in Linen
             normalised.append((name, axes))

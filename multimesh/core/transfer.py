@@ -37,6 +37,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .._compat.jax import HAS_BATCHED_COPY, batched_copy
+
 __all__ = ["everywhere", "move", "placeholder", "put", "reshard_to", "target_on"]
 
 
@@ -54,9 +56,8 @@ def move(xs: Sequence[Any], targets: Sequence[NamedSharding]) -> list[jax.Array]
     above; every process must make the same calls in the same order.
     """
     if jax.process_count() == 1:
-        if _BATCHED_COPY is not None and all(_shard_for_shard(x, t) for x, t in zip(xs, targets)):
-            return _BATCHED_COPY(list(xs), [t._internal_device_list for t in targets], list(targets),
-                                 [_REUSE_INPUT] * len(xs))
+        if HAS_BATCHED_COPY and all(_shard_for_shard(x, t) for x, t in zip(xs, targets)):
+            return batched_copy(xs, targets)
         return jax.device_put(list(xs), list(targets))
     return [put(x, t) for x, t in zip(xs, targets)]
 
@@ -65,14 +66,6 @@ def move(xs: Sequence[Any], targets: Sequence[NamedSharding]) -> list[jax.Array]
 # shard: the same spec on a mesh of the same shape. For that case `jax.device_put` ends, after its
 # Python checks (about 50 us a call on CPU), in one call of the runtime's batched copy; `move` makes that
 # call itself. Where jaxlib lacks it, every move goes through `jax.device_put`.
-try:
-    from jax._src.lib import xla_client as _xc
-
-    _BATCHED_COPY = _xc.batched_copy_array_to_devices_with_sharding
-    _REUSE_INPUT = _xc.ArrayCopySemantics.REUSE_INPUT
-    NamedSharding._internal_device_list  # noqa: B018 - present? (no backend is started at import)
-except (ImportError, AttributeError):  # pragma: no cover - another jaxlib
-    _BATCHED_COPY = None
 
 
 def _shard_for_shard(x: Any, target: NamedSharding) -> bool:

@@ -71,8 +71,9 @@ def estimate(step_fn: Any, profile: str | HardwareProfile | None = None, *, args
     `MPMDFunction`). Its programs are compiled from abstract inputs; nothing
     is allocated. ``profile``: a `HardwareProfile` or a name from
     `PROFILES`. ``args``: an SPMD step's arguments after the parameters and
-    the batch (arrays or `jax.ShapeDtypeStruct`s), as it is called. ``dtype``: the compute dtype for the peak flop rate (default:
-    the floating dtype holding most parameter bytes). ``model_flops``: the
+    the batch (arrays or `jax.ShapeDtypeStruct`s), as it is called.
+    ``dtype``: the compute dtype for the peak flop rate (default: the
+    floating dtype holding most parameter bytes). ``model_flops``: the
     flops one step of the model needs, for MFU (default: the count of the
     compiled programs, recomputation included). ``optimizer_paths``: a
     regular expression of the parameter paths that are optimizer state.

@@ -219,6 +219,6 @@ def mpmd_programs(runtime: Any) -> MPMDPrograms:
             name += f".{sum(p.name.startswith(name) for p in programs)}"
         position[key] = len(programs)
         programs.append(analyse_compiled(name, c, mesh, executions=calls[key], matmuls=matmuls, reshards=reshards))
-    stash = tuple((stage, label, slice_bytes(tuple(held[k].shape), held[k].dtype.itemsize, held[k].sharding)) for k, (stage, label) in runtime.stashed().items()
-                  if k in held)
+    stash = tuple((stage, label, slice_bytes(tuple(held[k].shape), held[k].dtype.itemsize, held[k].sharding))
+                  for k, (stage, label) in runtime.stashed().items() if k in held)
     return MPMDPrograms(tuple(programs), stash, {k: position[key] for k, key in runs.items()})

@@ -13,9 +13,10 @@ from flax import nnx
 from flax.training.train_state import TrainState
 from jax.sharding import Mesh, NamedSharding
 
+from .._compat.flax import running_linen_module
 from ..core.meshes import build_mesh
 from ..core.rules import MeshAxes, Rules, standard_rules
-from ..run.parallelize import parallelize
+from ..run.parallelize import parallelize_on_mesh
 from ..trace.linen_constraints import flax_context_rules
 from .nnx_bridge import nnx_model_parts
 
@@ -50,10 +51,7 @@ def shard_axes(*names: str | None, init: Callable | None = None) -> Callable:
 def _module_default(initializer: Callable) -> Callable:
     """The class default of the field of the running Linen module that holds ``initializer`` (e.g. the
     ``kernel_init`` of an ``nn.Dense(kernel_init=shard_axes(...))``); `FALLBACK_INIT` when there is none."""
-    from flax.linen.module import _context  # Flax keeps the module being run here
-
-    stack = _context.module_stack
-    module = stack[-1] if stack else None
+    module = running_linen_module()
     fields = getattr(type(module), "__dataclass_fields__", {})
     for name, field in fields.items():
         value = getattr(module, name, None)
@@ -150,7 +148,7 @@ def parallelize_step(
         return loss, state.apply_gradients(grads=grads)
 
     batch_spec = (None,) if replicate_inputs else ("batch",)
-    step, sharded_init, _ = parallelize(
+    step, sharded_init, _ = parallelize_on_mesh(
         train_step,
         init_params=init_state,
         get_input_batch=lambda: jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), example),

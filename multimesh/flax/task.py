@@ -1,4 +1,6 @@
-"""`task(Module, ...)`: a Flax Linen module class whose instances run as a task.
+"""`linen_task(Module, ...)`: a Flax Linen module class whose instances run as a task.
+
+Public as `multimesh.jax.flax.task` (MultiMesh's name for it); `multimesh.jax.task` runs a function.
 
 The returned class is a subclass that runs each public method under a
 `jax.named_scope` registered with the task's placement; the partitioner
@@ -23,12 +25,12 @@ from ..trace.implicit import register_scope
 from ..trace.task import make_placement
 from ..trace.taskspec import Task, TaskMesh
 
-__all__ = ["task"]
+__all__ = ["linen_task"]
 
 _ids = itertools.count()
 
 
-def task(
+def linen_task(
     module: type[nn.Module],
     name: str | None = None,
     *,

@@ -4,9 +4,25 @@
 """
 
 from .._version import __version__
+
+# the public parallelize: the run layer's, plus layout="auto" (the layout search above it)
+from ..autolayout import LayoutSearch, ParallelLayout, auto_layout, parallelize, stage_task
 from ..core.meshes import build_mesh, place_mesh, slice_mesh
 from ..core.report import ShardingReport
 from ..core.rules import PathRules, RuleError, Rules, named_rules, resolve, standard_rules
+from ..estimate import Estimate, HardwareProfile, estimate
+from ..run.checks import DonatedArrayError, StepInputError
+from ..run.initializers import ShardedInitializer
+from ..run.mjit import MJitFunction, mjit
+from ..run.mpmd import MPMDFunction
+from ..run.parallelize import (
+    BatchStep,
+    ParallelizeResult,
+    ShardedFunction,
+    StepAndInit,
+    StepFunctions,
+    StepOnly,
+)
 from ..schedules import (
     GPipe,
     Interleaved1F1B,
@@ -16,14 +32,6 @@ from ..schedules import (
     ZeroBubbleH2,
     get_schedule,
 )
-from ..estimate import Estimate, HardwareProfile, estimate
-from ..run.checks import DonatedArrayError, StepInputError
-from ..run.mjit import MJitFunction, mjit
-from ..run.mpmd import MPMDFunction
-from ..run.initializers import ShardedInitializer
-from ..run.parallelize import BatchStep, ShardedFunction, StepAndInit, StepFunctions
-# the public parallelize: the run layer's, plus layout="auto" (the layout search above it)
-from ..autolayout import Layout, LayoutSearch, auto_layout, parallelize, stage_task
 from ..trace.constraints import shard_map, with_sharding_constraint
 from ..trace.context import Context, MultiMesh, tasks
 from ..trace.implicit import (
@@ -52,10 +60,11 @@ __all__ = [
     "Estimate",
     "GPipe",
     "HardwareProfile",
-    "Layout",
+    "ParallelLayout",
     "LayoutSearch",
     "Interleaved1F1B",
     "BatchStep",
+    "ParallelizeResult",
     "MJitFunction",
     "MPMDFunction",
     "MatchedName",
@@ -70,6 +79,7 @@ __all__ = [
     "ShardingReport",
     "StepAndInit",
     "StepFunctions",
+    "StepOnly",
     "StepInputError",
     "Task",
     "TaskMesh",

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-from jax._src import source_info_util
+from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from ..core.fmt import format_bytes

@@ -57,7 +57,7 @@ from typing import Any
 
 import jax
 from jax import lax
-from jax._src import source_info_util
+from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal, Var
 
 from ..core.jaxprs import subjaxprs
@@ -230,7 +230,8 @@ def _partners(eqn: JaxprEqn, v: Var, axis: int) -> dict[Var, int] | None:
         (y,) = outs
         operand = eqn.invars[0]
         if v is y:
-            if axis in dims and not isinstance(operand, Literal) and _shape(operand)[dims.index(axis)] == _shape(y)[axis]:
+            if (axis in dims and not isinstance(operand, Literal)
+                    and _shape(operand)[dims.index(axis)] == _shape(y)[axis]):
                 return {operand: dims.index(axis), y: axis}
             return {y: axis}  # each part broadcasts the whole (small) operand
         return {v: axis, y: dims[axis]} if _shape(v)[axis] == _shape(y)[dims[axis]] else None

@@ -8,8 +8,8 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Var
 
 from ..schedules import Action
-from ..trace.task import Placement, task_call_p
 from ..trace.implicit import is_backprop, microbatch_of
+from ..trace.task import Placement, task_call_p
 from ..trace.taskspec import loop_slices, split_names
 
 __all__ = ["Segment", "Unit", "nbytes"]

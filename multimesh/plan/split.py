@@ -20,8 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from jax._src import core as jcore
-from jax.extend.core import Literal, Var
+from jax.extend.core import DropVar, Literal, Var
 
 from ..schedules import WEIGHT, Schedule
 from ..trace.task import Placement, task_call_p
@@ -30,7 +29,8 @@ from .segment import Segment
 __all__ = ["inline_backward_tasks", "split_backward"]
 
 
-def inline_backward_tasks(eqns: Sequence[Any], consts: dict[Var, Any]) -> tuple[list, dict[Var, Any], dict[int, Placement]]:
+def inline_backward_tasks(eqns: Sequence[Any], consts: dict[Var, Any]
+                          ) -> tuple[list, dict[Var, Any], dict[int, Placement]]:
     """Replace every backward `task_call` by its body.
 
     Returns the equations, the constants (the bodies' own added), and the
@@ -48,7 +48,7 @@ def inline_backward_tasks(eqns: Sequence[Any], consts: dict[Var, Any]) -> tuple[
         made = {v for inner in body.eqns for v in inner.outvars}
         result: dict[Var, Var] = {}  # a body result computed by the body is written to the call's output
         for v, w in zip(body.outvars, e.outvars):
-            if isinstance(w, jcore.DropVar):
+            if isinstance(w, DropVar):
                 continue
             if isinstance(v, Literal) or v not in made or v in result:
                 raise NotImplementedError(

@@ -45,7 +45,7 @@ def warn_replicated_batch(layout: Layout, placement_for: Callable[[int], Placeme
     purpose), and for leaves a constraint in the step lays out. ``main``: the step's placement (a leaf on
     another is on a task's, whose rules its registration gives).
     """
-    missing: dict[tuple[str, str, str, bool], list[str]] = {}
+    missing: dict[tuple[str, str, str, bool, bool], list[str]] = {}
     for i, leaf in enumerate(layout.leaves):
         if leaf.source != "default" or not leaf.logical:
             continue
@@ -62,7 +62,8 @@ def warn_replicated_batch(layout: Layout, placement_for: Callable[[int], Placeme
     for (name, axis, where, with_rules, on_task), paths in missing.items():
         shown = ", ".join(repr(p) for p in paths[:8]) + (f", ... ({len(paths)} in all)" if len(paths) > 8 else "")
         if with_rules:
-            why, fix = f"the rules have no rule for the batch's logical name {name!r}", f"add the rule ({name!r}, {axis!r})"
+            why = f"the rules have no rule for the batch's logical name {name!r}"
+            fix = f"add the rule ({name!r}, {axis!r})"
         else:
             over = ", ".join(repr(a) for a in model_axes)
             why = (f"the model shards its own parameters (over {over}) and no rule names the batch's logical "

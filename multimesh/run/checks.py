@@ -138,7 +138,8 @@ def check_shapes(built: Any, given: Any, what: str, fun: Callable) -> None:
     if problems:
         raise StepInputError(
             f"step {fun_name(fun)!r} was called with {len(problems)} {what} leaf(s) of another shape than it "
-            f"was built for: " + "; ".join(problems[:5]) + (f"; ... ({len(problems)} in all)" if len(problems) > 5 else "")
+            f"was built for: " + "; ".join(problems[:5])
+            + (f"; ... ({len(problems)} in all)" if len(problems) > 5 else "")
             + f". Pass the {what} that the sharded initializer (or the step itself) returned, or build the step "
             f"again (parallelize) for these shapes"
         )

@@ -1,6 +1,7 @@
-"""`parallelize`: compile a one-device function into a sharded one.
+"""`parallelize_on_mesh`: compile a one-device function into a sharded one, on a given mesh.
 
-The front door checks its arguments, evaluates parameter and batch shapes
+It is `multimesh.jax.parallelize` without ``layout="auto"`` (which lives above
+the layout search, in `multimesh.autolayout.front`). It checks its arguments, evaluates parameter and batch shapes
 abstractly (nothing is materialised), derives every sharding from
 annotations and rules, and builds the SPMD program (one `jax.jit` on one
 mesh) or, when the function calls tasks, the MPMD plan.
@@ -38,7 +39,8 @@ from .mpmd import MPMDFunction, state_scalars
 from .rule_coverage import constraint_names, rule_coverage, warn_rule_coverage
 from .spmd import ShardedFunction
 
-__all__ = ["BatchStep", "ShardedFunction", "StepAndInit", "StepFunctions", "parallelize"]
+__all__ = ["BatchStep", "ParallelizeResult", "ShardedFunction", "StepAndInit", "StepFunctions", "StepOnly",
+           "parallelize_on_mesh"]
 
 
 def _required_positional(fn: Any) -> int:
@@ -70,7 +72,7 @@ def _check_zero_arg(fn: Any, name: str) -> None:
         )
 
 
-def parallelize(
+def parallelize_on_mesh(
     fun: Callable,
     *,
     init_params: Callable[[], Any] | None = None,
@@ -83,38 +85,9 @@ def parallelize(
     batch_spec: tuple = ("batch",),
     donate: bool = False,
     strict: bool = False,
-) -> StepFunctions | StepAndInit | BatchStep | tuple:
-    """Compile ``fun(params, batch, *args)`` into a sharded function.
-
-    Args:
-      fun: the one-device step; parameters first, the batch second (without
-        ``init_params``: ``fun(batch)``).
-      init_params: zero-argument function returning the parameters (or the
-        whole train state); evaluated abstractly, then compiled so that each
-        parameter is created directly in its sharding. Optional when ``fun``
-        takes no parameters: the sharded function is then called as ``fn(batch)``.
-      get_input_batch: zero-argument function returning an example batch.
-      initial_batch: instead of ``get_input_batch``, a batch (array or pytree).
-      devices: the devices to use (default: all).
-      mesh: a `Mesh`, or an ``{axis: size}`` shape laid over ``devices``
-        (default: the global mesh of the `MultiMesh` in force, else 1-D
-        ``{"data": len(devices)}``).
-      rules: logical axis rules (see `multimesh.rules`); default: those of Flax's
-        ``nn.logical_axis_rules`` / ``axis_rules`` context in force, if any; without rules, only
-        annotations that name mesh axes shard anything.
-      param_rules: ``{regex: spec}`` for parameters that carry no metadata.
-      batch_spec: logical spec of every batch leaf unless ``fun`` constrains it
-        (default: the leading dimension is ``"batch"``).
-      donate: donate the parameters' buffers to the step (feed its new state back).
-      strict: indivisible dimensions and logical names without a rule are errors.
-
-    Returns:
-      With ``get_input_batch``, a `StepFunctions` ``(step, init_params,
-      get_input_batch)``, else a `StepAndInit` ``(step, init_params)``: named
-      tuples, so ``step_fn, init_fn, batch_fn = parallelize(...)`` unpacks
-      them. Without ``init_params`` the same less ``init_params``
-      (`BatchStep`, or a 1-tuple with ``initial_batch``).
-    """
+) -> ParallelizeResult:
+    """`multimesh.jax.parallelize` on the mesh given (or in force), without the layout search: every
+    argument as there; returns a `ParallelizeResult`."""
     if not callable(fun):
         raise TypeError(f"parallelize needs a function, got {type(fun).__name__}")
     if init_params is None:
@@ -127,12 +100,12 @@ def parallelize(
                 f"parallelize: {getattr(fun, '__name__', 'fun')!r} takes (params, batch), so it needs "
                 f"init_params= (a zero-argument function returning the parameters); init_params may be left out "
                 f"only for a fun(batch) without parameters")
-        made = parallelize(_batch_only(fun), init_params=tuple, get_input_batch=get_input_batch,
+        made = parallelize_on_mesh(_batch_only(fun), init_params=tuple, get_input_batch=get_input_batch,
                            initial_batch=initial_batch, devices=devices, mesh=mesh, rules=rules,
                            param_rules=param_rules, batch_spec=batch_spec, donate=donate, strict=strict)
         if len(made) == 3:
             return BatchStep(BatchFunction(made[0]), made[2])
-        return (BatchFunction(made[0]),)
+        return StepOnly(BatchFunction(made[0]))
     _check_zero_arg(init_params, "init_params")
     if (get_input_batch is None) == (initial_batch is None):
         raise TypeError(
@@ -254,6 +227,20 @@ class BatchStep(NamedTuple):
 
     step: BatchFunction
     get_input_batch: ShardedInitializer
+
+
+class StepOnly(NamedTuple):
+    """What `parallelize` returns for a ``fun(batch)`` with ``initial_batch=``: unpack it as ``step,``."""
+
+    step: BatchFunction
+
+
+#: What `parallelize` returns: a named tuple whose first field is the step, then the sharded initializers
+#: asked for. ``init_params=`` and ``get_input_batch=``: `StepFunctions` ``(step, init_params,
+#: get_input_batch)``; ``init_params=`` and ``initial_batch=``: `StepAndInit` ``(step, init_params)``; a
+#: ``fun(batch)`` without ``init_params=``: `BatchStep` ``(step, get_input_batch)`` or `StepOnly` ``(step,)``.
+#: Each unpacks as MultiMesh's tuples do (``step, init, get_batch = parallelize(...)``).
+ParallelizeResult = StepFunctions | StepAndInit | BatchStep | StepOnly
 
 
 class BatchFunction:

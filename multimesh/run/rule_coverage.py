@@ -48,8 +48,8 @@ def rule_coverage(layouts: Iterable[tuple[Layout, Callable[[int], Placement]]], 
 
     A logical name with no rule in the placement where it is used (and not among its rules' ``generic``)
     is named with the arrays that carry it. A rule the step was given that maps a logical name to mesh axes,
-    while the name appears on no array and in no constraint, is named too; ``constraints`` None (a plan of tasks, whose bodies resolve
-    their constraints as they are traced) skips that check.
+    while the name appears on no array and in no constraint, is named too; ``constraints`` None (a plan of
+    tasks, whose bodies resolve their constraints as they are traced) skips that check.
     """
     missing: dict[str, list[str]] = {}
     used: set[str] = set()

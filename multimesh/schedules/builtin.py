@@ -379,10 +379,10 @@ def get_schedule(
                 f"num_microbatches={s.num_microbatches}, but the pipeline has "
                 f"num_stages={num_stages}, num_microbatches={num_microbatches}"
             )
-        for key, want in kwargs.items():
-            have = getattr(s, key, None)
+        for asked, want in kwargs.items():
+            have = getattr(s, asked, None)
             if have != want:
-                raise ValueError(f"schedule {s.name!r} has {key}={have!r}, but {want!r} was asked")
+                raise ValueError(f"schedule {s.name!r} has {asked}={have!r}, but {want!r} was asked")
         s.validate()
         return s
 

@@ -25,8 +25,8 @@ from .order import Schedule
 __all__ = ["plot_schedule"]
 
 #: Colour maps of the passes: forward, backward (input gradient), weight gradient.
-_CMAPS = {FORWARD: "Blues", BACKWARD: "Oranges", "W": "Greens"}
-_NAMES = {FORWARD: "forward", BACKWARD: "backward", "W": "weight grad"}
+_CMAPS: dict[str, str] = {FORWARD: "Blues", BACKWARD: "Oranges", "W": "Greens"}
+_NAMES: dict[str, str] = {FORWARD: "forward", BACKWARD: "backward", "W": "weight grad"}
 
 
 def plot_schedule(schedule: Schedule, path: str | os.PathLike, *, forward_time: float = 1.0,

@@ -17,7 +17,7 @@ def render(shape: PipelineShape, per_stage: Mapping[int, Sequence[Action]], name
     if not isinstance(backward_slots, int) or backward_slots < 1:
         raise ValueError(f"backward_slots must be a positive int, got {backward_slots!r}")
     slots = float(backward_slots)
-    costs = {st: {FORWARD: 1.0, BACKWARD: slots, WEIGHT: slots} for st in per_stage}
+    costs: dict[int, dict[str, float]] = {st: {FORWARD: 1.0, BACKWARD: slots, WEIGHT: slots} for st in per_stage}
     tl = run(shape, per_stage, costs, 0.0, name)
     width = int(round(tl.makespan))
     grid = [["."] * width for _ in range(shape.num_stages)]

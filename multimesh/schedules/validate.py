@@ -34,14 +34,15 @@ def check_per_stage(shape: PipelineShape, per_stage: Mapping[int, Sequence[objec
     extra = sorted(set(per_stage) - set(range(shape.num_stages)))
     if extra:
         raise ValueError(f"per-stage order has stages {extra} outside 0..{shape.num_stages - 1}")
-    out = {s: tuple(per_stage.get(s, ())) for s in range(shape.num_stages)}
-    for s, actions in out.items():
-        for a in actions:
+    out: dict[int, tuple[Action, ...]] = {}
+    for s in range(shape.num_stages):
+        for a in per_stage.get(s, ()):
             if not isinstance(a, Action):
                 raise ValueError(f"stage {s}: expected Action, got {a!r}")
             check_action(shape, a)
             if shape.physical_stage(a) != s:
                 raise ValueError(f"{a} belongs to physical stage {shape.physical_stage(a)} but is listed for stage {s}")
+        out[s] = tuple(per_stage.get(s, ()))  # type: ignore[arg-type]  # each checked an Action just above
     return out
 
 

@@ -14,8 +14,8 @@ from ..core.rules import MeshAxes, RuleError, Rules
 from .deferred import logical_constraint_p
 from .implicit import placement_in_scope
 from .interpret import bind_equation
-from .nested import rebind_nested
 from .knobs import current_knobs
+from .nested import rebind_nested
 
 __all__ = ["constrain_hint", "logical_spec_to_mesh", "resolve_deferred", "shard_map", "with_sharding_constraint"]
 
@@ -51,7 +51,8 @@ def with_sharding_constraint(x: Any, shardings: Any) -> Any:
     Names are resolved by the rules of the enclosing task (or `parallelize`),
     with the array's shape (a mesh axis that does not divide a dimension is
     skipped). Inside a `shard_map` the axes that are manual there are dropped.
-    Under ``autoshard(False)`` it is `jax.lax.with_sharding_constraint`. With no rules in scope this is exactly `jax.lax.with_sharding_constraint`,
+    Under ``autoshard(False)`` it is `jax.lax.with_sharding_constraint`. With
+    no rules in scope this is exactly `jax.lax.with_sharding_constraint`,
     except that `PartitionSpec`s with no mesh anywhere in context (a model
     run on one device, e.g. as the reference) leave ``x`` as it is, as Flax's
     logical constraints do, instead of raising.

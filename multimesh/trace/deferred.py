@@ -27,7 +27,7 @@ ad.deflinear2(logical_constraint_p, lambda ct, x, **params: [logical_constraint_
 
 def _batch(args, dims, **params):
     (x,), (d,) = args, dims
-    if d is batching.not_mapped:
+    if d is None:  # not mapped: JAX gives a batching rule None for an operand it does not map
         return logical_constraint_p.bind(x, **params), d
     return x, d  # the mapped dimension is not in the spec: leave the placement to the compiler
 

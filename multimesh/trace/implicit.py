@@ -89,7 +89,8 @@ class MatchedName(str):
         return self.match.groupdict(default)
 
 
-Callback = Callable[[MatchedName, bool], "Task | tuple[tuple[int, int] | Sequence[jax.Device] | np.ndarray, str] | None"]
+Callback = Callable[[MatchedName, bool],
+                    "Task | tuple[tuple[int, int] | Sequence[jax.Device] | np.ndarray, str] | None"]
 
 
 @dataclass(eq=False)
@@ -342,7 +343,8 @@ def make_registration(
         pattern = re.compile(regex)
     except (re.error, TypeError) as e:
         raise ValueError(f"register_task: regex={regex!r} is not a valid regular expression ({e}); it is "
-                         f"matched against Flax module names and jax.named_scope names, e.g. r'layers_(\\d+)'") from None
+                         f"matched against Flax module names and jax.named_scope names, "
+                         f"e.g. r'layers_(\\d+)'") from None
     axes = tuple(device_axes) if device_axes is not None else None
     rules = logical_axes if isinstance(logical_axes, Rules) or logical_axes is None else tuple(logical_axes)
     who = f"register_task({regex!r})"

@@ -43,6 +43,7 @@ from typing import Any
 from flax.core import spmd as flax_core_spmd
 from flax.linen import spmd as linen_spmd
 
+from .._compat.flax import linen_constraint_functions, set_linen_constraint_functions
 from ..core.placement import current_placement, while_placed
 from ..core.rules import RuleError, Rules
 from .constraints import constrain_hint
@@ -61,10 +62,10 @@ _NO_FLAX_RULES = _NoFlaxRules((("\0multimesh: no Flax rules", None),))
 def flax_context_rules(mesh: Any) -> Rules | None:
     """The rules of Flax's ``nn.logical_axis_rules`` / ``nn_partitioning.axis_rules`` context (None outside
     one), checked against ``mesh``: what `parallelize` uses when it is given no ``rules=``."""
-    rules = flax_core_spmd.get_logical_axis_rules()
-    if not rules:
+    in_context = flax_core_spmd.get_logical_axis_rules()
+    if not in_context:
         return None
-    rules = Rules(rules)
+    rules = Rules(in_context)
     try:
         rules.check_mesh(dict(mesh.shape))
     except RuleError as e:
@@ -103,9 +104,8 @@ def routing_linen_constraints() -> Iterator[None]:
     global _DEPTH
     with _LOCK:
         if _DEPTH == 0:
-            _FLAX[:] = [linen_spmd.get_logical_axis_rules, linen_spmd._with_sharding_constraint_one_fallback]
-            linen_spmd.get_logical_axis_rules = _rules_in_force
-            linen_spmd._with_sharding_constraint_one_fallback = _constrain_leaf
+            _FLAX[:] = linen_constraint_functions()
+            set_linen_constraint_functions(_rules_in_force, _constrain_leaf)
         _DEPTH += 1
     try:
         yield
@@ -113,7 +113,7 @@ def routing_linen_constraints() -> Iterator[None]:
         with _LOCK:
             _DEPTH -= 1
             if _DEPTH == 0:
-                linen_spmd.get_logical_axis_rules, linen_spmd._with_sharding_constraint_one_fallback = _FLAX
+                set_linen_constraint_functions(*_FLAX)
 
 
 while_placed(routing_linen_constraints)

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
+from .._compat.jax import convert_constvars_jaxpr
 from ..core.jaxprs import subjaxprs
 from .interpret import bind_equation, interpret
 
@@ -68,10 +69,8 @@ def rebind_nested(eqn: JaxprEqn, ins: list, rule: Rule, wanted: Callable[[JaxprE
                 if closed.consts:
                     if extra or len(items) > 1:
                         return None
-                    from jax._src.interpreters import partial_eval as pe
-
                     extra = list(closed.consts)
-                    new.append(pe.convert_constvars_jaxpr(closed.jaxpr))
+                    new.append(convert_constvars_jaxpr(closed.jaxpr))
                 else:
                     new.append(closed.jaxpr)
         changed[name] = type(value)(new) if isinstance(value, (tuple, list)) else new[0]

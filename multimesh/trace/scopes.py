@@ -16,7 +16,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator, Sequence
 
-from jax._src import source_info_util
+from jax.extend import source_info_util
 
 __all__ = ["microbatch_body", "microbatch_iterations", "scope_stack"]
 

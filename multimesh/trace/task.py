@@ -23,7 +23,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import core as jcore
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -58,7 +57,7 @@ task_call_p.multiple_results = True
 
 
 def _eval(*args, jaxpr, placement, kind):
-    return jcore.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
+    return jax.core.eval_jaxpr(jaxpr.jaxpr, jaxpr.consts, *args)
 
 
 def _in_caller_mesh(aval: Any) -> Any:
@@ -175,7 +174,7 @@ def _traced_call(placement: Placement, fun: Callable, args: tuple) -> Any:
 
 
 def _is_tracing(args: Iterable) -> bool:
-    return any(isinstance(x, jcore.Tracer) for x in jax.tree.leaves(args))
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
 
 
 def _eager_call(placement: Placement, fun: Callable, args: tuple) -> Any:

@@ -21,9 +21,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import mesh as mesh_lib
 from jax.sharding import AbstractMesh, Mesh
 
+from .._compat.jax import concrete_mesh_in_context, legacy_mesh_in_context
 from ..core.placement import Placement
 from ..core.rules import MeshAxes, Rules, identity_rules
 
@@ -57,10 +57,10 @@ def jax_mesh_in_context() -> Mesh | None:
     Read from JAX's own context (``jax.sharding.get_mesh`` refuses to answer
     inside ``jax.jit``, where tasks are traced; the context is the same there).
     """
-    mesh = mesh_lib.get_concrete_mesh()
+    mesh = concrete_mesh_in_context()
     if isinstance(mesh, Mesh) and not mesh.empty:
         return mesh
-    legacy = mesh_lib.thread_resources.env.physical_mesh
+    legacy = legacy_mesh_in_context()
     return None if legacy.empty else legacy
 
 
@@ -250,7 +250,8 @@ class Task:
                              f"runs either on its own mesh or on a slice of the global mesh")
         if self.mesh_slice is not None:
             if not isinstance(self.mesh_slice, Mapping) or not self.mesh_slice:
-                raise TypeError(f"{who}: mesh_slice must be a non-empty mapping {{axis: index}}, got {self.mesh_slice!r}")
+                raise TypeError(f"{who}: mesh_slice must be a non-empty mapping {{axis: index}}, "
+                                f"got {self.mesh_slice!r}")
             object.__setattr__(self, "mesh_slice", tuple(self.mesh_slice.items()))
         if self.loop_dependent_mesh_slice is not None and not callable(self.loop_dependent_mesh_slice):
             raise TypeError(f"{who}: loop_dependent_mesh_slice must be a function iteration -> {{axis: index}}")
@@ -274,7 +275,8 @@ class Task:
         if self.loop_dependent_mesh_slice is None:
             return slice_mesh_keep(global_mesh, self.slice, f"{who}: mesh_slice")
         base = (slice_mesh_keep(global_mesh, self.slice, f"{who}: mesh_slice") if self.mesh_slice is not None
-                else slice_mesh_keep(global_mesh, dict(self.loop_dependent_mesh_slice(0)), f"{who}: loop_dependent_mesh_slice(0)"))
+                else slice_mesh_keep(global_mesh, dict(self.loop_dependent_mesh_slice(0)),
+                                     f"{who}: loop_dependent_mesh_slice(0)"))
         if iteration is None:
             return base
         got = self.loop_dependent_mesh_slice(iteration)

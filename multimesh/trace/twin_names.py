@@ -22,9 +22,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jax._src import source_info_util
+from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var
 
+from .._compat.jax import is_name_scope, name_scope
 from .implicit import scope_names
 
 __all__ = ["name_twins"]
@@ -101,13 +102,13 @@ class _Walk:
     def _renamed_scope(self, s: Any, chosen: Mapping[str, str]) -> Any:
         """``s`` renamed to its candidate's path; None (dropped: the caller's scope) for a placeholder the data
         does not name here."""
-        if not isinstance(s, source_info_util.Scope) or (k := _placeholder_of(s.name, self.placeholders)) is None:
+        if not is_name_scope(s) or (k := _placeholder_of(s.name, self.placeholders)) is None:
             return s
         self.seen.add(k)
         if k not in chosen:
             return None
         self.named.add(k)
-        return source_info_util.Scope(chosen[k] + s.name[len(k):])
+        return name_scope(chosen[k] + s.name[len(k):])
 
     def _rename_inner(self, item: Any, eqn: JaxprEqn, paths: dict[Var, str], chosen: Mapping[str, str]) -> Any:
         inner = item.jaxpr if isinstance(item, ClosedJaxpr) else item
