@@ -4,18 +4,18 @@ Every process runs the same program; call `initialize` in each, before any
 other JAX call. Under a launcher (``srun``, ``mpirun``, a Kubernetes indexed
 Job, a Cloud TPU pod) ``initialize()`` needs no arguments: the coordinator,
 the process count and id come from the launcher's variables, read by JAX's
-own detection (`multimesh.core.launch`); arguments given win. It wraps
+own detection (`multimesh.startup.launch`); arguments given win. It wraps
 `jax.distributed.initialize` and sets what multimesh's runtime needs:
 
 * CPU collectives across processes (gloo), so an SPMD program (a stage) may
   span processes; GPUs keep JAX's defaults; gloo's connection notices, which
   it prints on stdout from every process, are filtered out
-  (`multimesh.core.gloo_notices`), so they neither cut a progress bar nor
+  (`multimesh.startup.gloo_notices`), so they neither cut a progress bar nor
   fill the terminal;
 * JAX's cross-host device transfers (``jax_cross_host_transfer_socket_address``),
   so pipeline stages may sit on different processes and hosts: each process
   listens on a free port of the address other processes reach it at;
-* a roll call before JAX starts (`multimesh.core.rollcall`): process 0 waits on the coordinator port
+* a roll call before JAX starts (`multimesh.startup.rollcall`): process 0 waits on the coordinator port
   for the others, naming the missing ones every 10 s, and every start-up mistake (a process that does
   not arrive within ``initialization_timeout``, a duplicate id, different process counts, a port held
   by another program, an unresolvable or unreachable coordinator) ends every process with a
@@ -50,11 +50,11 @@ import jax
 
 from ._version import __version__
 from .core import presence
-from .core.agreement import DisagreementError, agree, source_digest
-from .core.gloo_notices import drop_gloo_notices
-from .core.launch import Launch, resolve_launch
 from .core.processes import ProcessLostError, exception_chain, heartbeat_timeout, lost_process_error
-from .core.rollcall import StartupError, roll_call, split_address
+from .startup.agreement import DisagreementError, agree, source_digest
+from .startup.gloo_notices import drop_gloo_notices
+from .startup.launch import Launch, resolve_launch
+from .startup.rollcall import StartupError, roll_call, split_address
 
 __all__ = ["DisagreementError", "Launch", "ProcessLostError", "StartupError", "agree", "find_launch", "initialize",
            "is_initialized", "reserve_port"]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from helpers import free_port
 
-from multimesh.core.gloo_notices import NoticeFilter
+from multimesh.startup.gloo_notices import NoticeFilter
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG = "dp_tp"
@@ -130,7 +130,7 @@ def test_gloo_notices_are_dropped_wherever_the_stream_is_cut(stream, shown):
 
 _PROGRAM = """
 import ctypes, os, sys
-from multimesh.core.gloo_notices import drop_gloo_notices
+from multimesh.startup.gloo_notices import drop_gloo_notices
 drop_gloo_notices()
 libc = ctypes.CDLL(None)
 libc.printf(b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\\nC line\\n")

@@ -1,6 +1,6 @@
 """Start-up mistakes of a multi-process run, and processes that disagree (issue 22, items 1 and 6).
 
-The roll call (`multimesh.core.rollcall`) is plain sockets: its cases run here as threads, in a second
+The roll call (`multimesh.startup.rollcall`) is plain sockets: its cases run here as threads, in a second
 each. The end-to-end cases start real processes (`multimesh.distributed.initialize`, the trainer CLI)
 on a free port, bound their time and end only the processes they started.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from helpers import free_port
 
-from multimesh.core.agreement import differences
-from multimesh.core.rollcall import StartupError, roll_call
+from multimesh.startup.agreement import differences
+from multimesh.startup.rollcall import StartupError, roll_call
 
 REPO = Path(__file__).resolve().parent.parent
 

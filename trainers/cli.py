@@ -166,7 +166,7 @@ def _start_processes(launch: Launch | None, cfg, startup_timeout: int, run_id: s
 def _run_identity(cfg, num_processes: int) -> dict[str, object]:
     """What every process of a run must share: each config key (dotted), the resolved out_dir, the
     process count and the trainer's code."""
-    from multimesh.core.agreement import source_digest
+    from multimesh.startup.agreement import source_digest
 
     flat: dict[str, object] = {}
 
