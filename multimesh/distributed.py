@@ -89,8 +89,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       cluster_detection_method: JAX's name of the launcher to detect (``"mpi4py"``, which JAX tries only
         when asked; default: every other one JAX knows).
       run_id: names this run, the same in every one of its processes (default: the environment
-        variable ``MULTIMESH_RUN_ID``, else none): process 0 refuses a process given another one, so
-        two runs given one coordinator port never join each other's processes.
+        variable ``MULTIMESH_RUN_ID``, else the launcher's job id, e.g. ``SLURM_JOB_ID`` and
+        ``SLURM_STEP_ID`` or Open MPI's job, else none): process 0 refuses a process given another one,
+        so two runs given one coordinator port never join each other's processes.
 
     Raises:
       StartupError: a process did not join within ``initialization_timeout``, two were given one id or
@@ -115,7 +116,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process_id must be in 0..{num_processes - 1}, got {process_id}")
     host, port = split_address(coordinator_address)
-    run_id = os.environ.get(RUN_ID_VARIABLE, "") if run_id is None else str(run_id)
+    if run_id is None:  # two jobs of one launcher differ in its job id, even on one coordinator port
+        run_id = os.environ.get(RUN_ID_VARIABLE) or launch.job_id or ""
     grace = _grace_seconds(heartbeat_timeout_seconds)
     server, go = None, {}
     if process_id == 0 and num_processes > 1:

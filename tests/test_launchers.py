@@ -105,6 +105,25 @@ def test_srun_variables_give_the_place(launched, task):
     assert find_launch().coordinator_address == "localhost:5000"
 
 
+def test_each_launcher_names_the_job_its_processes_belong_to(launched):
+    """The launcher's job id is the run id by default (`initialize`): the processes of one job share it, and
+    two jobs started on one coordinator port have different ones, so the roll call refuses their mix."""
+    ids = {}
+    for job in (4321, 4322):
+        for task in (0, 1):
+            launched(srun_variables(task, 2, job_id=job, node="localhost"))
+            ids[job, task] = find_launch().job_id
+    assert ids[4321, 0] == ids[4321, 1] == "SLURM_JOB_ID=4321.SLURM_STEP_ID=0" != ids[4322, 0]
+    launched(srun_variables(0, 2, job_id=4321, node="localhost") | {"SLURM_STEP_ID": "1"})
+    assert find_launch().job_id != ids[4321, 0]  # another step of the job is another run
+    for name in list(os.environ):
+        if LAUNCHER_VARIABLE.match(name):
+            os.environ.pop(name)
+    launched(mpirun_variables(1, 2))
+    assert find_launch().job_id == "OMPI_MCA_ess_base_jobid=1105985537"
+    assert find_launch("localhost:1234", 2, 0).job_id == "OMPI_MCA_ess_base_jobid=1105985537"
+
+
 def test_arguments_win_over_the_launcher(launched):
     launched(srun_variables(1, 2, job_id=7, node="localhost"))
     launch = find_launch("127.0.0.1:6000", process_id=0)

@@ -34,7 +34,9 @@ INDEXED_JOB_COUNT = "MULTIMESH_NUM_PROCESSES"
 @dataclass(frozen=True)
 class Launch:
     """Where this process stands: the values `jax.distributed.initialize` takes, the launcher they came
-    from (None: all given as arguments) and, for each value, where it came from (for error messages)."""
+    from (None: all given as arguments), for each value where it came from (for error messages), and
+    the launcher's id of this job (``job_id``: the same in all its processes, another in another job's;
+    None where the launcher sets none)."""
 
     coordinator_address: str
     num_processes: int
@@ -42,6 +44,7 @@ class Launch:
     local_device_ids: list[int] | None = None
     launcher: str | None = None
     sources: Mapping[str, str] = field(default_factory=dict)
+    job_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,22 @@ def resolve_launch(coordinator_address: str | None = None, num_processes: int | 
         _check_resolves(coordinator_address, sources["coordinator_address"], launcher,
                         wait=timeout if launcher == "Kubernetes indexed Job" else 0)
     return Launch(coordinator_address, num_processes, process_id,
-                  None if local_device_ids is None else list(local_device_ids), launcher, dict(sources))
+                  None if local_device_ids is None else list(local_device_ids), launcher, dict(sources),
+                  job_id=launcher_job_id(env))
+
+
+#: the variables in which launchers name the job (and, for SLURM, the job step) a process belongs to
+JOB_ID_VARIABLES = (("SLURM_JOB_ID", "SLURM_STEP_ID"), ("PMIX_NAMESPACE",), ("OMPI_MCA_ess_base_jobid",),
+                    ("JOBSET_NAME", "JOB_NAME"))
+
+
+def launcher_job_id(env: Mapping[str, str]) -> str | None:
+    """The launcher's name for this process's job (``srun``: ``SLURM_JOB_ID.SLURM_STEP_ID``; Open MPI's
+    ``mpirun``: its PMIx namespace or job id; a JobSet: its name and job), else None."""
+    for names in JOB_ID_VARIABLES:
+        if env.get(names[0]):
+            return ".".join(f"{name}={env[name]}" for name in names if env.get(name))
+    return None
 
 
 # -- JAX's detection -----------------------------------------------------------------------------------
