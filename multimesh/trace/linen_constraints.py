@@ -22,12 +22,24 @@ The call's ``mesh=`` is not used: the mesh is the one the equation runs on.
 ``fallback=`` keeps Flax's meaning: ``NO_CONSTRAINT`` skips a hint that names
 a logical name no rule mentions, ``RAISE_ERROR`` raises a ValueError.
 
+Flax also constrains each boxed parameter where a module reads it
+(``self.param`` unboxes a `nn.LogicallyPartitioned` or `nn.Partitioned`, under
+``nn.scan`` with the scanned axis taken out of its names), but only when it
+sees a mesh in context (``flax.core.meta.global_mesh_defined``). A step given
+its parameters boxed, as ``model.init`` returns them, gets those constraints
+under multimesh too: under a placement Flax is told a mesh is defined, a
+logical box's constraint takes the road above, and a box of mesh axes
+(`nn.Partitioned`, no ``mesh=`` of its own) is constrained by multimesh on
+the mesh in force, its names resolved as any spec's (mesh axes stand for
+themselves).
+
 How: Flax's `with_logical_constraint` reads its rules and constrains each
 leaf through two functions of `flax.linen.spmd` that it looks up when called
-(``get_logical_axis_rules`` and ``_with_sharding_constraint_one_fallback``).
-While any placement is in force they are replaced by the routing below, and
-restored when the last one ends; in a thread with no placement in force the
-replacements call Flax's own. Flax has no public hook for this: its rules
+(``get_logical_axis_rules`` and ``_with_sharding_constraint_one_fallback``);
+the boxes ask ``flax.core.meta.global_mesh_defined``, and `nn.Partitioned`
+constrains in its own ``unbox``. While any placement is in force these four
+are replaced by the routing below, and restored when the last one ends; in a
+thread with no placement in force the replacements call Flax's own. Flax has no public hook for this: its rules
 context gives rules but not our resolution (divisibility, deferral to the
 submesh the plan chooses), and a JAX mesh in context would change what the
 rest of the model does.
@@ -40,12 +52,14 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from flax.core import meta as flax_meta
 from flax.core import spmd as flax_core_spmd
 from flax.linen import spmd as linen_spmd
+from jax.sharding import PartitionSpec
 
 from ..core.placement import current_placement, while_placed
 from ..core.rules import RuleError, Rules
-from .constraints import constrain_hint
+from .constraints import constrain_hint, with_sharding_constraint
 
 __all__ = ["flax_context_rules", "routing_linen_constraints"]
 
@@ -92,9 +106,33 @@ def _constrain_leaf(axis_resources: Any, x: Any, fallback: Any = linen_spmd.Rule
     return constrain_hint(x, tuple(axis_resources), flax_rules, linen_spmd.RulesFallback(fallback).value)
 
 
-_FLAX: list = []  # Flax's own two functions, while ours replace them
+def _mesh_defined() -> bool:
+    """Replaces `flax.core.meta.global_mesh_defined`: under a placement there is a mesh (the one in force), so
+    a boxed parameter is constrained where a module reads it, as Flax does under a mesh of its own."""
+    return current_placement() is not None or _FLAX[2]()
+
+
+def _unbox_partitioned(box: flax_meta.Partitioned, apply_constraint: bool = True) -> Any:
+    """Replaces `flax.core.meta.Partitioned.unbox`: a box of mesh axes with no mesh of its own is constrained
+    by multimesh on the mesh in force (Flax would ask JAX for a mesh in context, which a placement lacks)."""
+    if current_placement() is None or not apply_constraint or box.mesh is not None:
+        return _FLAX[3](box, apply_constraint)
+    return with_sharding_constraint(box.value, PartitionSpec(*box.names))
+
+
+_FLAX: list = []  # Flax's own four functions, while ours replace them
 _DEPTH = 0
 _LOCK = threading.Lock()
+
+
+def _flax_hooks() -> list:
+    return [linen_spmd.get_logical_axis_rules, linen_spmd._with_sharding_constraint_one_fallback,
+            flax_meta.global_mesh_defined, flax_meta.Partitioned.unbox]
+
+
+def _set_flax_hooks(hooks: list) -> None:
+    (linen_spmd.get_logical_axis_rules, linen_spmd._with_sharding_constraint_one_fallback,
+     flax_meta.global_mesh_defined, flax_meta.Partitioned.unbox) = hooks
 
 
 @contextlib.contextmanager
@@ -103,9 +141,8 @@ def routing_linen_constraints() -> Iterator[None]:
     global _DEPTH
     with _LOCK:
         if _DEPTH == 0:
-            _FLAX[:] = [linen_spmd.get_logical_axis_rules, linen_spmd._with_sharding_constraint_one_fallback]
-            linen_spmd.get_logical_axis_rules = _rules_in_force
-            linen_spmd._with_sharding_constraint_one_fallback = _constrain_leaf
+            _FLAX[:] = _flax_hooks()
+            _set_flax_hooks([_rules_in_force, _constrain_leaf, _mesh_defined, _unbox_partitioned])
         _DEPTH += 1
     try:
         yield
@@ -113,7 +150,7 @@ def routing_linen_constraints() -> Iterator[None]:
         with _LOCK:
             _DEPTH -= 1
             if _DEPTH == 0:
-                linen_spmd.get_logical_axis_rules, linen_spmd._with_sharding_constraint_one_fallback = _FLAX
+                _set_flax_hooks(_FLAX)
 
 
 while_placed(routing_linen_constraints)
