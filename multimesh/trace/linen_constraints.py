@@ -27,18 +27,16 @@ Flax also constrains each boxed parameter where a module reads it
 ``nn.scan`` with the scanned axis taken out of its names), but only when it
 sees a mesh in context (``flax.core.meta.global_mesh_defined``). A step given
 its parameters boxed, as ``model.init`` returns them, gets those constraints
-under multimesh too: under a placement Flax is told a mesh is defined, a
-logical box's constraint takes the road above, and a box of mesh axes
-(`nn.Partitioned`, no ``mesh=`` of its own) is constrained by multimesh on
-the mesh in force, its names resolved as any spec's (mesh axes stand for
-themselves).
+under multimesh too: under a placement a logical box's constraint takes the
+road above, and a box of mesh axes (no ``mesh=`` of its own) is constrained
+by multimesh on the mesh in force, its names resolved as any spec's (mesh
+axes stand for themselves).
 
 How: Flax's `with_logical_constraint` reads its rules and constrains each
 leaf through two functions of `flax.linen.spmd` that it looks up when called
-(``get_logical_axis_rules`` and ``_with_sharding_constraint_one_fallback``);
-the boxes ask ``flax.core.meta.global_mesh_defined``, and `nn.Partitioned`
-constrains in its own ``unbox``. While any placement is in force these four
-are replaced by the routing below, and restored when the last one ends; in a
+(``get_logical_axis_rules`` and ``_with_sharding_constraint_one_fallback``),
+and the boxes constrain in their ``unbox`` methods. While any placement is in
+force these four are replaced by the routing below, and restored when the last one ends; in a
 thread with no placement in force the replacements call Flax's own. Flax has no public hook for this: its rules
 context gives rules but not our resolution (divisibility, deferral to the
 submesh the plan chooses), and a JAX mesh in context would change what the
@@ -106,18 +104,31 @@ def _constrain_leaf(axis_resources: Any, x: Any, fallback: Any = linen_spmd.Rule
     return constrain_hint(x, tuple(axis_resources), flax_rules, linen_spmd.RulesFallback(fallback).value)
 
 
-def _mesh_defined() -> bool:
-    """Replaces `flax.core.meta.global_mesh_defined`: under a placement there is a mesh (the one in force), so
-    a boxed parameter is constrained where a module reads it, as Flax does under a mesh of its own."""
-    return current_placement() is not None or _FLAX[2]()
-
-
 def _unbox_partitioned(box: flax_meta.Partitioned, apply_constraint: bool = True) -> Any:
     """Replaces `flax.core.meta.Partitioned.unbox`: a box of mesh axes with no mesh of its own is constrained
     by multimesh on the mesh in force (Flax would ask JAX for a mesh in context, which a placement lacks)."""
     if current_placement() is None or not apply_constraint or box.mesh is not None:
-        return _FLAX[3](box, apply_constraint)
+        return _FLAX[2](box, apply_constraint)
+    if _longer_than_rank(box):
+        return box.value
     return with_sharding_constraint(box.value, PartitionSpec(*box.names))
+
+
+def _unbox_logical(box: linen_spmd.LogicallyPartitioned, apply_constraint: bool = True) -> Any:
+    """Replaces `flax.linen.spmd.LogicallyPartitioned.unbox`: a logical box is constrained under a placement
+    (Flax would only under a mesh in context), by the road of `nn.with_logical_constraint` above."""
+    if current_placement() is None or not apply_constraint or box.mesh is not None:
+        return _FLAX[3](box, apply_constraint)
+    if _longer_than_rank(box):
+        return box.value
+    return linen_spmd.with_logical_constraint(box.value, box.get_partition_spec(), rules=box.rules)
+
+
+def _longer_than_rank(box: flax_meta.Partitioned) -> bool:
+    """Whether the box names more dimensions than its value has: Flax's ``DenseGeneral`` unboxes its kernel
+    flattened to 2-D while making it (and again in the abstract shape check of every apply), a constraint
+    JAX would refuse; the kernel it keeps has every dimension and is constrained where it is read."""
+    return len(box.names) > len(getattr(box.value, "shape", ()))
 
 
 _FLAX: list = []  # Flax's own four functions, while ours replace them
@@ -127,12 +138,12 @@ _LOCK = threading.Lock()
 
 def _flax_hooks() -> list:
     return [linen_spmd.get_logical_axis_rules, linen_spmd._with_sharding_constraint_one_fallback,
-            flax_meta.global_mesh_defined, flax_meta.Partitioned.unbox]
+            flax_meta.Partitioned.unbox, linen_spmd.LogicallyPartitioned.unbox]
 
 
 def _set_flax_hooks(hooks: list) -> None:
     (linen_spmd.get_logical_axis_rules, linen_spmd._with_sharding_constraint_one_fallback,
-     flax_meta.global_mesh_defined, flax_meta.Partitioned.unbox) = hooks
+     flax_meta.Partitioned.unbox, linen_spmd.LogicallyPartitioned.unbox) = hooks
 
 
 @contextlib.contextmanager
@@ -142,7 +153,7 @@ def routing_linen_constraints() -> Iterator[None]:
     with _LOCK:
         if _DEPTH == 0:
             _FLAX[:] = _flax_hooks()
-            _set_flax_hooks([_rules_in_force, _constrain_leaf, _mesh_defined, _unbox_partitioned])
+            _set_flax_hooks([_rules_in_force, _constrain_leaf, _unbox_partitioned, _unbox_logical])
         _DEPTH += 1
     try:
         yield
