@@ -109,7 +109,7 @@ def _unbox_partitioned(box: flax_meta.Partitioned, apply_constraint: bool = True
     by multimesh on the mesh in force (Flax would ask JAX for a mesh in context, which a placement lacks)."""
     if current_placement() is None or not apply_constraint or box.mesh is not None:
         return _FLAX[2](box, apply_constraint)
-    if _longer_than_rank(box):
+    if not _placeable(box, physical=True):
         return box.value
     return with_sharding_constraint(box.value, PartitionSpec(*box.names))
 
@@ -119,16 +119,26 @@ def _unbox_logical(box: linen_spmd.LogicallyPartitioned, apply_constraint: bool 
     (Flax would only under a mesh in context), by the road of `nn.with_logical_constraint` above."""
     if current_placement() is None or not apply_constraint or box.mesh is not None:
         return _FLAX[3](box, apply_constraint)
-    if _longer_than_rank(box):
+    if not _placeable(box, physical=False):
         return box.value
     return linen_spmd.with_logical_constraint(box.value, box.get_partition_spec(), rules=box.rules)
 
 
-def _longer_than_rank(box: flax_meta.Partitioned) -> bool:
-    """Whether the box names more dimensions than its value has: Flax's ``DenseGeneral`` unboxes its kernel
-    flattened to 2-D while making it (and again in the abstract shape check of every apply), a constraint
-    JAX would refuse; the kernel it keeps has every dimension and is constrained where it is read."""
-    return len(box.names) > len(getattr(box.value, "shape", ()))
+def _placeable(box: flax_meta.Partitioned, physical: bool) -> bool:
+    """Whether the box's names resolve on the placement in force. One that does not is left unconstrained
+    here: the parameter's layout reports it, naming the parameter's path. One case is no error: Flax's
+    ``DenseGeneral`` unboxes its kernel flattened to 2-D while making it (and again in the abstract shape
+    check of every apply), names longer than the value; the kernel it keeps is constrained where it is read."""
+    placement = current_placement()
+    shape = getattr(box.value, "shape", ())
+    try:
+        if physical:
+            placement.physical(PartitionSpec(*box.names), shape)
+        else:
+            placement.spec(tuple(box.names), shape)
+    except RuleError:
+        return False
+    return True
 
 
 _FLAX: list = []  # Flax's own four functions, while ours replace them
