@@ -681,6 +681,18 @@ def test_pipeline_equals_one_device(name):
     # and every other parameter (an unregistered tied embedding, say) is held by one stage
     for array in jax.tree.leaves(trees):
         assert array.sharding.device_set in on_stage
+    if name in PIPELINE_SHARDS:  # laid out by the model's own names and rules on its stage's submesh
+        path, spec, shard = PIPELINE_SHARDS[name]
+        for tree in (state["params"], state["opt"][0].mu):
+            array = leaf(tree, path)
+            assert array.sharding.spec == spec and {s.data.shape for s in array.addressable_shards} == {shard}
+
+
+#: per model, a parameter and the spec and shard shape its own names give it on its stage
+PIPELINE_SHARDS = {
+    # params_axes ("embed", "mlp") on stage 1's {data: 2, model: 2}: mlp over model=2
+    "t5x_t5": ("params/decoder/layers_1/mlp/wi_0/kernel", P(None, "model"), (16, 16)),
+}
 
 
 def test_gemma_pipeline_estimate_holds_what_it_built():
