@@ -290,7 +290,8 @@ def test_pipeline_stage_lacking_a_mesh_axis_keeps_its_constraints_and_warns():
     """Stages of {data, tensor} (no fsdp) given no rules of their own: the step's rules resolve each hint
     there, without fsdp, which a warning names; the stages train equal to one device."""
     with register_task(r"layers", split=STAGES, dims=(2, 2), device_axes=("data", "tensor")), \
-            pytest.warns(UserWarning) as record:
+            warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
         fn, init_p, _ = parallelize(step, init_params=init_boxed, get_input_batch=get_batch, mesh=PIPELINE_MESH,
                                     rules=[r for r in RULES if r[0] != "activation_length"])
         assert_trains_as_one_device(fn, init_p())

@@ -15,8 +15,8 @@ from ..core.rules import MeshAxes, RuleError, Rules, as_axes
 from .deferred import logical_constraint_p
 from .implicit import placement_in_scope
 from .interpret import bind_equation
-from .nested import rebind_nested
 from .knobs import current_knobs
+from .nested import rebind_nested
 
 __all__ = ["constrain_hint", "logical_spec_to_mesh", "resolve_deferred", "shard_map", "with_sharding_constraint"]
 
