@@ -169,12 +169,19 @@ def step(params, batch):
 Key = tuple[str, str, tuple]  # (the primitives it is nested in, its array type, its spec)
 
 
+def spec_of(sharding: jax.sharding.NamedSharding) -> tuple:
+    """The spec, less mesh axes of one device (which JAX may or may not keep: they change nothing)."""
+    sizes = dict(sharding.mesh.shape)
+    kept = [tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if sizes[a] > 1) for e in sharding.spec]
+    return norm_spec(jax.sharding.PartitionSpec(*[e[0] if len(e) == 1 else (e or None) for e in kept]))
+
+
 def constraints(jaxpr, where: str = "") -> collections.Counter[Key]:
     """Every sharding constraint of ``jaxpr``, nested ones included."""
     found: collections.Counter[Key] = collections.Counter()
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "sharding_constraint":
-            found[(where, eqn.invars[0].aval.str_short(), norm_spec(eqn.params["sharding"].spec))] += 1
+            found[(where, eqn.invars[0].aval.str_short(), spec_of(eqn.params["sharding"]))] += 1
         for inner in subjaxprs(eqn):
             found += constraints(inner, f"{where}/{eqn.primitive.name}")
     return found
@@ -341,3 +348,32 @@ def test_a_box_of_mesh_axes_is_constrained_as_flax_does_under_a_mesh():
     fn, init_p = parallelize(apply, init_params=lambda: params, initial_batch={"x": x}, mesh=MESH)
     got = constraints(fn.trace(init_p(), {"x": x}).jaxpr.jaxpr)
     assert got[("", *kernel)] == 1
+
+
+class NamedShardingHints(nn.Module):
+    """MaxText's current helpers: ``NamedSharding(mesh, nn.logical_to_mesh_axes(names))`` on the model's own
+    mesh, applied by `jax.lax.with_sharding_constraint`; the names resolved by the rules Flax sees."""
+
+    mesh: jax.sharding.Mesh
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(MLP, use_bias=False, kernel_init=_kernel(("embed", "mlp")))(x)
+        names = ("activation_batch", "activation_length", "activation_mlp")
+        return jax.lax.with_sharding_constraint(h, jax.sharding.NamedSharding(self.mesh, nn.logical_to_mesh_axes(names)))
+
+
+def test_the_model_own_logical_to_mesh_axes_resolves_by_the_rules_given():
+    mesh = build_mesh(MESH)
+    hinted = NamedShardingHints(mesh)
+    x = jnp.ones((BATCH, LENGTH, EMBED))
+    params = hinted.init(jax.random.key(0), x)
+
+    def apply(p, b):
+        return jnp.sum(hinted.apply(p, b["x"]))
+
+    activation = (f"float32[{BATCH},{LENGTH},{MLP}]", (("data", "fsdp"), None, "tensor"))
+    with jax.set_mesh(mesh), nn_partitioning.axis_rules(RULES):
+        assert constraints(jax.make_jaxpr(apply)(params, {"x": x}).jaxpr)[("", *activation)] == 1
+    fn, init_p = parallelize(apply, init_params=lambda: params, initial_batch={"x": x}, mesh=MESH, rules=RULES)
+    assert constraints(fn.trace(init_p(), {"x": x}).jaxpr.jaxpr)[("", *activation)] == 1

@@ -18,6 +18,10 @@ submesh, or the submesh the plan later gives the equation: deferred), with
 2. else Flax's rules in force (the call's ``rules=`` or Flax's context);
 3. else nothing: with no rules anywhere the hint is a no-op, as in Flax.
 
+Flax's own lookup of the rules in force (``nn.logical_to_mesh_axes(names)``,
+which MaxText's helpers call to build a `NamedSharding` on their own mesh)
+answers multimesh's rules there when Flax has none of its own.
+
 The call's ``mesh=`` is not used: the mesh is the one the equation runs on.
 ``fallback=`` keeps Flax's meaning: ``NO_CONSTRAINT`` skips a hint that names
 a logical name no rule mentions, ``RAISE_ERROR`` raises a ValueError.
@@ -62,12 +66,14 @@ from .constraints import constrain_hint, with_sharding_constraint
 __all__ = ["flax_context_rules", "routing_linen_constraints"]
 
 
-class _NoFlaxRules(tuple):
-    """What Flax's rule lookup answers under a placement when Flax has no rules: not empty, so that
-    Flax goes on to constrain (through us) instead of returning early; a rule naming nothing."""
+class _InForce(tuple):
+    """What Flax's rule lookup answers under a placement when Flax has no rules: multimesh's rules in force,
+    so that the model's own ``nn.logical_to_mesh_axes`` resolves by them (MaxText's sharding helpers build
+    their `NamedSharding`s so), or a rule naming nothing; never empty, so that Flax goes on to constrain
+    (through us) instead of returning early, and never taken for Flax's own rules."""
 
 
-_NO_FLAX_RULES = _NoFlaxRules((("\0multimesh: no Flax rules", None),))
+_NO_RULE = (("\0multimesh: no rules", None),)
 
 
 def flax_context_rules(mesh: Any) -> Rules | None:
@@ -86,11 +92,12 @@ def flax_context_rules(mesh: Any) -> Rules | None:
 
 
 def _rules_in_force() -> Any:
-    """Replaces `flax.linen.spmd.get_logical_axis_rules`: Flax's rules, or the marker under a placement."""
+    """Replaces `flax.linen.spmd.get_logical_axis_rules`: Flax's rules, or under a placement multimesh's."""
     rules = flax_core_spmd.get_logical_axis_rules()
-    if rules or current_placement() is None:
+    placement = current_placement()
+    if rules or placement is None:
         return rules
-    return _NO_FLAX_RULES
+    return _InForce(placement.own_rules.rules or _NO_RULE)
 
 
 def _constrain_leaf(axis_resources: Any, x: Any, fallback: Any = linen_spmd.RulesFallback.AXIS_IS_UNSHARDED,
@@ -100,7 +107,7 @@ def _constrain_leaf(axis_resources: Any, x: Any, fallback: Any = linen_spmd.Rule
         return _FLAX[1](axis_resources, x, fallback=fallback, rules=rules, mesh=mesh)
     if axis_resources is None:
         return x
-    flax_rules = None if rules is None or rules is _NO_FLAX_RULES else Rules(rules).rules  # hashable
+    flax_rules = None if rules is None or isinstance(rules, _InForce) else Rules(rules).rules  # hashable
     return constrain_hint(x, tuple(axis_resources), flax_rules, linen_spmd.RulesFallback(fallback).value)
 
 
