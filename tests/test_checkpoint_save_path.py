@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from multimesh.checkpoint import CheckpointManager
-from multimesh.checkpoint.handlers import _LeanLimit
+from multimesh._compat.orbax import LeanByteLimit
 
 pytestmark = pytest.mark.devices(8)
 
@@ -69,7 +69,7 @@ def test_save_slices_no_replicas_and_formats_no_sizes(tmp_path, monkeypatch):
 
 def test_lean_limit_holds_reservations_to_the_limit():
     async def run() -> list[str]:
-        limit = _LeanLimit(100)
+        limit = LeanByteLimit(100)
         order: list[str] = []
         await limit.wait_for_bytes(60)
         order.append("a in")

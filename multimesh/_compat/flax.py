@@ -9,30 +9,38 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from flax.core import meta as _flax_meta
 from flax.linen import spmd as _linen_spmd
 
 __all__ = ["linen_constraint_functions", "running_linen_module", "set_linen_constraint_functions"]
 
 
-def linen_constraint_functions() -> tuple[Callable, Callable]:
-    """The two functions of ``flax.linen.spmd`` that ``nn.with_logical_constraint`` looks up when called:
-    ``get_logical_axis_rules`` (the rules in force) and ``_with_sharding_constraint_one_fallback``
-    (constrain one leaf).
+def linen_constraint_functions() -> tuple[Callable, Callable, Callable, Callable]:
+    """The four functions through which Linen constrains: ``nn.with_logical_constraint`` looks up two of
+    ``flax.linen.spmd`` when called, ``get_logical_axis_rules`` (the rules in force) and
+    ``_with_sharding_constraint_one_fallback`` (constrain one leaf); and a boxed parameter is constrained
+    where a module reads it by its box's ``unbox`` (``flax.core.meta.Partitioned.unbox``,
+    ``flax.linen.spmd.LogicallyPartitioned.unbox``).
 
-    Public replacement: none (a hook in ``with_logical_constraint`` for resolving names, or a rules
-    context that also takes the mesh to resolve on, would replace both). Tested on flax 0.12.12.
+    Public replacement: none (a hook in ``with_logical_constraint`` and in unboxing for resolving names, or
+    a rules context that also takes the mesh to resolve on, would replace all four). Tested on flax 0.12.12
+    and 0.12.7.
     """
-    return _linen_spmd.get_logical_axis_rules, _linen_spmd._with_sharding_constraint_one_fallback
+    return (_linen_spmd.get_logical_axis_rules, _linen_spmd._with_sharding_constraint_one_fallback,
+            _flax_meta.Partitioned.unbox, _linen_spmd.LogicallyPartitioned.unbox)
 
 
-def set_linen_constraint_functions(rules: Callable, constrain_leaf: Callable) -> None:
-    """Replaces the two functions of `linen_constraint_functions` (in ``flax.linen.spmd``, for every thread)
-    with ``rules`` and ``constrain_leaf``, which take the same arguments.
+def set_linen_constraint_functions(rules: Callable, constrain_leaf: Callable, unbox_partitioned: Callable,
+                                   unbox_logical: Callable) -> None:
+    """Replaces the four functions of `linen_constraint_functions` (for every thread) with these, which take
+    the same arguments.
 
-    Public replacement: none (see `linen_constraint_functions`). Tested on flax 0.12.12.
+    Public replacement: none (see `linen_constraint_functions`). Tested on flax 0.12.12 and 0.12.7.
     """
     _linen_spmd.get_logical_axis_rules = rules
     _linen_spmd._with_sharding_constraint_one_fallback = constrain_leaf
+    _flax_meta.Partitioned.unbox = unbox_partitioned  # type: ignore[method-assign]
+    _linen_spmd.LogicallyPartitioned.unbox = unbox_logical  # type: ignore[method-assign]
 
 
 def running_linen_module() -> Any:

@@ -16,7 +16,8 @@ module does it on the traced step, before partitioning (`partition.partition`):
    *split along axis a* when it feeds or comes out of a split scan's stacked
    operands (``xs``/``ys``, axis 0), or is tied to such a value by an
    equation that can run part by part: elementwise arithmetic (the optimizer
-   update, gradient accumulation), ``transpose`` (a layer axis at dimension 1,
+   update, gradient accumulation), a logical sharding constraint (Flax
+   constrains a boxed stack where the step unboxes it), ``transpose`` (a layer axis at dimension 1,
    MaxText's ``param_scan_axis=1``, is moved to 0 before scanning),
    ``broadcast_in_dim``, and reductions that keep the axis. Propagated to a
    fixed point, this reaches the step's inputs (the stacked parameters, the
@@ -196,7 +197,7 @@ _ELEMENTWISE = frozenset("""
     abs add add_any and atan2 cbrt ceil clamp convert_element_type copy copy_p cos div eq erf erf_inv exp exp2
     expm1 floor ge gt imag integer_pow is_finite le log log1p logistic lt max min mul ne neg nextafter not or
     pow real reduce_precision rem round rsqrt select_n sign sin sqrt square sub tan tanh xor
-""".split())
+""".split()) | {"logical_constraint"}  # a deferred constraint: each part held to its names where it runs
 _REDUCE_COMBINE: dict[str, Callable] = {"reduce_sum": lax.add, "reduce_max": lax.max, "reduce_min": lax.min}
 
 

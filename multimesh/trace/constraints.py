@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..core.meshes import constrain, drop_axes
 from ..core.placement import Placement, current_placement, use_placement
-from ..core.rules import MeshAxes, RuleError, Rules
+from ..core.rules import MeshAxes, RuleError, Rules, as_axes
 from .deferred import logical_constraint_p
 from .implicit import placement_in_scope
 from .interpret import bind_equation
@@ -84,24 +85,30 @@ def with_sharding_constraint(x: Any, shardings: Any) -> Any:
 
 
 def constrain_hint(x: jax.Array, spec: tuple, flax_rules: tuple[tuple[str, MeshAxes], ...] | None = None,
-                   fallback: str = "axis_is_unsharded") -> jax.Array:
+                   fallback: str = "axis_is_unsharded", step_rules: Rules | None = None,
+                   step_axes: tuple[tuple[str, int], ...] = ()) -> jax.Array:
     """A Flax Linen hint (``nn.with_logical_constraint``) on one array, resolved on the mesh in force by
 
     1. multimesh's rules in force, when they say more than "each mesh axis is itself";
-    2. else ``flax_rules`` (the Flax rules the call saw);
-    3. else nothing: with no rules anywhere the hint does nothing, as in Flax.
+    2. else ``step_rules``: the rules of the step that traced the hint (`parallelize`'s), for a hint that
+       runs in a task given no ``logical_axes`` of its own (a pipeline stage);
+    3. else ``flax_rules`` (the Flax rules the call saw);
+    4. else nothing: with no rules anywhere the hint does nothing, as in Flax.
 
     ``fallback`` is Flax's `RulesFallback` value for names no rule mentions: ``"axis_is_unsharded"``
     (replicated), ``"no_constraint"`` (the hint is skipped), ``"raise_error"``. Deferred, like any logical
-    constraint, while the placement is: the rules are chosen where the equation runs.
+    constraint, while the placement is: the rules are chosen where the equation runs. There, a rule naming
+    a mesh axis of the step's mesh (``step_axes``: its ``(axis, size)`` pairs) that the running submesh lacks
+    is applied without that axis, and a warning names the hint and the axis (if it has more than one device).
     """
     placement = current_placement()
     if placement is None or current_knobs().autoshard is False:
         return x  # Flax's own behaviour with no mesh in context
     if placement.defer and not _manual_axes():
-        return logical_constraint_p.bind(x, spec=tuple(spec), hint=(flax_rules, fallback))
+        hint = (flax_rules, fallback, placement.own_rules or None, tuple(placement.mesh.shape.items()))
+        return logical_constraint_p.bind(x, spec=tuple(spec), hint=hint)
     mine = placement.own_rules
-    rules = mine or Rules(flax_rules or ())
+    rules = mine or step_rules or Rules(flax_rules or ())
     if not rules:
         return x
     known = rules.logical_names | set(placement.mesh.axis_names)
@@ -113,14 +120,48 @@ def constrain_hint(x: jax.Array, spec: tuple, flax_rules: tuple[tuple[str, MeshA
                          f"{rules} (fallback=RAISE_ERROR)")
     if mine:
         return with_sharding_constraint(x, PartitionSpec(*spec))
+    rules = _rules_on_submesh(rules, placement, tuple(spec), x, step_axes)
     try:
-        by_flax = Placement(placement.mesh, Rules(rules, strict=placement.rules.strict), placement.name)
+        by_these = Placement(placement.mesh, Rules(rules, strict=placement.rules.strict), placement.name)
     except RuleError as e:
         raise RuleError(f"{e} (a rule of Flax's rules in force, which resolve nn.with_logical_constraint(x, "
                         f"{tuple(spec)}) where multimesh has no rules of its own: give rules= or "
                         f"logical_axes=)") from None
-    with use_placement(by_flax):
+    with use_placement(by_these):
         return with_sharding_constraint(x, PartitionSpec(*spec))
+
+
+def _rules_on_submesh(rules: Rules, placement: Placement, spec: tuple, x: Any,
+                      step_axes: tuple[tuple[str, int], ...]) -> Rules:
+    """``rules`` less the mesh axes of the step's mesh that ``placement``'s submesh lacks, with a warning naming
+    the hint and the axes where that changes it (an axis of one device changes nothing); a rule left with no
+    axis is dropped (the name's next rule applies, as when Flax finds a rule's axes taken). Axes the step's
+    mesh lacks too are left: an error."""
+    sizes = dict(step_axes)
+    lacking = set(sizes) - set(placement.mesh.axis_names)
+    if not lacking:
+        return rules
+    names = {n for d in spec for n in (d if isinstance(d, tuple) else (d,)) if isinstance(n, str)}
+    kept, lost = [], []
+    for name, axes in rules.rules:
+        gone = [a for a in as_axes(axes) if a in lacking]
+        if not gone:
+            kept.append((name, axes))
+            continue
+        if name in names and any(sizes[a] > 1 for a in gone):
+            lost.append(f"{name!r} -> {', '.join(repr(a) for a in gone if sizes[a] > 1)}")
+        left = tuple(a for a in as_axes(axes) if a not in lacking)
+        if left:
+            kept.append((name, left))
+    if lost:
+        where = placement.describe() if placement.name else f"the submesh {dict(placement.mesh.shape)}"
+        missing = sorted(a for a in lacking if sizes[a] > 1)
+        warnings.warn(f"nn.with_logical_constraint(x, {spec}) on {getattr(x, 'aval', x).str_short()} runs on "
+                      f"{where}, which lacks mesh ax{'is' if len(missing) == 1 else 'es'} "
+                      f"{', '.join(map(repr, missing))} of the step's mesh {sizes}: its rules {'; '.join(lost)} "
+                      f"apply without it (give the task logical_axes= for its submesh to choose otherwise)",
+                      UserWarning, stacklevel=2)
+    return Rules(kept, strict=rules.strict, generic=rules.generic)
 
 
 def resolve_deferred(eqn: Any, ins: list) -> list:
