@@ -80,10 +80,10 @@ _NO_RULE = (("\0multimesh: no rules", None),)
 def flax_context_rules(mesh: Any) -> Rules | None:
     """The rules of Flax's ``nn.logical_axis_rules`` / ``nn_partitioning.axis_rules`` context (None outside
     one), checked against ``mesh``: what `parallelize` uses when it is given no ``rules=``."""
-    rules = flax_core_spmd.get_logical_axis_rules()
-    if not rules:
+    in_context = flax_core_spmd.get_logical_axis_rules()
+    if not in_context:
         return None
-    rules = Rules(rules)
+    rules = Rules(in_context)
     try:
         rules.check_mesh(dict(mesh.shape))
     except RuleError as e:
@@ -138,6 +138,8 @@ def _placeable(box: flax_meta.Partitioned, physical: bool) -> bool:
     ``DenseGeneral`` unboxes its kernel flattened to 2-D while making it (and again in the abstract shape
     check of every apply), names longer than the value; the kernel it keeps is constrained where it is read."""
     placement = current_placement()
+    if placement is None:
+        return False
     shape = getattr(box.value, "shape", ())
     try:
         if physical:
