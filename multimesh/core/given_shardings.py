@@ -19,6 +19,7 @@ The jaxpr holds them, as parameters of the equations that made the outputs:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -147,15 +148,22 @@ class _Mover:
     def eqn(self, eqn: JaxprEqn) -> JaxprEqn:
         ins, outs = [_shape(v) for v in eqn.invars], [_shape(v) for v in eqn.outvars]
         shapes = {"in_shardings": ins, "out_shardings": outs, "sharding": outs, "devices": ins}
-        params = {k: self.value(v, shapes.get(k), f"{self.what}: {eqn.primitive.name} {k}")
+        # a constraint inside the function is a hint: on a stage that lacks an axis it names, it goes without it
+        hint = eqn.primitive.name == "sharding_constraint"
+        params = {k: self.value(v, shapes.get(k), f"{self.what}: {eqn.primitive.name} {k}",
+                                hint=hint and k == "sharding")
                   for k, v in eqn.params.items()}
         return eqn.replace(params=params)
 
-    def value(self, value: Any, shapes: Sequence | None, where: str) -> Any:
+    def value(self, value: Any, shapes: Sequence | None, where: str, hint: bool = False) -> Any:
         if isinstance(value, NamedSharding) and self.elsewhere(value.mesh):
             self.moved = True
             shape = shapes[0] if shapes else None
-            return self.placement.physical(value.spec, shape, path=where)
+            spec = value.spec
+            if hint:
+                spec = _without_axes(spec, set(value.mesh.axis_names) - set(self.placement.mesh.axis_names),
+                                     where, self.placement)
+            return self.placement.physical(spec, shape, path=where)
         if self.elsewhere(value):
             self.moved = True
             return self.placement.mesh
@@ -172,3 +180,22 @@ class _Mover:
 def _shape(var: Any) -> tuple[int, ...]:
     """A jaxpr variable's shape (a literal's or token's: none)."""
     return tuple(getattr(var.aval, "shape", ()))
+
+
+def _without_axes(spec: PartitionSpec, missing: set[str], where: str, placement: Placement) -> PartitionSpec:
+    """``spec`` without the mesh axes in ``missing`` (a warning names them): a constraint inside an
+    initializer is a hint, which on a stage that lacks an axis applies without it."""
+    named = {a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))}
+    dropped = sorted(named & missing)
+    if not dropped:
+        return spec
+    warnings.warn(f"{where}: {spec} names mesh axis {', '.join(map(repr, dropped))}, which the stage "
+                  f"{placement.describe()} lacks; the constraint applies there without it", stacklevel=2)
+
+    def keep(entry: Any) -> Any:
+        if isinstance(entry, tuple):
+            kept = tuple(a for a in entry if a not in missing)
+            return kept or None
+        return None if entry in missing else entry
+
+    return PartitionSpec(*(keep(e) for e in spec))
