@@ -65,17 +65,24 @@ class _ByParams(NameStackWalk):
     def owner(self, path: str) -> tuple[Registration, str] | None:
         """The first registration matching ``path`` and its match (``layers.0``), or None."""
         if path not in self._owner:
-            self._owner[path] = next(((r, m.group(0)) for r in self.registrations
-                                      if (m := match_path(r.pattern, path)) is not None), None)
+            owner = next(((r, m.group(0)) for r in self.registrations if (m := match_path(r.pattern, path))), None)
+            if owner is not None and any(c in owner[1] for c in "/()"):  # a name stack's own punctuation
+                raise ValueError(f"{owner[0].call} matches {owner[1]!r} in the parameter path {path!r}, whose keys "
+                                 f"hold '/', '(' or ')', which a JAX name stack cannot carry; rename those keys")
+            self._owner[path] = owner
         return self._owner[path]
 
-    def name_stack(self, eqn: JaxprEqn, reads: Sequence[str], context: Any) -> Any:
-        owners = list(dict.fromkeys(o for p in reads if (o := self.owner(p)) is not None))
+    def task_of(self, paths: Sequence[str]) -> str | None:
+        """The match (``layers.0``) when the parameters at ``paths`` belong to one task: one match, or several
+        of one registration that places them all alike (no callback); else None."""
+        owners = list(dict.fromkeys(o for p in paths if (o := self.owner(p)) is not None))
         if not owners:
             return None
         registration, match = owners[0]
-        # one task: one match, or several of one registration that places them all alike (no callback)
-        one_task = len(owners) == 1 or (all(r is registration for r, _ in owners) and registration.callback is None)
-        if not one_task:
-            return None
-        return with_scope(eqn.source_info.name_stack, PARAM_SCOPE + match)
+        if len(owners) == 1 or (all(r is registration for r, _ in owners) and registration.callback is None):
+            return match
+        return None
+
+    def name_stack(self, eqn: JaxprEqn, reads: Sequence[str], context: Any) -> Any:
+        match = self.task_of(reads)
+        return None if match is None else with_scope(eqn.source_info.name_stack, PARAM_SCOPE + match)
