@@ -138,10 +138,10 @@ def test_param_scopes_and_scope_names_are_matched_apart():
 
 
 def test_a_pattern_matching_no_parameter_path_names_the_paths():
-    with register_task(params=r"blocks\.0", devices=jax.devices()[:4]):
-        with pytest.raises(ValueError, match=r"register_task\(params='blocks\\\\.0'\) matches no parameter path.*"
-                                             r"params\.layers\.0\.w"):
-            parallelize(make_step(), init_params=init, get_input_batch=get_batch)
+    with register_task(params=r"blocks\.0", devices=jax.devices()[:4]), \
+            pytest.raises(ValueError, match=r"register_task\(params='blocks\\\\.0'\) matches no parameter path.*"
+                                            r"params\.layers\.0\.w"):
+        parallelize(make_step(), init_params=init, get_input_batch=get_batch)
 
 
 def test_register_task_takes_one_pattern():

@@ -51,12 +51,12 @@ from .task import Placement, make_placement
 from .taskspec import Task, current_global_mesh, loop_slices
 
 __all__ = [
+    "PARAM_SCOPE",
     "MatchedName",
     "Registration",
     "clear_tasks",
     "implicit_placement",
     "is_backprop",
-    "PARAM_SCOPE",
     "match_name",
     "match_path",
     "microbatch_of",
@@ -649,8 +649,8 @@ def _warn_shadowed(winner: Registration, name: str, placement: Placement,
         where = f"inside {name!r}, which" if inner != name else "but"
         warnings.warn(
             f"{reg.call} matches {inner!r}, {where} {winner.call} already places on {placement.describe()}: the "
-            f"outermost match (then the "
-            f"first registered) wins, so {inner!r} does not run on {other.describe()}; narrow "
+            f"outermost match (then the first registered) wins, so {inner!r} does not run on {other.describe()}; "
+            f"narrow "
             f"{winner.pattern.pattern!r} (e.g. leave {name!r} out of it) to let the inner registration place it",
             stacklevel=2,
         )
