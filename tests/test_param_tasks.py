@@ -145,7 +145,7 @@ def test_a_pattern_matching_no_parameter_path_names_the_paths():
 
 
 def test_register_task_takes_one_pattern():
-    with pytest.raises(TypeError, match="one pattern"):
+    with pytest.raises(TypeError, match="give exactly one"):
         register_task(r"layers_0", params=r"layers\.0", devices=jax.devices()[:4])
     with pytest.raises(ValueError, match="split= splits a scanned stack"):
         register_task(params=r"layers", split={(0, 2): ((0, 4), "a"), (2, 4): ((4, 8), "b")})
