@@ -343,8 +343,8 @@ def register_task(
     """
     if sum(p is not None for p in (regex, matcher, params)) != 1:
         raise TypeError("register_task needs the name pattern: register_task(regex, ...) or "
-                        "register_task(matcher=...), or a pattern over the paths of the parameters equations read: register_task(params=...); "
-                        "give exactly one")
+                        "register_task(matcher=...), or a pattern over the paths of the parameters equations read: "
+                        "register_task(params=...); give exactly one")
     pattern = next(p for p in (regex, matcher, params) if p is not None)
     reg = make_registration(pattern, name=name, mesh=mesh, dims=dims, callback=callback, devices=devices,
                             device_axes=device_axes, logical_axes=logical_axes, task=task, split=split,
