@@ -16,7 +16,10 @@ none; a call's body is scoped equation by equation.
 The equations between, which read no parameter (a norm's statistics, the
 residual add, the attention's softmax, a weight's gradient ``x.T @ dy``),
 are glue: the planner's colouring runs each with the first placed equation
-that consumes its result, else with its largest placed input.
+that consumes its result, else with its largest placed input. Where one
+stage's layers end and the next one's begin, that glue (a residual add, the
+next norm's statistics, the sum of the q, k and v input gradients) runs on
+either side, so a few more activations may cross than one cut would send.
 """
 
 from __future__ import annotations
