@@ -14,7 +14,12 @@ b. a 2-stage 1F1B pipeline by `register_task` on the model's own scope names
    layer: one layer, its attention on the first stage and its MLP on the
    second), the
    initializer run for each stage with its shardings moved onto that stage;
-c. an SPMD checkpoint restored onto the pipeline, trained on.
+c. an SPMD checkpoint restored onto the pipeline, trained on;
+d. the layout a user asks for, on a model of 4 layers: layers 0-1 and the
+   embedding on the first stage, layers 2-3, the final norm and the logits on
+   the second, by `register_task(params=...)` on the parameters' paths (the
+   model opens no scope per layer), 1F1B equal to one device; an SPMD
+   checkpoint restored onto it.
 
 Each is compared with the same step on one device (plain `jax.jit` on a
 1-device mesh): losses, parameters and optimizer state after several steps,
