@@ -85,7 +85,7 @@ class Context:
         traced, innermost scope first (None: none matches, or it has no slice)."""
         for name in reversed(scope_names(scope_stack())):
             for reg in self._registrations:
-                m = match_name(reg.pattern, name)
+                m = None if reg.params else match_name(reg.pattern, name)
                 if m is None:
                     continue
                 got = reg.task if reg.callback is None else reg.callback(MatchedName(m), False)

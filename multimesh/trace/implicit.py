@@ -13,6 +13,12 @@ recomputed.
     register_task(r"layers_(\\d+)", dims=(2, 2), device_axes=("data", "model"),
                   callback=lambda name, backprop: ((0, 4), "first") if int(name.group(1)) < 2 else ((4, 8), "second"))
     register_task(r"layers_0", task=Task(mesh=TaskMesh(devices=(0, 1, 2, 3), axis_sizes=(2, 2), axis_names=("x", "y"))))
+    register_task(params=r"embedding|layers\\.[01]", devices=jax.devices()[:4])   # a plain-pytree model
+
+A model in plain JAX opens no scope per layer; ``params=`` names its parts by
+the paths of the parameters they read instead (`param_scopes`): once the step
+is traced, an equation that reads ``params.layers.0.q`` runs under the scope
+``param:layers.0``, which only ``params=`` registrations match.
 
 A callback receives the matched name (a `MatchedName`: a ``str``, as in
 MultiMesh, which also offers ``.group(n)``) and may return a `Task`, a
@@ -45,12 +51,14 @@ from .task import Placement, make_placement
 from .taskspec import Task, current_global_mesh, loop_slices
 
 __all__ = [
+    "PARAM_SCOPE",
     "MatchedName",
     "Registration",
     "clear_tasks",
     "implicit_placement",
     "is_backprop",
     "match_name",
+    "match_path",
     "microbatch_of",
     "names_in",
     "placed_by",
@@ -109,9 +117,17 @@ class Registration:
     global_mesh: Mesh | None = None
     #: ``split=``: ``((first, stop), where)`` per layer range of a scanned stack (`plan.scan_split`)
     split: tuple[tuple[tuple[int, int], Any], ...] | None = None
+    #: ``params=``: the pattern is matched against the paths of the parameters an equation reads (`match_path`),
+    #: through the ``param:`` scopes `param_scopes` gives them, not against scope names
+    params: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
     #: registrations whose matches inside this one's were warned about (`_warn_shadowed`): once each
     _shadowed: set = field(default_factory=set, repr=False)
+
+    @property
+    def call(self) -> str:
+        """How it was registered, for messages: ``register_task('layers_3')``, ``register_task(params='...')``."""
+        return f"register_task({'params=' if self.params else ''}{self.pattern.pattern!r})"
 
     def placement_for(self, match: re.Match, backprop: bool, iteration: int | None = None) -> Placement | None:
         """Where ``match`` runs (``iteration``: its `microbatch` index, for loop-dependent slices).
@@ -146,7 +162,7 @@ class Registration:
             for (first, stop), where in self.split or ():
                 got = where if isinstance(where, (Placement, Task)) else self._resolve(where, match)
                 if got is None:
-                    raise ValueError(f"register_task({self.pattern.pattern!r}): split= places layers "
+                    raise ValueError(f"{self.call}: split= places layers "
                                      f"[{first}, {stop}) nowhere (None); give every range a placement")
                 if isinstance(got, Task):
                     got = got.placement(self.name or f"{match.group(0)}[{first}:{stop}]",
@@ -162,7 +178,7 @@ class Registration:
         """A callback's answer (a Task, ``((start, stop), name)``, ``(devices, name)`` or None) as a placement."""
         if got is None or isinstance(got, Task):
             return got
-        who = f"register_task({self.pattern.pattern!r})"
+        who = self.call
         try:
             where, name = got
         except (TypeError, ValueError):
@@ -267,6 +283,7 @@ def register_task(
     logical_axes: Iterable[tuple[str, MeshAxes]] | None = None,
     task: Task | None = None,
     split: Any = None,
+    params: str | None = None,
 ) -> Registration:
     """Run every Flax module (or `jax.named_scope`) whose name fully matches ``regex`` as a task.
 
@@ -284,6 +301,20 @@ def register_task(
         places it, and a registration of ``layers_3`` that would place it
         elsewhere is warned about, naming both patterns.
         (MultiMesh v0.2 calls it ``matcher``, accepted as a keyword too.)
+      params: instead of ``regex``, a pattern over the *paths of the
+        parameters* an equation reads, for a model that opens no scope per
+        part (plain JAX: parameters a pytree of dataclasses, dicts or lists).
+        A path is the step input's pytree path, its keys joined with ``.``
+        (``params.layers.1.q``, ``opt.0.trace.layers.1.q``); the pattern
+        matches when it fully matches whole consecutive keys of it
+        (``layers\\.[01]``: ``layers.0`` or ``layers.1``, not ``layers.10``).
+        Equations reading matching parameters run on the task, forward and
+        backward (and the optimizer's update of them); the activations between
+        (a norm's statistics, residual adds, the softmax) and each weight's
+        gradient go where the planner's colouring puts glue: with the equation
+        that consumes them. A pattern matching no path is an error naming the
+        paths there are. A scope name match (``regex``) outside it wins.
+        See `trace.param_scopes`.
       name: the task's name in plans and errors (default: ``regex``).
       task: where matches run, as a `Task` (MultiMesh v0.2); or
       mesh: a fixed placement's mesh, as for `task`.
@@ -313,11 +344,14 @@ def register_task(
     Returns:
       A handle: ``.remove()`` unregisters, and ``with register_task(...):`` scopes it.
     """
-    if (regex is None) == (matcher is None):
-        raise TypeError("register_task needs the name pattern: register_task(regex, ...) or register_task(matcher=...)")
-    regex = regex if regex is not None else matcher
-    reg = make_registration(regex, name=name, mesh=mesh, dims=dims, callback=callback, devices=devices,
-                            device_axes=device_axes, logical_axes=logical_axes, task=task, split=split)
+    if sum(p is not None for p in (regex, matcher, params)) != 1:
+        raise TypeError("register_task needs the name pattern: register_task(regex, ...) or "
+                        "register_task(matcher=...), or a pattern over the paths of the parameters equations read: "
+                        "register_task(params=...); give exactly one")
+    pattern = next(p for p in (regex, matcher, params) if p is not None)
+    reg = make_registration(pattern, name=name, mesh=mesh, dims=dims, callback=callback, devices=devices,
+                            device_axes=device_axes, logical_axes=logical_axes, task=task, split=split,
+                            params=params is not None)
     if _CONTEXTS:
         _CONTEXTS[-1].adopt(reg)
     add_registration(reg)
@@ -337,17 +371,24 @@ def make_registration(
     task: Task | None = None,
     global_mesh: Mesh | None = None,
     split: Any = None,
+    params: bool = False,
 ) -> Registration:
-    """A `Registration` checked and built, not yet in force (`add_registration`)."""
+    """A `Registration` checked and built, not yet in force (`add_registration`); ``params``: ``regex`` is
+    matched against parameter paths (`match_path`)."""
     try:
         pattern = re.compile(regex)
     except (re.error, TypeError) as e:
-        raise ValueError(f"register_task: regex={regex!r} is not a valid regular expression ({e}); it is "
-                         f"matched against Flax module names and jax.named_scope names, "
-                         f"e.g. r'layers_(\\d+)'") from None
+        what = (f"params={regex!r} is not a valid regular expression ({e}); it is matched against parameter "
+                f"paths, e.g. r'layers\\.[01]'" if params else
+                f"regex={regex!r} is not a valid regular expression ({e}); it is matched against Flax module names "
+                f"and jax.named_scope names, e.g. r'layers_(\\d+)'")
+        raise ValueError(f"register_task: {what}") from None
     axes = tuple(device_axes) if device_axes is not None else None
     rules = logical_axes if isinstance(logical_axes, Rules) or logical_axes is None else tuple(logical_axes)
-    who = f"register_task({regex!r})"
+    who = f"register_task({'params=' if params else ''}{regex!r})"
+    if split is not None and params:
+        raise ValueError(f"{who}: split= splits a scanned stack found by its scope name; give it with a name "
+                         f"pattern, register_task(regex, split=...), not params=")
     if split is not None:
         if task is not None or callback is not None or mesh is not None or devices is not None:
             raise ValueError(f"{who}: split= says where each layer range runs; give it without task=, callback=, "
@@ -361,14 +402,15 @@ def make_registration(
             raise ValueError(f"{who}: task= says where matches run; give it alone, or use callback=/mesh=/devices=")
         # a mesh_slice slices the global mesh in force where a name is matched, while the step is traced
         # (`Registration.placement_for`): it may be registered before that mesh is entered, as in MultiMesh
-        return Registration(pattern, name or task.name, None, None, task=task, global_mesh=global_mesh)
+        return Registration(pattern, name or task.name, None, None, task=task, global_mesh=global_mesh,
+                            params=params)
     if callback is not None:
         if mesh is not None or devices is not None:
             raise ValueError(f"{who}: give callback= or mesh=/devices=, not both")
         if not callable(callback):
             raise TypeError(f"{who}: callback must be callable, got {callback!r}")
         return Registration(pattern, name, None, callback, tuple(dims) if dims is not None else None, axes, rules,
-                            global_mesh=global_mesh)
+                            global_mesh=global_mesh, params=params)
     if dims is not None:
         if devices is None:
             raise ValueError(f"{who}: dims={tuple(dims)} shapes devices=; give devices= too (or mesh=)")
@@ -378,7 +420,7 @@ def make_registration(
                              f"{arr.size}")
         devices = arr.reshape(tuple(dims))
     return Registration(pattern, name, make_placement(name or regex, mesh, devices, axes, rules),
-                        global_mesh=global_mesh)
+                        global_mesh=global_mesh, params=params)
 
 
 def _check_split(split: Any, who: str) -> tuple[tuple[tuple[int, int], Any], ...]:
@@ -411,7 +453,7 @@ def split_for(names: Sequence[str]) -> tuple[Registration, re.Match] | None:
         if n in _SCOPES:
             return None
         for reg in _REGISTRY:
-            m = reg.pattern.fullmatch(n)
+            m = None if reg.params else reg.pattern.fullmatch(n)
             if m:
                 if reg.split is not None:
                     return reg, m
@@ -473,6 +515,10 @@ def register_scope(scope_name: str, placement: Placement) -> None:
 
 
 # -- reading scope stacks ------------------------------------------------------------
+
+#: The scope `param_scopes` gives an equation by the parameters it reads: ``param:layers.0``, matched by
+#: ``params=`` registrations only (and they match nothing else).
+PARAM_SCOPE = "param:"
 
 _WRAPPER = re.compile(r"^(?:[A-Za-z_]\w*\()*([^()]*)\)*$")
 _MICROBATCH = re.compile(r"microbatch_(\d+)")
@@ -548,15 +594,31 @@ def match_name(pattern: re.Pattern, name: str) -> re.Match | None:
     return m
 
 
+def match_path(pattern: re.Pattern, path: str) -> re.Match | None:
+    """``pattern`` against a parameter path (``params.layers.1.q``): the match of the first run of whole
+    consecutive keys it fully matches (``layers.1``), leftmost, then longest; None when none."""
+    keys = path.split(".")
+    for first in range(len(keys)):
+        for stop in range(len(keys), first, -1):
+            if m := pattern.fullmatch(".".join(keys[first:stop])):
+                return m
+    return None
+
+
 def _matches(name: str) -> list[tuple[str, Registration, re.Match, bool]]:
     """``(name, registration, match, whole)`` for the registrations matching one scope name, in priority
     order: those matching the whole name (``embed.attend``: ``whole``), then those matching its module
-    (``embed``); each group in registration order."""
-    whole = [(name, r, m, True) for r in _REGISTRY if (m := r.pattern.fullmatch(name))]
+    (``embed``); each group in registration order. A ``param:`` scope is matched by ``params=`` registrations
+    alone, on the parameter path it names."""
+    if name.startswith(PARAM_SCOPE):
+        path = name[len(PARAM_SCOPE):]
+        return [(name, r, m, True) for r in _REGISTRY if r.params and (m := r.pattern.fullmatch(path))]
+    named = [r for r in _REGISTRY if not r.params]
+    whole = [(name, r, m, True) for r in named if (m := r.pattern.fullmatch(name))]
     if "." not in name:
         return whole
     module = name.rsplit(".", 1)[0]
-    return whole + [(name, r, m, False) for r in _REGISTRY
+    return whole + [(name, r, m, False) for r in named
                     if not r.pattern.fullmatch(name) and (m := r.pattern.fullmatch(module))]
 
 
@@ -602,9 +664,9 @@ def _warn_shadowed(winner: Registration, name: str, placement: Placement,
         winner._shadowed.add(reg)
         where = f"inside {name!r}, which" if inner != name else "but"
         warnings.warn(
-            f"register_task({reg.pattern.pattern!r}) matches {inner!r}, {where} register_task("
-            f"{winner.pattern.pattern!r}) already places on {placement.describe()}: the outermost match (then the "
-            f"first registered) wins, so {inner!r} does not run on {other.describe()}; narrow "
+            f"{reg.call} matches {inner!r}, {where} {winner.call} already places on {placement.describe()}: the "
+            f"outermost match (then the first registered) wins, so {inner!r} does not run on {other.describe()}; "
+            f"narrow "
             f"{winner.pattern.pattern!r} (e.g. leave {name!r} out of it) to let the inner registration place it",
             stacklevel=2,
         )

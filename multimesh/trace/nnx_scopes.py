@@ -54,12 +54,12 @@ from flax.nnx import graphlib
 from jax.extend.core import ClosedJaxpr
 
 from .implicit import match_name, registered_tasks
+from .input_paths import SEPARATOR, leaf_paths
+from .param_scopes import scope_by_params
 from .twin_names import name_twins
 
 __all__ = ["SEPARATOR", "StepScopes", "method_scope", "module_path", "module_scopes", "scopes_for_tasks"]
 
-#: Joins the parts of a submodule's attribute path into its scope name: ``blocks.3.mlp``.
-SEPARATOR = "."
 _PLACEHOLDER = "multimesh-twin-"  # the scope of a copy of several twins until the data names it
 _MAX_COPIES = 16  # NNX transforms nested inside each other that a copy is traced back through
 
@@ -142,13 +142,13 @@ class _Tracing:
         no data singles out is told."""
         if not self.placeholders:
             return closed
-        paths = [module_path(tuple(_key_name(k) for k in path))
-                 for path, _ in jax.tree_util.tree_flatten_with_path(inputs)[0]]  # one per jaxpr input
+        paths = leaf_paths(inputs)  # one per jaxpr input
         invars = closed.jaxpr.invars
         closed, unnamed = name_twins(closed, dict(zip(invars, paths)) if len(paths) == len(invars) else {},
                                      self.placeholders)
         for twins in dict.fromkeys(tuple(t) for t in unnamed.values()):
-            registered = [r.pattern.pattern for r in registered_tasks() if any(match_name(r.pattern, p) for p in twins)]
+            registered = [r.pattern.pattern for r in registered_tasks()
+                          if not r.params and any(match_name(r.pattern, p) for p in twins)]
             if registered:
                 shown = ", ".join(twins[:4]) + (f", ... ({len(twins)} in all)" if len(twins) > 4 else "")
                 warnings.warn(
@@ -176,14 +176,6 @@ class _Tracing:
                 yield
         finally:
             self.stack.pop()
-
-
-def _key_name(key: Any) -> Any:
-    """An attribute name, dict key or index of a pytree key path (``GetAttrKey('blocks')`` -> ``blocks``)."""
-    for field in ("name", "key", "idx"):
-        if hasattr(key, field):
-            return getattr(key, field)
-    return key
 
 
 def _pytree_twins(original: Any, copy: Any) -> bool:
@@ -296,7 +288,8 @@ def scopes_for_tasks(roots: Any = ()) -> contextlib.AbstractContextManager:
 
 
 class StepScopes:
-    """`scopes_for_tasks` around a step's call while it is traced, then its twins' copies named.
+    """`scopes_for_tasks` around a step's call while it is traced, then its twins' copies named and the
+    equations that read ``params=`` registrations' parameters scoped (`param_scopes`).
 
     ``with scopes(roots): fun(...)`` inside the function traced; ``scopes.named(closed, inputs, what)`` on
     its jaxpr.
@@ -312,5 +305,9 @@ class StepScopes:
             yield
 
     def named(self, closed: ClosedJaxpr, inputs: Any, what: str) -> ClosedJaxpr:
-        """``closed``, traced from the leaves of ``inputs``, its twins' copies named (`_Tracing.name_twins`)."""
-        return closed if self._tracing is None else self._tracing.name_twins(closed, inputs, what)
+        """``closed``, traced from the leaves of ``inputs`` (a tuple of the step's arguments), its twins' copies
+        named (`_Tracing.name_twins`) and the equations reading ``params=`` registrations' parameters scoped
+        (`param_scopes`)."""
+        if self._tracing is not None:
+            closed = self._tracing.name_twins(closed, inputs, what)
+        return scope_by_params(closed, inputs, what)

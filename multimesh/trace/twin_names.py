@@ -22,11 +22,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn, Var
 
-from .._compat.jax import is_name_scope, name_scope
 from .implicit import scope_names
+from .input_paths import NameStackWalk, renamed_scopes
 
 __all__ = ["name_twins"]
 
@@ -49,26 +48,22 @@ def name_twins(closed: ClosedJaxpr, paths: Mapping[Var, str],
     nowhere.
     """
     walk = _Walk(placeholders)
-    jaxpr = walk.rename(closed.jaxpr, dict(paths), {})
-    renamed = closed if jaxpr is closed.jaxpr else ClosedJaxpr(jaxpr, closed.consts)
+    renamed = walk.rewrite(closed, paths)
     return renamed, {k: placeholders[k] for k in sorted(walk.seen - walk.named)}
 
 
-class _Walk:
+class _Walk(NameStackWalk):
     def __init__(self, placeholders: Mapping[str, Sequence[str]]):
         self.placeholders = placeholders
         self.seen: set[str] = set()
         self.named: set[str] = set()  # placeholders renamed somewhere (elsewhere, an equation may read none)
 
-    def rename(self, jaxpr: Jaxpr, paths: dict[Var, str], outer: Mapping[str, str]) -> Jaxpr:
-        """``jaxpr`` renamed; ``paths`` its inputs' paths in the step's arguments, ``outer`` the placeholders
-        chosen outside (a body JAX traced once and called on each twin is renamed per call: its copies
-        differ)."""
-        chosen = {**outer, **self._choose(jaxpr, paths)}
-        eqns = [self._rename_eqn(eqn, paths, chosen) for eqn in jaxpr.eqns]
-        return jaxpr.replace(eqns=eqns) if any(a is not b for a, b in zip(eqns, jaxpr.eqns)) else jaxpr
+    def enter(self, jaxpr: Jaxpr, paths: Mapping[Var, str], outer: Mapping[str, str] | None) -> dict[str, str]:
+        """The placeholders chosen outside, and here (a body JAX traced once and called on each twin is renamed
+        per call: its copies differ)."""
+        return {**(outer or {}), **self._choose(jaxpr, paths)}
 
-    def _choose(self, jaxpr: Jaxpr, paths: dict[Var, str]) -> dict[str, str]:
+    def _choose(self, jaxpr: Jaxpr, paths: Mapping[Var, str]) -> dict[str, str]:
         """Placeholder -> the one candidate whose parameters the equations under it read here."""
         read: dict[str, set[str]] = {}
         for eqn in jaxpr.eqns:
@@ -83,41 +78,16 @@ class _Walk:
                 chosen[k] = hits[0]
         return chosen
 
-    def _rename_eqn(self, eqn: JaxprEqn, paths: dict[Var, str], chosen: Mapping[str, str]) -> JaxprEqn:
-        stack = eqn.source_info.name_stack.stack
-        renamed = tuple(r for s in stack if (r := self._renamed_scope(s, chosen)) is not None)
-        params = {}
-        for name, value in eqn.params.items():
-            items = value if isinstance(value, (tuple, list)) else (value,)
-            new = [self._rename_inner(item, eqn, paths, chosen) for item in items]
-            if any(a is not b for a, b in zip(new, items)):
-                params[name] = type(value)(new) if isinstance(value, (tuple, list)) else new[0]
-        if not params and renamed == stack:
-            return eqn
-        source_info = eqn.source_info
-        if renamed != stack:
-            source_info = source_info.replace(name_stack=source_info_util.NameStack(renamed))
-        return eqn.replace(params={**eqn.params, **params}, source_info=source_info)
+    def name_stack(self, eqn: JaxprEqn, reads: Sequence[str], chosen: Mapping[str, str]) -> Any:
+        return renamed_scopes(eqn.source_info.name_stack, lambda name: self._renamed(name, chosen))
 
-    def _renamed_scope(self, s: Any, chosen: Mapping[str, str]) -> Any:
-        """``s`` renamed to its candidate's path; None (dropped: the caller's scope) for a placeholder the data
-        does not name here."""
-        if not is_name_scope(s) or (k := _placeholder_of(s.name, self.placeholders)) is None:
-            return s
+    def _renamed(self, name: str, chosen: Mapping[str, str]) -> str | None:
+        """``name`` renamed to its candidate's path; None (dropped: the caller's scope) for a placeholder the
+        data does not name here."""
+        if (k := _placeholder_of(name, self.placeholders)) is None:
+            return name
         self.seen.add(k)
         if k not in chosen:
             return None
         self.named.add(k)
-        return name_scope(chosen[k] + s.name[len(k):])
-
-    def _rename_inner(self, item: Any, eqn: JaxprEqn, paths: dict[Var, str], chosen: Mapping[str, str]) -> Any:
-        inner = item.jaxpr if isinstance(item, ClosedJaxpr) else item
-        if not isinstance(inner, Jaxpr):
-            return item
-        # A body takes the equation's operands one for one (a jit's, a remat's, a scan's); else none is followed.
-        operands = eqn.invars if len(inner.invars) == len(eqn.invars) else []
-        inner_paths = {v: paths[op] for v, op in zip(inner.invars, operands) if isinstance(op, Var) and op in paths}
-        renamed = self.rename(inner, inner_paths, chosen)
-        if renamed is inner:
-            return item
-        return ClosedJaxpr(renamed, item.consts) if isinstance(item, ClosedJaxpr) else renamed
+        return chosen[k] + name[len(k):]
