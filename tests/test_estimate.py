@@ -182,7 +182,8 @@ def test_estimates_are_deterministic(fsdp, pipeline):
 def test_time_and_fit_on_a_profile(fsdp):
     fn, _, _ = fsdp
     est = fn.estimate("h100-sxm")
-    assert est.time is not None and est.time.total > 0 and 0 < est.time.mfu < 1
+    assert est.time is not None and est.time.total > 0 and 0 < est.time.hfu < 1
+    assert est.time.mfu is None  # no model flops given: the compiled flops are HFU, not MFU
     assert est.time.dtype == "float32"
     assert est.fits() and est.fits(est.peak_bytes) and not est.fits(est.peak_bytes - 1)
     assert est.overflow(est.peak_bytes - 1) == {d: 1 for d, m in est.memory.items() if m.peak == est.peak_bytes}
@@ -200,7 +201,7 @@ def test_profiles_and_step_times_have_short_reprs(fsdp, pipeline):
     assert repr(get_profile("h100-sxm")) == ("HardwareProfile('h100-sxm': 989.5 Tflop/s bfloat16, 3350 GB/s memory, "
                                              "74.5 GiB, 450 GB/s links in nodes of 8)")
     spmd, piped = fsdp[0].estimate("h100-sxm").time, pipeline[0].estimate("h100-sxm").time
-    assert repr(spmd).startswith(f"StepTime({spmd.total * 1e3:.4g} ms, MFU ") and "1 program)" in repr(spmd)
+    assert repr(spmd).startswith(f"StepTime({spmd.total * 1e3:.4g} ms, HFU ") and "1 program)" in repr(spmd)
     assert "pipeline " in repr(piped) and "copies " in repr(piped) and len(repr(piped)) < 150
 
 

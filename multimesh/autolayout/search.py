@@ -65,6 +65,8 @@ class Candidate:
     mfu: float | None = None
     rejected: str | None = None
     measured: float | None = None
+    #: hardware flop utilisation (the compiled programs' flops, recomputation included)
+    hfu: float | None = None
 
     @property
     def valid(self) -> bool:
@@ -238,7 +240,8 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
                 pipeline: PipelineFactory | None = None, stage_counts: Sequence[int] = (1,),
                 microbatches: Sequence[int] = (4, 8), schedules: Sequence[str] = ("1f1b", "zb-h2"),
                 rule_sets: Sequence[str] = RULE_SETS, progress: bool | None = None, time_top: int = 0,
-                time_steps: int = 3, **parallelize_kwargs: Any) -> LayoutSearch:
+                time_steps: int = 3, dtype: str | None = None, model_flops: float | None = None,
+                **parallelize_kwargs: Any) -> LayoutSearch:
     """Search the layouts of ``step`` on the devices; return them ranked (`LayoutSearch`, print it).
 
     Args:
@@ -266,6 +269,10 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
         time, time ``time_steps`` steps of each (the median, after one to compile) on these devices, and rank
         them first by that: a measured choice among layouts the model predicts close to each other. Only on
         the profile's own kind of devices (a calibrated profile, or a datasheet one on its GPUs or TPUs).
+      dtype: price every flop at this dtype's peak (default: each matrix product at the peak of the dtype
+        its operands run in, read from each candidate's program).
+      model_flops: one step's model flops (`multimesh.estimate.model_flops`), for each candidate's MFU;
+        without it the table shows HFU only.
       parallelize_kwargs: passed on to `parallelize` (``param_rules=``, ``donate=``, ...).
 
     Raises `UnknownProfileError`, `TimingError` (``time_top=`` on devices not of the profile's kind), and a
@@ -303,7 +310,8 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
     names: LeafNames | None = None  # what the step's arrays call their dimensions, once one layout is built
     with _progress(len(layouts), progress) as bar:
         for layout in layouts:
-            candidate, names = _try(layout, step, pool, pipeline, limit, profile, kwargs, batch_shapes, names, axes)
+            candidate, names = _try(layout, step, pool, pipeline, limit, profile, kwargs, batch_shapes, names, axes,
+                                    {"dtype": dtype, "model_flops": model_flops})
             candidates.append(candidate)
             bar.update(1)
     ranked = _timed(sorted(candidates, key=_rank), time_top, time_steps, progress,
@@ -356,9 +364,10 @@ def _over(limit: int, device: int, need: int, what: str) -> str:
 
 def _try(layout: Layout, step: Callable, pool: list, pipeline: PipelineFactory | None, limit: int,
          profile: HardwareProfile, kwargs: dict, batch_shapes: list, names: LeafNames | None,
-         axes: tuple[str, ...]) -> tuple[Candidate, LeafNames | None]:
+         axes: tuple[str, ...], pricing: dict) -> tuple[Candidate, LeafNames | None]:
     """One layout through the checks, cheapest first (see the module docstring); and the names of the step's
-    arrays (``names``, read from the first layout built). ``axes``: the searched ones."""
+    arrays (``names``, read from the first layout built). ``axes``: the searched ones; ``pricing``: `estimate`'s
+    ``dtype`` and ``model_flops``."""
     misfit = batch_misfit(layout, batch_shapes)
     rules = layout_rules(layout, kwargs["own_rules"])
     if misfit is None and names is not None:
@@ -379,10 +388,10 @@ def _try(layout: Layout, step: Callable, pool: list, pipeline: PipelineFactory |
               or (None if known else fsdp_as_data(layout, names, rules, axes)) or idle_rules(layout, step_fn))
     if misfit is not None:
         return Candidate(layout, rejected=_INVALID + misfit), names
-    return _estimated(layout, step_fn, limit, profile), names
+    return _estimated(layout, step_fn, limit, profile, pricing), names
 
 
-def _estimated(layout: Layout, step_fn: Any, limit: int, profile: HardwareProfile) -> Candidate:
+def _estimated(layout: Layout, step_fn: Any, limit: int, profile: HardwareProfile, pricing: dict) -> Candidate:
     """A built layout's candidate: refused on the bytes it holds, else compiled, estimated and checked."""
     held = held_bytes(step_fn.param_layout.leaves, step_fn.batch_layout.leaves)
     per_device = {d: held.params.get(d, 0) + held.optimizer.get(d, 0) + held.batch.get(d, 0)
@@ -392,7 +401,7 @@ def _estimated(layout: Layout, step_fn: Any, limit: int, profile: HardwareProfil
         return Candidate(layout, peak_bytes=most,
                          rejected=_over(limit, device, most, " for parameters, optimizer state and batch alone"))
     try:
-        est = step_fn.estimate(profile=profile)
+        est = step_fn.estimate(profile=profile, **pricing)
     except (ValueError, NotImplementedError) as e:  # a layout the estimate cannot compile; the others still rank
         return Candidate(layout, rejected=f"{_INVALID}cannot be estimated: {type(e).__name__}: {e}")
     over = est.overflow(limit)
@@ -400,4 +409,4 @@ def _estimated(layout: Layout, step_fn: Any, limit: int, profile: HardwareProfil
     if over:
         device = max(over, key=lambda d: (over[d], -d))
         rejected = _over(limit, device, est.memory[device].peak, " at its peak")
-    return Candidate(layout, est, est.peak_bytes, est.time.total, est.time.mfu, rejected)
+    return Candidate(layout, est, est.peak_bytes, est.time.total, est.time.mfu, rejected, hfu=est.time.hfu)

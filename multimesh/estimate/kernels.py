@@ -12,7 +12,8 @@ every iteration: a fused parameter read only through ``dynamic-slice`` (or
 ``slice``) counts the slices' bytes, and a ``dynamic-update-slice`` into a
 buffer updated in place counts the update's bytes, not the buffer's. Flops
 are the matrix products' (``dot``, and a library call such as a cuBLAS gemm
-whose dimension numbers it prints): 2 x result elements x contracted size.
+whose dimension numbers it prints): 2 x result elements x contracted size,
+in the dtype of the product's operands (a fusion's: its first product's).
 Elementwise arithmetic is left to the program's total (its bytes dominate
 such a kernel's time). A kernel in a loop body counts once per iteration.
 """
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 from .collectives import KINDS
 from .hlo import Instruction, Module, parse_module, shape_bytes
+from .precision import work_dtype
 
 __all__ = ["Kernel", "find_kernels"]
 
@@ -36,6 +38,7 @@ _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"
 _RUNS_AS_CODE = ("body", "condition", "branch", "call")
 _SLICES = {"dynamic-slice", "slice"}
 _DIMS = re.compile(r"\[([\d,]*)\]")
+_ELEMENT = re.compile(r"\s*\(?\s*([a-z]+\d*(?:e\d+m\d+\w*)?)\[")
 _CONTRACTING = re.compile(r'lhs_contracting_dim(?:s=\{|ensions"\s*:\s*\[)([^}\]]*)')
 
 
@@ -46,6 +49,8 @@ class Kernel:
     flops: float
     bytes: int
     count: int = 1
+    #: the dtype its matrix products' operands run in (`precision.profile_dtype`); '' where it has none
+    dtype: str = ""
 
 
 def _dims(shape: str) -> list[int]:
@@ -63,6 +68,14 @@ def _product_flops(ins: Instruction, module: Module) -> float:
     if any(d >= len(lhs) for d in dims):
         return 0.0
     return 2.0 * math.prod(_dims(ins.shape)) * math.prod(lhs[d] for d in dims)
+
+
+def _product_dtype(ins: Instruction, module: Module) -> str:
+    """The dtype a matrix product runs in: its operands' (the wider of two), read from their HLO shapes."""
+    kinds = [m.group(1) for o in ins.operands[:2] if (m := _ELEMENT.match(module.shape(o))) is not None]
+    if not kinds:
+        return ""
+    return work_dtype(kinds[0], kinds[-1])
 
 
 def _fused(ins: Instruction, module: Module) -> tuple[Instruction, ...]:
@@ -111,23 +124,26 @@ def _kernel(ins: Instruction, module: Module) -> Kernel | None:
         return None
     if ins.opcode == "fusion":
         body = _fused(ins, module)
-        return Kernel(sum(_product_flops(f, module) for f in body if f.opcode == "dot"),
-                      _fusion_bytes(ins, module, body))
+        dots = [f for f in body if f.opcode == "dot"]
+        return Kernel(sum(_product_flops(f, module) for f in dots), _fusion_bytes(ins, module, body),
+                      dtype=_product_dtype(dots[0], module) if dots else "")
     if ins.opcode == "dynamic-update-slice" and len(ins.operands) > 1:
         return Kernel(0.0, 2 * shape_bytes(module.shape(ins.operands[1])))
     if ins.opcode in _SLICES:
         return Kernel(0.0, 2 * shape_bytes(ins.shape))
     flops = _product_flops(ins, module) if ins.opcode in ("dot", "custom-call") else 0.0
-    return Kernel(flops, shape_bytes(ins.shape) + sum(shape_bytes(module.shape(o)) for o in ins.operands))
+    return Kernel(flops, shape_bytes(ins.shape) + sum(shape_bytes(module.shape(o)) for o in ins.operands),
+                  dtype=_product_dtype(ins, module) if flops else "")
 
 
 def find_kernels(hlo_text: str | Module) -> tuple[Kernel, ...]:
     """The kernels of a compiled program's HLO (``compiled.as_text()`` or its `parse_module`), kernels with
     the same flops and bytes merged (their counts summed), largest bytes first."""
     module = parse_module(hlo_text)
-    counts: Counter[tuple[float, int]] = Counter()
+    counts: Counter[tuple[float, int, str]] = Counter()
     for ins, times in module.executed(_RUNS_AS_CODE):
         k = _kernel(ins, module)
         if k is not None and (k.flops or k.bytes):
-            counts[(k.flops, k.bytes)] += times
-    return tuple(Kernel(f, b, n) for (f, b), n in sorted(counts.items(), key=lambda kv: (-kv[0][1], -kv[0][0])))
+            counts[(k.flops, k.bytes, k.dtype)] += times
+    return tuple(Kernel(f, b, n, d) for (f, b, d), n in sorted(counts.items(),
+                                                               key=lambda kv: (-kv[0][1], -kv[0][0], kv[0][2])))

@@ -1,0 +1,71 @@
+"""The dtypes a program's matrix products run in, and the peak flop rate each is priced at.
+
+A product is priced at the rate of its operands' dtype, not its result's: bf16
+operands accumulated in f32 (``preferred_element_type=float32``) are bf16 work
+on a Tensor Core or an MXU. Operands of two dtypes run in the wider one. The
+names are the profiles' (`HardwareProfile.peak_flops`): numpy's and HLO's
+spellings (``bf16``, ``f32``, ``float8_e4m3fn``, ``s8``) mapped to them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from .profiles import HardwareProfile
+
+__all__ = ["dtype_label", "main_dtype", "profile_dtype", "rate_for", "work_dtype"]
+
+_HLO = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64", "s8": "int8", "u8": "int8",
+        "s16": "int16", "s32": "int32", "s64": "int64"}
+
+
+def profile_dtype(name: str) -> str:
+    """A dtype name as the profiles spell it: ``bf16`` and ``bfloat16`` -> ``bfloat16``; every 8-bit float
+    (``f8e4m3fn``, ``float8_e5m2``) -> ``float8``; ``s8`` -> ``int8``."""
+    name = str(name)
+    if name.startswith(("f8", "float8")):
+        return "float8"
+    return _HLO.get(name, name)
+
+
+def _itemsize(name: str) -> int:
+    try:
+        return np.dtype(name).itemsize
+    except TypeError:
+        return {"bfloat16": 2, "float8": 1}.get(name, 4)
+
+
+def work_dtype(lhs: str, rhs: str) -> str:
+    """The dtype a product of operands ``lhs`` and ``rhs`` runs in: theirs, or the wider of the two."""
+    a, b = profile_dtype(lhs), profile_dtype(rhs)
+    return a if _itemsize(a) >= _itemsize(b) else b
+
+
+def main_dtype(flops_by_dtype: Mapping[str, float], default: str = "float32") -> str:
+    """The dtype of the most matrix flops (``default`` when there are none)."""
+    positive = {k: v for k, v in flops_by_dtype.items() if v > 0}
+    return max(positive, key=positive.get) if positive else default
+
+
+def rate_for(profile: HardwareProfile, dtype: str) -> float:
+    """The profile's peak for work read in ``dtype``. A dtype the profile lists no peak for (a calibrated
+    profile measures one dtype) falls back to its float32 peak, or its lowest; an explicit override
+    (`estimate(dtype=...)`) goes through `HardwareProfile.flops_rate`, which refuses an unknown name."""
+    if dtype in profile.peak_flops:
+        return profile.peak_flops[dtype]
+    return profile.peak_flops.get("float32", min(profile.peak_flops.values()))
+
+
+def dtype_label(flops_by_dtype: Mapping[str, float], override: str | None = None) -> str:
+    """How a step's products were priced, in words: the override, one dtype, or each dtype's share."""
+    if override is not None:
+        return override
+    total = sum(flops_by_dtype.values())
+    shares = sorted(((v / total, k) for k, v in flops_by_dtype.items() if v > 0), reverse=True) if total else []
+    if not shares:
+        return "float32"
+    if len(shares) == 1 or shares[0][0] > 0.999:
+        return shares[0][1]
+    return ", ".join(f"{k} {s:.0%}" for s, k in shares)
