@@ -166,7 +166,7 @@ def test_time_top_times_the_best_predicted_and_ranks_them_by_their_measured_step
     assert [c.time for c in found.fitting] == [next(p.time for p in predicted.fitting if p.layout == c.layout)
                                                for c in found.fitting]  # the predictions are untouched
     header = str(found).splitlines()[1]
-    assert header.split() == ["rank", "layout", "peak/device", "predicted", "measured", "MFU", "rejected"]
+    assert header.split() == ["rank", "layout", "peak/device", "predicted", "measured", "MFU", "HFU", "rejected"]
     assert "measured" not in str(predicted)
 
 
