@@ -166,3 +166,18 @@ def test_a_steps_collectives_are_priced_by_the_nodes_their_devices_sit_on():
     assert collective_time(c, nodes_of_4) == collective_time(dataclasses.replace(c, devices=None),
                                                              dataclasses.replace(nodes_of_4, devices_per_node=1))
     assert collective_time(c, nodes_of_4) > collective_time(c, H100)
+
+
+def test_float32_products_run_at_tf32_on_a_gpu_unless_asked_for_full_precision():
+    from jax import lax
+
+    from multimesh.estimate.precision import rate_for
+
+    a = jnp.ones((4, 8))
+    default = matmul_flops_by_dtype(jax.make_jaxpr(lambda x: x @ x.T)(a))
+    highest = matmul_flops_by_dtype(jax.make_jaxpr(lambda x: jnp.dot(x, x.T, precision=lax.Precision.HIGHEST))(a))
+    assert set(default) == {"float32"} and set(highest) == {"float32-highest"}
+    assert rate_for(H100, "float32") == H100.peak_flops["tfloat32"]  # JAX's default precision on a GPU
+    assert rate_for(H100, "float32-highest") == H100.peak_flops["float32"]
+    v5e = PROFILES["tpu-v5e"]
+    assert rate_for(v5e, "float32") == v5e.peak_flops["float32"] == rate_for(v5e, "float32-highest")

@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from ..core.jaxprs import subjaxprs
-from .precision import work_dtype
+from .precision import dot_dtype
 
 __all__ = ["matmul_flops", "matmul_flops_by_dtype"]
 
@@ -38,7 +38,7 @@ def _add(into: dict[str, float], more: dict[str, float], times: float = 1.0) -> 
 
 def matmul_flops_by_dtype(jaxpr: Any) -> dict[str, float]:
     """Flops of every ``dot_general`` in ``jaxpr`` (a `Jaxpr` or `ClosedJaxpr`) and the jaxprs it nests, by
-    the dtype its operands run in (`precision.work_dtype`: bf16 operands accumulated in f32 are bfloat16),
+    the dtype its operands run in (`precision.dot_dtype`: bf16 operands accumulated in f32 are bfloat16),
     over the whole (global) arrays: a ``scan`` body counted ``length`` times, a ``while`` body once (its
     trip count is not known before it runs), a ``cond`` as its costliest branch, a ``shard_map`` body (its
     per-device shapes) once per device of its mesh."""
@@ -46,7 +46,8 @@ def matmul_flops_by_dtype(jaxpr: Any) -> dict[str, float]:
     for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
         name = eqn.primitive.name
         if name == "dot_general":
-            dtype = work_dtype(eqn.invars[0].aval.dtype.name, eqn.invars[1].aval.dtype.name)
+            dtype = dot_dtype(eqn.invars[0].aval.dtype.name, eqn.invars[1].aval.dtype.name,
+                              eqn.params.get("precision"))
             _add(total, {dtype: _dot_flops(eqn)})
             continue
         inner = [matmul_flops_by_dtype(j) for j in subjaxprs(eqn)]
