@@ -181,3 +181,45 @@ def test_float32_products_run_at_tf32_on_a_gpu_unless_asked_for_full_precision()
     assert rate_for(H100, "float32-highest") == H100.peak_flops["float32"]
     v5e = PROFILES["tpu-v5e"]
     assert rate_for(v5e, "float32") == v5e.peak_flops["float32"] == rate_for(v5e, "float32-highest")
+
+
+T, HEADS, HEAD_DIM = 256, 4, 16
+
+
+def attention_loss(params, x):
+    """Single-layer causal attention written out (scores, mask, softmax, weighted sum), as the example
+    transformer writes it."""
+    b, t, _ = x.shape
+    q, k, v = (jnp.einsum("btd,dhk->bthk", x, params[n]) for n in ("wq", "wk", "wv"))
+    scores = jnp.einsum("bthk,bshk->bhts", q, k) / HEAD_DIM ** 0.5
+    scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -1e9)
+    out = jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(scores, axis=-1), v)
+    return jnp.mean(out ** 2)
+
+
+def attention_step(params, batch):
+    value, grads = jax.value_and_grad(attention_loss)(params, batch["x"])
+    return value, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+
+@pytest.mark.devices(8)
+def test_attention_scores_are_left_to_a_flash_kernel_on_another_platform_only():
+    def init_attention():
+        keys = jax.random.split(jax.random.key(0), 3)
+        return {n: jax.random.normal(k, (D, HEADS, HEAD_DIM)) * 0.02 for n, k in zip(("wq", "wk", "wv"), keys)}
+
+    fn, _, _ = parallelize(attention_step, init_params=init_attention,
+                           get_input_batch=lambda: {"x": jnp.ones((8, T, D))}, mesh=build_mesh({"data": 8}),
+                           rules=[("batch", "data")], param_rules=[(r".*", P())])
+    (program,) = fn.estimate().programs
+    one_score_matrix = (8 // 8) * HEADS * T * T * 4  # per device: its one sequence's heads, float32
+    # forward (scores, masked, softmax) and backward (their gradients) each write and read such matrices
+    assert program.attention_bytes >= 4 * one_score_matrix
+    assert program.attention_bytes < program.bytes_accessed
+    from multimesh.estimate.timing import memory_bytes
+
+    assert memory_bytes(program, H100) == program.bytes_accessed - program.attention_bytes  # a GPU's flash kernel
+    here = dataclasses.replace(H100, platform="cpu")  # priced as the platform it was compiled for: as compiled
+    assert memory_bytes(program, here) == program.bytes_accessed
+    (plain,) = built({"data": 2, "fsdp": 4}).estimate().programs
+    assert plain.attention_bytes == 0  # an MLP's products are no attention

@@ -51,6 +51,10 @@ class Kernel:
     count: int = 1
     #: the dtype its matrix products' operands run in (`precision.profile_dtype`); '' where it has none
     dtype: str = ""
+    #: of ``bytes``, those of attention score matrices it reads or writes (the results of a batched product
+    #: larger than its operands, and what is computed from them at their size: scale, mask, softmax), which a
+    #: flash-attention kernel keeps on chip
+    attention_bytes: int = 0
 
 
 def _dims(shape: str) -> list[int]:
@@ -119,7 +123,55 @@ def _fusion_bytes(ins: Instruction, module: Module, body: tuple[Instruction, ...
     return read + written
 
 
-def _kernel(ins: Instruction, module: Module) -> Kernel | None:
+_ARRAYS = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
+_BATCHED = re.compile(r"lhs_batch_dims=\{\d")
+
+
+def _elements(shape: str) -> list[int]:
+    """Element counts of the arrays of an HLO shape (a tuple's each)."""
+    return [math.prod(int(x) for x in dims.split(",") if x) for _, dims in _ARRAYS.findall(shape)]
+
+
+def _attention_product(ins: Instruction, module: Module) -> bool:
+    """A batched matrix product (batch dimensions: batch and heads) whose result is larger than each of its
+    operands: an attention's ``Q K^T`` (or, backward, ``dO V^T``), itself or fused into ``ins``."""
+    dots = [ins] if ins.opcode == "dot" else [f for f in _fused(ins, module) if f.opcode == "dot"]
+    for d in dots:
+        out = sum(_elements(d.shape))
+        if _BATCHED.search(d.attributes) and all(out > sum(_elements(module.shape(o))) for o in d.operands[:2]):
+            return True
+    return False
+
+
+def _scores(module: Module) -> set[str]:
+    """The instructions whose results are attention score matrices: an attention product's result, and every
+    result of the same size computed from one (its scale, mask, softmax, conversions, copies and layouts),
+    the chain a flash-attention kernel keeps on chip."""
+    found: set[str] = set()
+    for body in module.computations.values():
+        for ins in body:
+            if ins.opcode == "parameter":
+                continue
+            if _attention_product(ins, module):
+                found.add(ins.name)
+                continue
+            sizes = {n for o in ins.operands if o in found for n in _elements(module.shape(o))}
+            if sizes and any(n in sizes for n in _elements(ins.shape)):
+                found.add(ins.name)
+    return found
+
+
+def _kernel(ins: Instruction, module: Module, scores: set[str] = frozenset()) -> Kernel | None:
+    k = _kernel_io(ins, module)
+    if k is None or not scores:
+        return k
+    moved = sum(shape_bytes(module.shape(o)) for o in ins.operands if o in scores)
+    if ins.name in scores:
+        moved += shape_bytes(ins.shape)
+    return Kernel(k.flops, k.bytes, k.count, k.dtype, min(moved, k.bytes))
+
+
+def _kernel_io(ins: Instruction, module: Module) -> Kernel | None:
     if ins.opcode in _NOT_KERNELS or ins.opcode.endswith(("-start", "-done", "-update")):
         return None
     if ins.opcode == "fusion":
@@ -137,13 +189,16 @@ def _kernel(ins: Instruction, module: Module) -> Kernel | None:
 
 
 def find_kernels(hlo_text: str | Module) -> tuple[Kernel, ...]:
-    """The kernels of a compiled program's HLO (``compiled.as_text()`` or its `parse_module`), kernels with
-    the same flops and bytes merged (their counts summed), largest bytes first."""
+    """The kernels of a compiled program's HLO (``compiled.as_text()`` or its `parse_module`), kernels alike
+    merged (their counts summed), largest bytes first; each with the bytes of attention score matrices it
+    moves (`_scores`)."""
     module = parse_module(hlo_text)
-    counts: Counter[tuple[float, int, str]] = Counter()
+    scores = _scores(module)
+    counts: Counter[tuple[float, int, str, int]] = Counter()
     for ins, times in module.executed(_RUNS_AS_CODE):
-        k = _kernel(ins, module)
+        k = _kernel(ins, module, scores)
         if k is not None and (k.flops or k.bytes):
-            counts[(k.flops, k.bytes, k.dtype)] += times
-    return tuple(Kernel(f, b, n, d) for (f, b, d), n in sorted(counts.items(),
-                                                               key=lambda kv: (-kv[0][1], -kv[0][0], kv[0][2])))
+            counts[(k.flops, k.bytes, k.dtype, k.attention_bytes)] += times
+    return tuple(Kernel(f, b, n, d, a) for (f, b, d, a), n in sorted(counts.items(),
+                                                                     key=lambda kv: (-kv[0][1], -kv[0][0],
+                                                                                     kv[0][2], kv[0][3])))

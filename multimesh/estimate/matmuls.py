@@ -60,3 +60,4 @@ def matmul_flops_by_dtype(jaxpr: Any) -> dict[str, float]:
         for d in inner:
             _add(total, d, times)
     return total
+

@@ -61,6 +61,9 @@ class ProgramCost:
     #: (dtype, flops per device) of its matrix products, by the dtype their operands run in (counted from its
     #: jaxpr: `matmul_flops_by_dtype`); empty where not counted
     matmul_dtypes: tuple[tuple[str, float], ...] = ()
+    #: of ``bytes_accessed``, those of attention score matrices (`kernels`), which a flash
+    #: kernel keeps on chip: left out where the program is priced for another platform than its own
+    attention_bytes: float = 0.0
 
     @property
     def peak_bytes(self) -> int:
@@ -87,7 +90,8 @@ def _read_hlo(compiled: Any, mesh: Mesh) -> tuple[tuple[Collective, ...], tuple[
     read = _READ.setdefault(compiled, {})
     if axes not in read:
         module = parse_module(compiled.as_text())
-        read[axes] = (tuple(find_collectives(module, list(axes[0]), list(axes[1]), ids)), find_kernels(module))
+        read[axes] = (tuple(find_collectives(module, list(axes[0]), list(axes[1]), ids)),
+                      find_kernels(module))
     return read[axes]
 
 
@@ -109,7 +113,8 @@ def analyse_compiled(name: str, compiled: Any, mesh: Mesh, executions: int = 1,
         alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
         flops=max(float(cost.get("flops", 0.0)), sum(per_device.values())), bytes_accessed=float(moved),
         collectives=collectives, executions=executions, kernels=kernels,
-        platform=mesh.devices.flat[0].platform, reshards=reshards, matmul_dtypes=tuple(sorted(per_device.items())))
+        platform=mesh.devices.flat[0].platform, reshards=reshards, matmul_dtypes=tuple(sorted(per_device.items())),
+        attention_bytes=float(sum(k.attention_bytes * k.count for k in kernels)))
 
 
 def _abstract(tree: Any, shardings: Any) -> Any:

@@ -52,7 +52,7 @@ from .profiles import HardwareProfile
 from .programs import ProgramCost
 
 __all__ = ["FRESH_MAPPING_BYTES", "ProgramTime", "collective_time", "compute_time", "fresh_memory_time", "kernels_time",
-           "launch_overhead", "program_time", "transfer_time"]
+           "launch_overhead", "memory_bytes", "program_time", "transfer_time"]
 
 #: A buffer above this many bytes is mapped afresh by glibc's malloc on every allocation and unmapped when
 #: freed: 32 MiB, the most its mmap threshold grows to on a 64-bit host (a thread's arena holds no more than
@@ -152,10 +152,20 @@ def fresh_memory_time(p: ProgramCost, profile: HardwareProfile) -> float:
     return p.temp_bytes / rate
 
 
+def memory_bytes(p: ProgramCost, profile: HardwareProfile) -> float:
+    """The bytes one execution of ``p`` moves through device memory as priced on ``profile``: its kernels'
+    as compiled, where that is for the profile's platform; else without its attention score matrices, which
+    the target's flash-attention kernel keeps on chip (``attention_bytes``)."""
+    if _compiled_for(p, profile):
+        return p.bytes_accessed
+    return max(p.bytes_accessed - p.attention_bytes, 0.0)
+
+
 def program_time(p: ProgramCost, profile: HardwareProfile, dtype: str | None = None) -> ProgramTime:
     """One execution of ``p``: its matrix products at the rates of the dtypes they run in (``dtype``: every
     flop at that dtype's rate, an override)."""
-    return ProgramTime(compute=compute_time(p, profile, dtype), memory=p.bytes_accessed / profile.memory_bandwidth,
+    return ProgramTime(compute=compute_time(p, profile, dtype),
+                       memory=memory_bytes(p, profile) / profile.memory_bandwidth,
                        communication=sum(c.count * collective_time(c, profile) for c in p.collectives),
                        launch=launch_overhead(profile), kernels=kernels_time(p, profile, dtype),
                        fresh_memory=fresh_memory_time(p, profile))
