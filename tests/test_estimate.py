@@ -573,3 +573,21 @@ def test_a_pipeline_is_timed_through_its_schedule(pipeline):
     assert t.total >= max(busy.values())  # no stage gets through its work faster than doing it
     # its two stages are alike: overlapping them beats running every program and copy one after another
     assert t.total < sum(busy.values()) + t.transfers
+
+
+def test_programs_compiled_only_to_be_read_skip_code_optimisation_and_read_the_same(fsdp, monkeypatch):
+    """Estimates compile XLA:CPU programs without LLVM's optimisation (about half the compile time of a large
+    step): the HLO, buffers and so every figure read from them are those of a program compiled as usual."""
+    programs_module = importlib.import_module("multimesh.estimate.programs")
+    options = []
+    compile_ = jax.stages.Lowered.compile
+    monkeypatch.setattr(jax.stages.Lowered, "compile",
+                        lambda self, *a, **k: options.append(k.get("compiler_options")) or compile_(self, *a, **k))
+    programs_module._COMPILED.clear()
+    quick = fsdp[0].estimate("h100-sxm")
+    assert options == [programs_module._READ_ONLY_CPU]
+    monkeypatch.setattr(programs_module, "_READ_ONLY_CPU", None)
+    programs_module._COMPILED.clear()
+    usual = fsdp[0].estimate("h100-sxm")
+    assert options[-1] is None
+    assert usual.programs == quick.programs and usual.memory == quick.memory and usual.time == quick.time

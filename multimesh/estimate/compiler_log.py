@@ -87,12 +87,13 @@ def _flush_python_stderr() -> None:
             stream.flush()
 
 
-def compile_noting_reshards(lowered: Any) -> tuple[Any, tuple[Reshard, ...]]:
-    """``lowered.compile()``, and the arrays XLA warned it reshards by gathering them whole."""
+def compile_noting_reshards(lowered: Any, options: dict[str, Any] | None = None) -> tuple[Any, tuple[Reshard, ...]]:
+    """``lowered.compile(compiler_options=options)``, and the arrays XLA warned it reshards by gathering them
+    whole."""
     with _REDIRECTING, tempfile.TemporaryFile() as log:
         try:
             with _stderr_to(log):
-                compiled = lowered.compile()
+                compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
         finally:
             log.seek(0)
             reshards, rest = split_reshards(log.read().decode(errors="replace"))
