@@ -1,7 +1,10 @@
 """`auto_layout`: try every layout of the devices, keep those that fit, rank them by predicted step time.
 
 Each candidate (`layouts.enumerate_layouts`: meshes, rule sets, pipelines)
-goes through the cheapest test that can reject it first: the batch's shapes
+goes through the cheapest test that can reject it first: a mesh's other
+rule sets come after its standard rules, and are not compiled where those
+fit and are predicted at least `PRUNE_RATIO` times the best (they save
+memory, not time); then the batch's shapes
 (read once, `jax.eval_shape`), the names the step's arrays give their
 dimensions (read from the first layout built: a mesh axis none of them can
 be sharded over sets a layout aside unbuilt), then the step built on it by
@@ -308,10 +311,13 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
                   **parallelize_kwargs)
     candidates: list[Candidate] = []
     names: LeafNames | None = None  # what the step's arrays call their dimensions, once one layout is built
+    layouts.sort(key=lambda layout: layout.rules != "standard")  # each mesh's standard rules before its others
     with _progress(len(layouts), progress) as bar:
         for layout in layouts:
-            candidate, names = _try(layout, step, pool, pipeline, limit, profile, kwargs, batch_shapes, names, axes,
-                                    {"dtype": dtype, "model_flops": model_flops})
+            candidate = _pruned(layout, candidates)
+            if candidate is None:
+                candidate, names = _try(layout, step, pool, pipeline, limit, profile, kwargs, batch_shapes, names,
+                                        axes, {"dtype": dtype, "model_flops": model_flops})
             candidates.append(candidate)
             bar.update(1)
     ranked = _timed(sorted(candidates, key=_rank), time_top, time_steps, progress,
@@ -346,6 +352,28 @@ def _rank(c: Candidate) -> tuple:
     if c.valid:
         return (1, c.peak_bytes or 0, 0.0, c.layout.describe())
     return (2, 0, 0.0, c.layout.describe())
+
+
+#: A layout whose standard-rules twin fits and is predicted this many times the best fitting one or more is not
+#: compiled with other rules: the ``sequence`` rules split the activations' length over the tensor axis, which
+#: saves memory and moves the same bytes (a reduce-scatter and an all-gather for each all-reduce), so they
+#: gain at most the elementwise work the twin repeats on every tensor device.
+PRUNE_RATIO = 1.25
+
+
+def _pruned(layout: Layout, done: Sequence[Candidate]) -> Candidate | None:
+    """``layout`` set aside uncompiled (`PRUNE_RATIO`), or None to try it."""
+    if layout.rules == "standard":
+        return None
+    twin = dataclasses.replace(layout, rules="standard")
+    fitting = [c.time for c in done if c.rejected is None]
+    for c in done:
+        if c.layout == twin and c.rejected is None and fitting \
+                and c.time >= PRUNE_RATIO * min(fitting):
+            return Candidate(layout, rejected=f"not compiled: its standard-rules twin fits and is predicted "
+                                              f"{c.time / min(fitting):.2f}x the best, and these rules save "
+                                              f"memory, not time")
+    return None
 
 
 def _explicit_hint(error: Exception) -> str:
