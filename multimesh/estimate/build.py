@@ -10,9 +10,9 @@ from ..core.fmt import keypath_str
 from ..core.layout import LeafLayout
 from .held import DEFAULT_OPTIMIZER_PATHS, held_bytes
 from .matmuls import matmul_flops_by_dtype
+from .precision import dtype_label, main_dtype, rate_for
 from .profiles import HardwareProfile, get_profile
 from .programs import ProgramCost, analyse_compiled, compiled_once, mpmd_programs, spmd_program
-from .precision import dtype_label, main_dtype, rate_for
 from .report import DeviceMemory, Estimate, StepTime
 from .steptime import step_timing
 from .timing import compute_time

@@ -3,7 +3,8 @@
 A matrix product is priced at the peak of the dtype its operands run in
 (`precision`: bf16 operands with f32 accumulation are bf16 work), read from
 the program; ``dtype=`` overrides that for every flop. A program's kernels
-run one after another, each bound by its compute or its memory traffic: a program takes the sum over its kernels (`kernels`) of
+run one after another, each bound by its compute or its memory traffic: a
+program takes the sum over its kernels (`kernels`) of
 ``max(flops / peak, bytes / memory bandwidth)``, plus the flops no kernel
 shows (a library call whose dimensions its HLO does not print) at peak, plus
 its collectives, which are not assumed to overlap with compute, plus the
@@ -17,7 +18,8 @@ another platform (``HardwareProfile.platform``: a plan for GPUs or TPUs
 compiled on CPU, whose compiler fuses far less), or where none were read, a
 program takes ``max(flops / peak, bytes accessed / memory bandwidth)``: one
 roofline over the whole program, which assumes the target's compiler hides
-its memory traffic under its compute. A copy between
+its memory traffic under its compute, its bytes without the attention score
+matrices a flash kernel keeps on chip (`memory_bytes`). A copy between
 submeshes costs its fixed cost (``transfer_time``) and its bytes over the
 link. A collective over ``n`` devices moving ``B`` bytes (ring algorithms) takes
 ``steps * latency + factor * B / bandwidth``:
