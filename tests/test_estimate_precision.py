@@ -106,6 +106,9 @@ def test_the_layout_search_prices_a_bfloat16_program_at_the_bfloat16_rate():
     asked = auto_layout(step, init_params=init, get_input_batch=get_batch, profile="h100-sxm", num_devices=2,
                         axes=("data",), rule_sets=("standard",), progress=False, dtype="float32")
     assert asked.best_candidate.estimate.time.dtype == "float32"
+    fn, _, _ = parallelize(step, layout="auto", init_params=init, get_input_batch=get_batch, profile="h100-sxm",
+                           num_devices=2, axes=("data",), rule_sets=("standard",), progress=False)
+    assert fn.layout_search.best_candidate.estimate.time.dtype.startswith("bfloat16")
 
 
 def test_model_flops_are_six_per_parameter_and_token_plus_attention():

@@ -162,8 +162,11 @@ def _time_note(programs: tuple[ProgramCost, ...], time: StepTime, profile: Hardw
     else:
         model = (f"one roofline per program whose kernels were not priced (compiled for {compiled}, priced as "
                  f"{profile.platform or 'a profile of no platform'}: kernels count only on their own platform)")
+    flash = ("; priced for another platform, a program's bytes leave out the attention scores a flash kernel "
+             "keeps on chip" if any(p.attention_bytes for p in programs) and not all(
+                 t.kernels is not None for t in time.programs.values()) else "")
     return (f"time: {model} + alpha-beta collectives, not overlapped; a pipeline through its schedule's "
-            f"simulator, each stage with its own programs' costs (see multimesh.estimate.steptime)")
+            f"simulator, each stage with its own programs' costs (see multimesh.estimate.steptime){flash}")
 
 
 def _step_time(plan: Any, est: Estimate, segment_program: dict[int, int] | None, profile: HardwareProfile,

@@ -178,8 +178,9 @@ class Estimate:
         for p in self.programs:
             t = f", {self.time.programs[p.name].total * 1e3:.3g} ms" if self.time is not None else ""
             kernels = f"{sum(k.count for k in p.kernels)} kernels, " if p.kernels else ""
+            scores = f" ({b(int(p.attention_bytes))} of it attention scores)" if p.attention_bytes else ""
             lines.append(f"  {p.name} x{p.executions} on {len(p.devices)} devices: {p.flops:.4g} flops per device, "
-                         f"{b(p.bytes_accessed)} accessed, temp {b(p.temp_bytes)}, {kernels}"
+                         f"{b(p.bytes_accessed)} accessed{scores}, temp {b(p.temp_bytes)}, {kernels}"
                          f"{len(p.collectives)} collective{'s' * (len(p.collectives) != 1)}{t}")
         coll = self.collectives()
         if coll:
