@@ -32,6 +32,7 @@ import numpy as np
 
 from multimesh.estimate import calibrate, get_profile
 from trainers.config import load_config
+from trainers.plan_estimate import model_flops_of
 from trainers.step import program_for
 
 DATASHEET = {"H200": "h200", "H100": "h100-sxm", "A100": "a100-80gb"}
@@ -57,7 +58,9 @@ def measure(name: str, steps: int, rounds: int, overrides: list[str]) -> dict:
     dtype = np.dtype(cfg.model.dtype).name
     sheet = datasheet_profile(device)
     t0 = time.perf_counter()
-    est = program.step.estimate(profile=sheet, dtype=dtype) if sheet else program.step.estimate()
+    flops = model_flops_of(cfg)  # 6 x parameters x tokens + attention (PaLM's MFU count)
+    # each product priced in the dtype it runs in, read from the program
+    est = program.step.estimate(profile=sheet, model_flops=flops) if sheet else program.step.estimate()
     estimate_s = time.perf_counter() - t0
     mem = est.memory[min(est.memory)]
 
@@ -81,7 +84,7 @@ def measure(name: str, steps: int, rounds: int, overrides: list[str]) -> dict:
     del state, metrics, placed
     calibrated = calibrate(matmul_size=8192, copy_bytes=1 << 30, collective_bytes=64 << 20, repeats=5,
                            dtype=jax.numpy.bfloat16)
-    est_cal = program.step.estimate(profile=calibrated, dtype=dtype)
+    est_cal = program.step.estimate(profile=calibrated, model_flops=flops)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(program.abstract_state["params"]))
     tokens = cfg.data.batch_size * cfg.data.seq_len
     model_flops = 6 * n_params * tokens  # the usual dense-transformer count (attention left out)
@@ -99,6 +102,8 @@ def measure(name: str, steps: int, rounds: int, overrides: list[str]) -> dict:
         "measured_s": measured, "rounds_s": per_round, "loss": loss, "calibrated": repr(calibrated),
         "measured_mfu_6nd": model_flops / (measured * peak_rate),
         "predicted_mfu": est.time.mfu if est.time else None,
+        "predicted_hfu": est.time.hfu if est.time else None,
+        "predicted_dtype": est.time.dtype if est.time else None,
         "estimate_table": str(est),
     }
 

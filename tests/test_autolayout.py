@@ -108,8 +108,11 @@ def test_search_ranks_by_time_is_deterministic_and_rejects_what_overflows():
     first = search()
     assert len(first.fitting) == 3 and {c.layout.rules for c in first.fitting} == {"standard"}
     same = [c for c in first.candidates if c.layout.rules == "sequence"]  # the MLP has no sequence to split
-    assert len(same) == 2 and all(not c.valid and c.estimate is None and "named 'length'" in c.rejected
-                                  for c in same)
+    # each set aside uncompiled: where its standard twin is far from the best (PRUNE_RATIO), before building
+    assert len(same) == 2 and all(c.estimate is None for c in same)
+    assert all((not c.valid and "named 'length'" in c.rejected) or c.rejected.startswith("not compiled: ")
+               for c in same)
+    assert any("named 'length'" in c.rejected for c in same)
     times = [c.time for c in first.fitting]
     assert times == sorted(times) and first.best == first.candidates[0].layout
     again = search()  # estimates are deterministic: the same peaks and times, in the same order
@@ -166,7 +169,7 @@ def test_time_top_times_the_best_predicted_and_ranks_them_by_their_measured_step
     assert [c.time for c in found.fitting] == [next(p.time for p in predicted.fitting if p.layout == c.layout)
                                                for c in found.fitting]  # the predictions are untouched
     header = str(found).splitlines()[1]
-    assert header.split() == ["rank", "layout", "peak/device", "predicted", "measured", "MFU", "rejected"]
+    assert header.split() == ["rank", "layout", "peak/device", "predicted", "measured", "MFU", "HFU", "rejected"]
     assert "measured" not in str(predicted)
 
 
@@ -464,3 +467,31 @@ def test_a_layout_that_cannot_be_estimated_is_reported_and_the_others_ranked(mon
     assert refused == {d: "invalid: cannot be estimated: ValueError: no program for this mesh"
                        for d in ("data=2 x tensor=2", "tensor=4")}
     assert [c.layout.describe() for c in found.fitting] == ["data=4"]
+
+
+def test_other_rules_are_compiled_only_for_meshes_whose_standard_rules_come_near_the_best(monkeypatch):
+    """A mesh's ``sequence`` rules save memory, not time: where its standard rules fit and are predicted at
+    least PRUNE_RATIO times the best, they are set aside uncompiled; near the best, they are estimated."""
+    import multimesh.autolayout.search as search_module
+
+    full = search(rule_sets=("standard", "sequence"), axes=("data", "tensor"))
+    best = full.fitting[0].time
+    standard = {c.layout.describe(): c for c in full.candidates if c.layout.rules == "standard"}
+    for c in full.candidates:
+        if c.layout.rules != "sequence":
+            continue
+        twin = standard[dataclasses.replace(c.layout, rules="standard").describe()]
+        if twin.rejected is None and twin.time >= search_module.PRUNE_RATIO * best:
+            assert c.estimate is None and c.rejected.startswith("not compiled: its standard-rules twin fits")
+        else:
+            assert c.rejected is None or c.rejected.startswith("invalid") or c.estimate is not None
+    # a ratio every twin meets: no sequence layout compiled; one none meets: every one compiled
+    monkeypatch.setattr(search_module, "PRUNE_RATIO", 1.0)
+    pruned = search(rule_sets=("standard", "sequence"), axes=("data", "tensor"))
+    fitting_twins = {d for d, c in standard.items() if c.rejected is None}
+    assert all(c.estimate is None for c in pruned.candidates
+               if c.layout.rules == "sequence" and dataclasses.replace(c.layout, rules="standard").describe()
+               in fitting_twins)
+    monkeypatch.setattr(search_module, "PRUNE_RATIO", float("inf"))
+    kept = search(rule_sets=("standard", "sequence"), axes=("data", "tensor"))
+    assert not any((c.rejected or "").startswith("not compiled") for c in kept.candidates)

@@ -182,7 +182,8 @@ def test_estimates_are_deterministic(fsdp, pipeline):
 def test_time_and_fit_on_a_profile(fsdp):
     fn, _, _ = fsdp
     est = fn.estimate("h100-sxm")
-    assert est.time is not None and est.time.total > 0 and 0 < est.time.mfu < 1
+    assert est.time is not None and est.time.total > 0 and 0 < est.time.hfu < 1
+    assert est.time.mfu is None  # no model flops given: the compiled flops are HFU, not MFU
     assert est.time.dtype == "float32"
     assert est.fits() and est.fits(est.peak_bytes) and not est.fits(est.peak_bytes - 1)
     assert est.overflow(est.peak_bytes - 1) == {d: 1 for d, m in est.memory.items() if m.peak == est.peak_bytes}
@@ -200,7 +201,7 @@ def test_profiles_and_step_times_have_short_reprs(fsdp, pipeline):
     assert repr(get_profile("h100-sxm")) == ("HardwareProfile('h100-sxm': 989.5 Tflop/s bfloat16, 3350 GB/s memory, "
                                              "74.5 GiB, 450 GB/s links in nodes of 8)")
     spmd, piped = fsdp[0].estimate("h100-sxm").time, pipeline[0].estimate("h100-sxm").time
-    assert repr(spmd).startswith(f"StepTime({spmd.total * 1e3:.4g} ms, MFU ") and "1 program)" in repr(spmd)
+    assert repr(spmd).startswith(f"StepTime({spmd.total * 1e3:.4g} ms, HFU ") and "1 program)" in repr(spmd)
     assert "pipeline " in repr(piped) and "copies " in repr(piped) and len(repr(piped)) < 150
 
 
@@ -572,3 +573,21 @@ def test_a_pipeline_is_timed_through_its_schedule(pipeline):
     assert t.total >= max(busy.values())  # no stage gets through its work faster than doing it
     # its two stages are alike: overlapping them beats running every program and copy one after another
     assert t.total < sum(busy.values()) + t.transfers
+
+
+def test_programs_compiled_only_to_be_read_skip_code_optimisation_and_read_the_same(fsdp, monkeypatch):
+    """Estimates compile XLA:CPU programs without LLVM's optimisation (about half the compile time of a large
+    step): the HLO, buffers and so every figure read from them are those of a program compiled as usual."""
+    programs_module = importlib.import_module("multimesh.estimate.programs")
+    options = []
+    compile_ = jax.stages.Lowered.compile
+    monkeypatch.setattr(jax.stages.Lowered, "compile",
+                        lambda self, *a, **k: options.append(k.get("compiler_options")) or compile_(self, *a, **k))
+    programs_module._COMPILED.clear()
+    quick = fsdp[0].estimate("h100-sxm")
+    assert options == [programs_module._READ_ONLY_CPU]
+    monkeypatch.setattr(programs_module, "_READ_ONLY_CPU", None)
+    programs_module._COMPILED.clear()
+    usual = fsdp[0].estimate("h100-sxm")
+    assert options[-1] is None
+    assert usual.programs == quick.programs and usual.memory == quick.memory and usual.time == quick.time

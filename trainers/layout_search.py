@@ -32,6 +32,7 @@ from multimesh.jax import auto_layout, microbatch, register_task
 from trainers.config import Config
 from trainers.errors import ConfigError
 from trainers.layout import SCANNED_STACK, STAGE_MODULES, stage_of_module
+from trainers.plan_estimate import model_flops_of
 
 __all__ = ["chosen_config", "resolve_auto_layout", "search_layout", "stage_registration"]
 
@@ -104,7 +105,7 @@ def search_layout(cfg: Config, devices: Any = None, progress: bool | None = None
                            stage_counts=tuple(stages), microbatches=tuple(lay.search.microbatches),
                            schedules=tuple(lay.search.schedules), rule_sets=tuple(lay.search.rules),
                            progress=progress, time_top=lay.search.time_top, time_steps=lay.search.time_steps,
-                           donate=True)
+                           model_flops=model_flops_of(cfg), donate=True)
     except UnknownProfileError as e:
         raise ConfigError(f"layout.profile={lay.profile!r}: {e}") from None
     except TimingError as e:

@@ -20,8 +20,8 @@ from typing import Any
 
 from trainers.config import Config
 
-__all__ = ["SIMULATED", "estimate_config", "needs_other_devices", "print_estimate", "replan_on_simulated_devices",
-           "simulated_env"]
+__all__ = ["SIMULATED", "estimate_config", "model_flops_of", "needs_other_devices", "print_estimate",
+           "replan_on_simulated_devices", "simulated_env"]
 
 #: Set in the process that plans on simulated devices, to the device count it was started with.
 SIMULATED = "MULTIMESH_PLAN_SIMULATED_DEVICES"
@@ -56,14 +56,35 @@ def replan_on_simulated_devices(argv: Sequence[str], num_devices: int) -> int:
     return subprocess.run(cmd, env=simulated_env(num_devices, os.environ), check=False).returncode
 
 
-def estimate_config(cfg: Config, profile: Any = None, devices: Sequence[Any] | None = None) -> Any:
+def model_flops_of(cfg: Config) -> float:
+    """One train step's model flops (`multimesh.estimate.model_flops`, for MFU): 6 x the parameters whose
+    products the model runs (an untied input embedding is a lookup, not a product: left out) x the batch's
+    tokens, plus attention over ``data.seq_len``; recomputation not counted."""
+    import jax
+    import numpy as np
+
+    from multimesh.estimate import model_flops
+    from trainers.step import build_model, initializers
+
+    m = cfg.model
+    init_params, _ = initializers(cfg, build_model(m), None)
+    count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(jax.eval_shape(init_params)))
+    products = count - (0 if m.tie_embeddings else m.vocab_size * m.d_model)
+    return model_flops(products, cfg.data.batch_size * cfg.data.seq_len, layers=m.num_layers,
+                       seq_len=cfg.data.seq_len, attention_width=m.num_heads * m.head_dim)
+
+
+def estimate_config(cfg: Config, profile: Any = None, devices: Sequence[Any] | None = None,
+                    dtype: str | None = None) -> Any:
     """The `Estimate` of ``cfg``'s train step on its layout over ``devices`` (default: all), priced on
-    ``profile`` (a name or `HardwareProfile`; None: memory and work only) at the peak of the config's
-    compute dtype (``model.dtype``: parameters may be stored wider). Nothing is allocated."""
+    ``profile`` (a name or `HardwareProfile`; None: memory and work only), each matrix product at the peak of
+    the dtype it runs in, read from the program (``dtype``: all at that one's), with the model's flops for
+    MFU (`model_flops_of`). Nothing is allocated."""
     from trainers.step import program_for
 
     program = program_for(cfg, devices)
-    return program.step.estimate(profile=profile, dtype=cfg.model.dtype if profile is not None else None)
+    flops = model_flops_of(cfg) if profile is not None else None
+    return program.step.estimate(profile=profile, dtype=dtype, model_flops=flops)
 
 
 def print_estimate(cfg: Config, profile: str | None) -> None:

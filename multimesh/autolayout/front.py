@@ -69,8 +69,8 @@ def parallelize(fun: Callable, *, layout: str | None = None, profile: str | Hard
                 pipeline: PipelineFactory | None = None,
                 stage_counts: Sequence[int] = (1,), microbatches: Sequence[int] = (4, 8),
                 schedules: Sequence[str] = ("1f1b", "zb-h2"), rule_sets: Sequence[str] = RULE_SETS,
-                progress: bool | None = None, time_top: int = 0, time_steps: int = 3,
-                **kwargs: Any) -> ParallelizeResult:
+                progress: bool | None = None, time_top: int = 0, time_steps: int = 3, dtype: str | None = None,
+                model_flops: float | None = None, **kwargs: Any) -> ParallelizeResult:
     """Compile ``fun(params, batch, *args)`` into a sharded function.
 
     Args:
@@ -97,9 +97,9 @@ def parallelize(fun: Callable, *, layout: str | None = None, profile: str | Hard
       layout: ``"auto"``: the mesh, rules and pipeline are chosen by `auto_layout` (``profile=``
         required; ``devices=``/``num_devices=``, ``memory_limit=``, ``axes=``, ``axis_types=``,
         ``pipeline=``, ``stage_counts=``, ``microbatches=``, ``schedules=``, ``rule_sets=``,
-        ``progress=``, ``time_top=``, ``time_steps=`` as there, and ``rules=``: rules for the model's own
-        logical names, given before the search's), then built like any other layout with the real
-        ``init_params``. The returned step has ``.layout_search``, the `LayoutSearch`. Without it
+        ``progress=``, ``time_top=``, ``time_steps=``, ``dtype=``, ``model_flops=`` as there, and
+        ``rules=``: rules for the model's own logical names, given before the search's), then built
+        like any other layout with the real ``init_params``. The returned step has ``.layout_search``, the `LayoutSearch`. Without it
         (default) the step is built on ``mesh=`` (or the mesh in force) and those arguments are refused.
 
     Returns:
@@ -110,7 +110,8 @@ def parallelize(fun: Callable, *, layout: str | None = None, profile: str | Hard
       (`BatchStep`, or `StepOnly` with ``initial_batch``).
     """
     auto_only = {"profile": profile, "num_devices": num_devices, "memory_limit": memory_limit,
-                 "pipeline": pipeline, "time_top": time_top or None, "axes": axes, "axis_types": axis_types}
+                 "pipeline": pipeline, "time_top": time_top or None, "axes": axes, "axis_types": axis_types,
+                 "dtype": dtype, "model_flops": model_flops}
     if layout is None:
         given = [k for k, v in auto_only.items() if v is not None]
         if given:
@@ -134,7 +135,7 @@ def parallelize(fun: Callable, *, layout: str | None = None, profile: str | Hard
     search = auto_layout(fun, profile=profile, devices=devices, num_devices=num_devices, memory_limit=memory_limit,
                          axes=axes, axis_types=axis_types, pipeline=pipeline, stage_counts=stage_counts,
                          microbatches=microbatches, schedules=schedules, rule_sets=rule_sets, progress=progress,
-                         time_top=time_top, time_steps=time_steps, **kwargs)
+                         time_top=time_top, time_steps=time_steps, dtype=dtype, model_flops=model_flops, **kwargs)
     pool = list(devices) if devices is not None else jax.devices()[:search.num_devices]
     kwargs.pop("rules", None)
     made = _call(build_on, search.best, fun, pool, pipeline, explicit_axes=search.explicit_axes,

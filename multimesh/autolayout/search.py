@@ -1,7 +1,10 @@
 """`auto_layout`: try every layout of the devices, keep those that fit, rank them by predicted step time.
 
 Each candidate (`layouts.enumerate_layouts`: meshes, rule sets, pipelines)
-goes through the cheapest test that can reject it first: the batch's shapes
+goes through the cheapest test that can reject it first: a mesh's other
+rule sets come after its standard rules, and are not compiled where those
+fit and are predicted at least `PRUNE_RATIO` times the best (they save
+memory, not time); then the batch's shapes
 (read once, `jax.eval_shape`), the names the step's arrays give their
 dimensions (read from the first layout built: a mesh axis none of them can
 be sharded over sets a layout aside unbuilt), then the step built on it by
@@ -66,6 +69,8 @@ class Candidate:
     mfu: float | None = None
     rejected: str | None = None
     measured: float | None = None
+    #: hardware flop utilisation (the compiled programs' flops, recomputation included)
+    hfu: float | None = None
 
     @property
     def valid(self) -> bool:
@@ -239,7 +244,8 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
                 pipeline: PipelineFactory | None = None, stage_counts: Sequence[int] = (1,),
                 microbatches: Sequence[int] = (4, 8), schedules: Sequence[str] = ("1f1b", "zb-h2"),
                 rule_sets: Sequence[str] = RULE_SETS, progress: bool | None = None, time_top: int = 0,
-                time_steps: int = 3, **parallelize_kwargs: Any) -> LayoutSearch:
+                time_steps: int = 3, dtype: str | None = None, model_flops: float | None = None,
+                **parallelize_kwargs: Any) -> LayoutSearch:
     """Search the layouts of ``step`` on the devices; return them ranked (`LayoutSearch`, print it).
 
     Args:
@@ -271,6 +277,10 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
         time, time ``time_steps`` steps of each (the median, after one to compile) on these devices, and rank
         them first by that: a measured choice among layouts the model predicts close to each other. Only on
         the profile's own kind of devices (a calibrated profile, or a datasheet one on its GPUs or TPUs).
+      dtype: price every flop at this dtype's peak (default: each matrix product at the peak of the dtype
+        its operands run in, read from each candidate's program).
+      model_flops: one step's model flops (`multimesh.estimate.model_flops`), for each candidate's MFU;
+        without it the table shows HFU only.
       parallelize_kwargs: passed on to `parallelize` (``param_rules=``, ``donate=``, ...).
 
     Raises `UnknownProfileError`, `TimingError` (``time_top=`` on devices not of the profile's kind), and a
@@ -306,9 +316,13 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
                   **parallelize_kwargs)
     candidates: list[Candidate] = []
     names: LeafNames | None = None  # what the step's arrays call their dimensions, once one layout is built
+    layouts.sort(key=lambda layout: layout.rules != "standard")  # each mesh's standard rules before its others
     with _progress(len(layouts), progress) as bar:
         for layout in layouts:
-            candidate, names = _try(layout, step, pool, pipeline, limit, profile, kwargs, batch_shapes, names, axes)
+            candidate = _pruned(layout, candidates)
+            if candidate is None:
+                candidate, names = _try(layout, step, pool, pipeline, limit, profile, kwargs, batch_shapes, names,
+                                        axes, {"dtype": dtype, "model_flops": model_flops})
             candidates.append(candidate)
             bar.update(1)
     ranked = _timed(sorted(candidates, key=_rank), time_top, time_steps, progress,
@@ -345,6 +359,28 @@ def _rank(c: Candidate) -> tuple:
     return (2, 0, 0.0, c.layout.describe())
 
 
+#: A layout whose standard-rules twin fits and is predicted this many times the best fitting one or more is not
+#: compiled with other rules: the ``sequence`` rules split the activations' length over the tensor axis, which
+#: saves memory and moves the same bytes (a reduce-scatter and an all-gather for each all-reduce), so they
+#: gain at most the elementwise work the twin repeats on every tensor device.
+PRUNE_RATIO = 1.25
+
+
+def _pruned(layout: ParallelLayout, done: Sequence[Candidate]) -> Candidate | None:
+    """``layout`` set aside uncompiled (`PRUNE_RATIO`), or None to try it."""
+    if layout.rules == "standard":
+        return None
+    twin = dataclasses.replace(layout, rules="standard")
+    fitting = [c.time for c in done if c.rejected is None]
+    for c in done:
+        if c.layout == twin and c.rejected is None and fitting \
+                and c.time >= PRUNE_RATIO * min(fitting):
+            return Candidate(layout, rejected=f"not compiled: its standard-rules twin fits and is predicted "
+                                              f"{c.time / min(fitting):.2f}x the best, and these rules save "
+                                              f"memory, not time")
+    return None
+
+
 def _explicit_hint(error: Exception) -> str:
     """Advice when JAX refused the step's explicit-sharding code on a mesh of Auto axes (or none in context)."""
     text = str(error)
@@ -361,9 +397,10 @@ def _over(limit: int, device: int, need: int, what: str) -> str:
 
 def _try(layout: ParallelLayout, step: Callable, pool: list, pipeline: PipelineFactory | None, limit: int,
          profile: HardwareProfile, kwargs: dict, batch_shapes: list, names: LeafNames | None,
-         axes: tuple[str, ...]) -> tuple[Candidate, LeafNames | None]:
+         axes: tuple[str, ...], pricing: dict) -> tuple[Candidate, LeafNames | None]:
     """One layout through the checks, cheapest first (see the module docstring); and the names of the step's
-    arrays (``names``, read from the first layout built). ``axes``: the searched ones."""
+    arrays (``names``, read from the first layout built). ``axes``: the searched ones; ``pricing``: `estimate`'s
+    ``dtype`` and ``model_flops``."""
     misfit = batch_misfit(layout, batch_shapes)
     rules = layout_rules(layout, kwargs["own_rules"])
     if misfit is None and names is not None:
@@ -386,10 +423,10 @@ def _try(layout: ParallelLayout, step: Callable, pool: list, pipeline: PipelineF
               or (None if known else fsdp_as_data(layout, names, rules, axes)) or idle_rules(layout, step_fn))
     if misfit is not None:
         return Candidate(layout, rejected=_INVALID + misfit), names
-    return _estimated(layout, step_fn, limit, profile), names
+    return _estimated(layout, step_fn, limit, profile, pricing), names
 
 
-def _estimated(layout: ParallelLayout, step_fn: Any, limit: int, profile: HardwareProfile) -> Candidate:
+def _estimated(layout: ParallelLayout, step_fn: Any, limit: int, profile: HardwareProfile, pricing: dict) -> Candidate:
     """A built layout's candidate: refused on the bytes it holds, else compiled, estimated and checked."""
     held = held_bytes(step_fn.param_layout.leaves, step_fn.batch_layout.leaves)
     per_device = {d: held.params.get(d, 0) + held.optimizer.get(d, 0) + held.batch.get(d, 0)
@@ -399,7 +436,7 @@ def _estimated(layout: ParallelLayout, step_fn: Any, limit: int, profile: Hardwa
         return Candidate(layout, peak_bytes=most,
                          rejected=_over(limit, device, most, " for parameters, optimizer state and batch alone"))
     try:
-        est = step_fn.estimate(profile=profile)
+        est = step_fn.estimate(profile=profile, **pricing)
     except (ValueError, NotImplementedError) as e:  # a layout the estimate cannot compile; the others still rank
         return Candidate(layout, rejected=f"{_INVALID}cannot be estimated: {type(e).__name__}: {e}")
     over = est.overflow(limit)
@@ -407,4 +444,4 @@ def _estimated(layout: ParallelLayout, step_fn: Any, limit: int, profile: Hardwa
     if over:
         device = max(over, key=lambda d: (over[d], -d))
         rejected = _over(limit, device, est.memory[device].peak, " at its peak")
-    return Candidate(layout, est, est.peak_bytes, est.time.total, est.time.mfu, rejected)
+    return Candidate(layout, est, est.peak_bytes, est.time.total, est.time.mfu, rejected, hfu=est.time.hfu)

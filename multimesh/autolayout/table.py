@@ -1,5 +1,5 @@
-"""The text table of a `LayoutSearch`: rank, layout, peak bytes per device, predicted (and measured) time, MFU,
-why rejected."""
+"""The text table of a `LayoutSearch`: rank, layout, peak bytes per device, predicted (and measured) time, MFU
+(model flops; '-' without them) and HFU (compiled flops), why rejected."""
 
 from __future__ import annotations
 
@@ -28,14 +28,16 @@ def search_table(search: Any) -> str:
              f"{search.profile.name}, memory limit {format_bytes(search.memory_limit)}/device: {fits} fit; "
              f"searched in {search.seconds:.1f} s"]
     timed = any(c.measured is not None for c in search.candidates)
-    rows = [("rank", "layout", "peak/device", "predicted", *(("measured",) if timed else ()), "MFU", "rejected")]
+    rows = [("rank", "layout", "peak/device", "predicted", *(("measured",) if timed else ()), "MFU", "HFU",
+             "rejected")]
     for i, c in enumerate(search.candidates, 1):
         peak = "-" if c.peak_bytes is None else format_bytes(c.peak_bytes)
         if c.estimate is None and c.peak_bytes is not None:
             peak = ">" + peak  # the held bytes alone: the peak is more
         mfu = "-" if c.mfu is None else f"{c.mfu:.1%}"
+        hfu = "-" if c.hfu is None else f"{c.hfu:.1%}"
         rows.append((str(i) if c.rejected is None else "-", c.layout.describe(), peak, _time(c.time),
-                     *((_time(c.measured),) if timed else ()), mfu, c.rejected or ""))
+                     *((_time(c.measured),) if timed else ()), mfu, hfu, c.rejected or ""))
     widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]) - 1)]
     for r in rows:
         cells = [r[0].rjust(widths[0]), r[1].ljust(widths[1]), *(x.rjust(w) for x, w in zip(r[2:-1], widths[2:])),

@@ -26,6 +26,7 @@ from .profiles import PROFILES, HardwareProfile, UnknownProfileError, get_profil
 from .programs import ProgramCost
 from .report import DeviceMemory, Estimate, MemoryLimitError, StepTime
 from .timing import ProgramTime, collective_time
+from .utilisation import ImpossibleRateError, model_flops
 
 __all__ = [
     "DEFAULT_OPTIMIZER_PATHS",
@@ -36,6 +37,7 @@ __all__ = [
     "Estimate",
     "HardwareProfile",
     "HeldBytes",
+    "ImpossibleRateError",
     "MemoryLimitError",
     "ProgramCost",
     "ProgramTime",
@@ -49,6 +51,7 @@ __all__ = [
     "find_collectives",
     "get_profile",
     "held_bytes",
+    "model_flops",
     "shard_bytes",
 ]
 

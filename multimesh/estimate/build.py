@@ -5,16 +5,18 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import numpy as np
 
 from ..core.fmt import keypath_str
 from ..core.layout import LeafLayout
-from .held import DEFAULT_OPTIMIZER_PATHS, held_bytes, is_optimizer_path
-from .matmuls import matmul_flops
+from .held import DEFAULT_OPTIMIZER_PATHS, held_bytes
+from .matmuls import matmul_flops_by_dtype
+from .precision import dtype_label, main_dtype, rate_for
 from .profiles import HardwareProfile, get_profile
 from .programs import ProgramCost, analyse_compiled, compiled_once, mpmd_programs, spmd_program
 from .report import DeviceMemory, Estimate, StepTime
 from .steptime import step_timing
+from .timing import compute_time
+from .utilisation import utilisation
 
 __all__ = ["estimate", "estimate_mjit"]
 
@@ -24,17 +26,6 @@ _NOTES = (
     "a loop body (scan) counts once per iteration (the loop's known trip count): its kernels' bytes, its "
     "collectives, and its matrix products' flops",
 )
-
-
-def _compute_dtype(param_leaves: Any, optimizer_paths: str) -> str:
-    """The floating dtype holding the most parameter bytes (float32 when none)."""
-    by_dtype: dict[str, int] = {}
-    for leaf in param_leaves:
-        dt = np.dtype(leaf.dtype)
-        if dt.kind == "f" or dt.name == "bfloat16":
-            if not is_optimizer_path(leaf.path, optimizer_paths):
-                by_dtype[dt.name] = by_dtype.get(dt.name, 0) + leaf.nbytes
-    return max(by_dtype, key=by_dtype.get) if by_dtype else "float32"
 
 
 def _stage_names(placements: Any) -> dict[int, str]:
@@ -72,11 +63,14 @@ def estimate(step_fn: Any, profile: str | HardwareProfile | None = None, *, args
     is allocated. ``profile``: a `HardwareProfile` or a name from
     `PROFILES`. ``args``: an SPMD step's arguments after the parameters and
     the batch (arrays or `jax.ShapeDtypeStruct`s), as it is called.
-    ``dtype``: the compute dtype for the peak flop rate (default: the
-    floating dtype holding most parameter bytes). ``model_flops``: the
-    flops one step of the model needs, for MFU (default: the count of the
-    compiled programs, recomputation included). ``optimizer_paths``: a
-    regular expression of the parameter paths that are optimizer state.
+    ``dtype``: an override, every flop priced at that dtype's peak (default:
+    each matrix product at the peak of the dtype its operands run in, read
+    from the program: bf16 operands with f32 accumulation are bf16 work).
+    ``model_flops``: the flops one step of the model needs (`model_flops`: 6
+    x parameters x tokens + attention, no recomputation), for MFU; without
+    it only HFU (the compiled programs' flops, recomputation included) is
+    reported. ``optimizer_paths``: a regular expression of the parameter
+    paths that are optimizer state.
     """
     runtime = getattr(step_fn, "runtime", None)
     if runtime is None and not hasattr(step_fn, "lower"):
@@ -116,7 +110,7 @@ def estimate_mjit(fn: Any, args: tuple, profile: str | HardwareProfile | None = 
             traced = compiled.jitted.trace(*jax.tree.leaves(abstract))
             mesh = compiled.plan.placements[0].mesh
             program, reshards = compiled_once(traced.lower(), mesh)
-            return analyse_compiled(fn.__name__, program, mesh, matmuls=matmul_flops(traced.jaxpr),
+            return analyse_compiled(fn.__name__, program, mesh, matmuls=matmul_flops_by_dtype(traced.jaxpr),
                                     reshards=reshards)
     else:
         spmd = None
@@ -155,8 +149,7 @@ def _estimate(name: str, plan: Any, runtime: Any, spmd: Any, placements: Any, pa
     result = Estimate(name=name, memory=memory, programs=programs, transfers=transfers, notes=_NOTES)
     if profile is None:
         return result
-    time = _step_time(plan, result, segment_program, profile,
-                      dtype or _compute_dtype(param_leaves, optimizer_paths), model_flops)
+    time = _step_time(plan, result, segment_program, profile, dtype, model_flops)
     return Estimate(name=name, memory=memory, programs=programs, transfers=transfers, profile=profile, time=time,
                     notes=(*_NOTES, _time_note(programs, time, profile)))
 
@@ -169,16 +162,30 @@ def _time_note(programs: tuple[ProgramCost, ...], time: StepTime, profile: Hardw
     else:
         model = (f"one roofline per program whose kernels were not priced (compiled for {compiled}, priced as "
                  f"{profile.platform or 'a profile of no platform'}: kernels count only on their own platform)")
+    flash = ("; priced for another platform, a program's bytes leave out the attention scores a flash kernel "
+             "keeps on chip" if any(p.attention_bytes for p in programs) and not all(
+                 t.kernels is not None for t in time.programs.values()) else "")
     return (f"time: {model} + alpha-beta collectives, not overlapped; a pipeline through its schedule's "
-            f"simulator, each stage with its own programs' costs (see multimesh.estimate.steptime)")
+            f"simulator, each stage with its own programs' costs (see multimesh.estimate.steptime){flash}")
 
 
 def _step_time(plan: Any, est: Estimate, segment_program: dict[int, int] | None, profile: HardwareProfile,
-               dtype: str, model_flops: float | None) -> StepTime:
+               dtype: str | None, model_flops: float | None) -> StepTime:
     n_devices = len(est.memory)
     timing = step_timing(plan, est.programs, segment_program, est.transfers, profile, dtype, n_devices)
-    flops = est.flops if model_flops is None else model_flops
     total = timing.total
-    mfu = flops / (total * profile.flops_rate(dtype) * n_devices) if total > 0 else 0.0
-    return StepTime(programs=timing.programs, transfers=timing.transfers, total=total, dtype=dtype, mfu=mfu,
+    by_dtype: dict[str, float] = {}
+    at_peak = 0.0  # device-seconds the programs' flops take at peak, each at its dtype's rate
+    for p in est.programs:
+        runs = p.executions * len(p.devices)
+        at_peak += compute_time(p, profile, dtype) * runs
+        for d, f in p.matmul_dtypes:
+            by_dtype[d] = by_dtype.get(d, 0.0) + f * runs
+    flops = est.flops
+    peak = flops / at_peak if at_peak > 0 else (profile.flops_rate(dtype) if dtype else
+                                                rate_for(profile, main_dtype(by_dtype)))
+    hfu = utilisation(flops, total, peak, n_devices, "the compiled programs' flops (HFU)")
+    mfu = None if model_flops is None else utilisation(model_flops, total, peak, n_devices, "model_flops= (MFU)")
+    return StepTime(programs=timing.programs, transfers=timing.transfers, total=total,
+                    dtype=dtype_label(by_dtype, dtype), mfu=mfu, hfu=hfu, peak=peak, model_flops=model_flops,
                     pipeline=timing.pipeline, outside=timing.outside)

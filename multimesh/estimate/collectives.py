@@ -16,14 +16,15 @@ Device groups are read in the three forms XLA prints (explicit
 the program's device assignment, which for a program on one mesh is the mesh's
 devices in order; the groups are matched against the mesh's axes, and a
 collective whose groups match no set of axes has axes ``None`` (shown as
-"unknown axes").
+"unknown axes"). Given that assignment, each group is also kept as device
+ids: which nodes its devices sit on decides the links it is priced over.
 """
 
 from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +48,16 @@ class Collective:
     name: str
     #: executions per run of its program (a loop body's: the trip count)
     count: int = 1
+    #: the device ids of each of its groups (a permute's: each source-target pair), from the program's device
+    #: assignment; None where not read (then it is priced by its group size alone)
+    devices: tuple[tuple[int, ...], ...] | None = None
+
+    def nodes_spanned(self, node_of: Callable[[int], int]) -> int | None:
+        """The most nodes any one of its groups spans, ``node_of(device id)`` its node (None: its devices not
+        known)."""
+        if not self.devices:
+            return None
+        return max(len({node_of(d) for d in g}) for g in self.devices)
 
     @property
     def axes_label(self) -> str:
@@ -136,9 +147,19 @@ def _axes_of_pairs(pairs: Sequence[Sequence[int]], names: Sequence[str], sizes: 
     return tuple(names[i] for i in sorted(differ))
 
 
-def find_collectives(hlo_text: str | Module, axis_names: Sequence[str], axis_sizes: Sequence[int]) -> list[Collective]:
+def _on_devices(groups: Sequence[Sequence[int]], device_ids: Sequence[int] | None) -> tuple | None:
+    """Groups of positions in the device assignment as groups of device ids (None: no assignment given, or a
+    position outside it)."""
+    if device_ids is None or any(i >= len(device_ids) for g in groups for i in g):
+        return None
+    return tuple(tuple(int(device_ids[i]) for i in g) for g in groups)
+
+
+def find_collectives(hlo_text: str | Module, axis_names: Sequence[str], axis_sizes: Sequence[int],
+                     device_ids: Sequence[int] | None = None) -> list[Collective]:
     """Every collective of a compiled program's HLO (``compiled.as_text()`` or its `parse_module`), in text
-    order."""
+    order. ``device_ids``: the program's device assignment (its mesh's device ids in order), which places
+    each group's devices on nodes."""
     n_devices = int(np.prod(axis_sizes, dtype=np.int64))
     module = parse_module(hlo_text)
     runs = module.runs()
@@ -155,11 +176,13 @@ def find_collectives(hlo_text: str | Module, axis_names: Sequence[str], axis_siz
                 started = module.instruction(ins.operands[0])
                 rest = started.attributes if started is not None else rest
             if kind == "collective-permute":
-                axes = _axes_of_pairs(_pairs(rest) or [], axis_names, axis_sizes)
+                groups = _pairs(rest) or []
+                axes = _axes_of_pairs(groups, axis_names, axis_sizes)
                 size = 2
             else:
                 groups = _groups(rest, n_devices) or [list(range(n_devices))]
                 axes = _axes_of_groups(groups, axis_names, axis_sizes)
                 size = max(len(g) for g in groups)
-            out.append(Collective(kind, shape_bytes(ins.shape), size, axes, ins.name, count=runs.get(computation, 1)))
+            out.append(Collective(kind, shape_bytes(ins.shape), size, axes, ins.name, count=runs.get(computation, 1),
+                                  devices=_on_devices(groups, device_ids)))
     return out

@@ -104,11 +104,11 @@ def _flush_python_stderr() -> None:
             stream.flush()
 
 
-def compile_noting_reshards(lowered: Any) -> tuple[Any, tuple[Reshard, ...]]:
-    """``lowered.compile()``, and the arrays XLA warned it reshards by gathering them whole (also when
-    JAX's persistent compilation cache holds the program: see the module's docstring)."""
-    kept = _kept_reshards_path(lowered)
-    compiled, reshards, from_cache = _compile_noting(lowered)
+def compile_noting_reshards(lowered: Any, options: dict[str, Any] | None = None) -> tuple[Any, tuple[Reshard, ...]]:
+    """``lowered.compile(compiler_options=options)``, and the arrays XLA warned it reshards by gathering them
+    whole (also when JAX's persistent compilation cache holds the program: see the module's docstring)."""
+    kept = _kept_reshards_path(lowered, options)
+    compiled, reshards, from_cache = _compile_noting(lowered, options)
     if not from_cache:
         if kept is not None:
             with contextlib.suppress(OSError):
@@ -129,7 +129,7 @@ class UnknownReshardsWarning(UserWarning):
     """An estimate's program came from JAX's persistent cache without its reshard warnings kept."""
 
 
-def _compile_noting(lowered: Any) -> tuple[Any, tuple[Reshard, ...], bool]:
+def _compile_noting(lowered: Any, options: dict[str, Any] | None) -> tuple[Any, tuple[Reshard, ...], bool]:
     """Compile with standard error caught (the reshard warnings kept, the rest written back), and whether
     JAX read the program from its persistent cache instead of compiling it."""
     hits: list[str] = []
@@ -142,7 +142,7 @@ def _compile_noting(lowered: Any) -> tuple[Any, tuple[Reshard, ...], bool]:
         jax.monitoring.register_event_listener(listen)
         try:
             with _stderr_to(log):
-                compiled = lowered.compile()
+                compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
         finally:
             jax.monitoring.unregister_event_listener(listen)
             log.seek(0)
@@ -152,13 +152,15 @@ def _compile_noting(lowered: Any) -> tuple[Any, tuple[Reshard, ...], bool]:
     return compiled, reshards, bool(hits)
 
 
-def _kept_reshards_path(lowered: Any) -> Path | None:
-    """Where this program's warnings are kept beside JAX's persistent cache; None without one."""
+def _kept_reshards_path(lowered: Any, options: dict[str, Any] | None = None) -> Path | None:
+    """Where this program's warnings are kept beside JAX's persistent cache (compiled with ``options``);
+    None without one."""
     cache_dir = jax.config.jax_compilation_cache_dir
     if not cache_dir or not jax.config.jax_enable_compilation_cache or "://" in str(cache_dir):
         return None
     digest = hashlib.sha256()
-    for part in (jax.__version__, jax.devices()[0].device_kind, lowered.as_text()):
+    for part in (jax.__version__, jax.devices()[0].device_kind, repr(sorted((options or {}).items())),
+                 lowered.as_text()):
         digest.update(part.encode())
     return Path(cache_dir) / f"multimesh-reshards-{digest.hexdigest()[:32]}.json"
 

@@ -12,7 +12,8 @@ every iteration: a fused parameter read only through ``dynamic-slice`` (or
 ``slice``) counts the slices' bytes, and a ``dynamic-update-slice`` into a
 buffer updated in place counts the update's bytes, not the buffer's. Flops
 are the matrix products' (``dot``, and a library call such as a cuBLAS gemm
-whose dimension numbers it prints): 2 x result elements x contracted size.
+whose dimension numbers it prints): 2 x result elements x contracted size,
+in the dtype of the product's operands (a fusion's: its first product's).
 Elementwise arithmetic is left to the program's total (its bytes dominate
 such a kernel's time). A kernel in a loop body counts once per iteration.
 """
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 from .collectives import KINDS
 from .hlo import Instruction, Module, parse_module, shape_bytes
+from .precision import work_dtype
 
 __all__ = ["Kernel", "find_kernels"]
 
@@ -36,6 +38,7 @@ _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"
 _RUNS_AS_CODE = ("body", "condition", "branch", "call")
 _SLICES = {"dynamic-slice", "slice"}
 _DIMS = re.compile(r"\[([\d,]*)\]")
+_ELEMENT = re.compile(r"\s*\(?\s*([a-z]+\d*(?:e\d+m\d+\w*)?)\[")
 _CONTRACTING = re.compile(r'lhs_contracting_dim(?:s=\{|ensions"\s*:\s*\[)([^}\]]*)')
 
 
@@ -46,6 +49,12 @@ class Kernel:
     flops: float
     bytes: int
     count: int = 1
+    #: the dtype its matrix products' operands run in (`precision.profile_dtype`); '' where it has none
+    dtype: str = ""
+    #: of ``bytes``, those of attention score matrices it reads or writes (the results of a batched product
+    #: larger than its operands, and what is computed from them at their size: scale, mask, softmax), which a
+    #: flash-attention kernel keeps on chip
+    attention_bytes: int = 0
 
 
 def _dims(shape: str) -> list[int]:
@@ -63,6 +72,14 @@ def _product_flops(ins: Instruction, module: Module) -> float:
     if any(d >= len(lhs) for d in dims):
         return 0.0
     return 2.0 * math.prod(_dims(ins.shape)) * math.prod(lhs[d] for d in dims)
+
+
+def _product_dtype(ins: Instruction, module: Module) -> str:
+    """The dtype a matrix product runs in: its operands' (the wider of two), read from their HLO shapes."""
+    kinds = [m.group(1) for o in ins.operands[:2] if (m := _ELEMENT.match(module.shape(o))) is not None]
+    if not kinds:
+        return ""
+    return work_dtype(kinds[0], kinds[-1])
 
 
 def _fused(ins: Instruction, module: Module) -> tuple[Instruction, ...]:
@@ -106,28 +123,82 @@ def _fusion_bytes(ins: Instruction, module: Module, body: tuple[Instruction, ...
     return read + written
 
 
-def _kernel(ins: Instruction, module: Module) -> Kernel | None:
+_ARRAYS = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
+_BATCHED = re.compile(r"lhs_batch_dims=\{\d")
+
+
+def _elements(shape: str) -> list[int]:
+    """Element counts of the arrays of an HLO shape (a tuple's each)."""
+    return [math.prod(int(x) for x in dims.split(",") if x) for _, dims in _ARRAYS.findall(shape)]
+
+
+def _attention_product(ins: Instruction, module: Module) -> bool:
+    """A batched matrix product (batch dimensions: batch and heads) whose result is larger than each of its
+    operands: an attention's ``Q K^T`` (or, backward, ``dO V^T``), itself or fused into ``ins``."""
+    dots = [ins] if ins.opcode == "dot" else [f for f in _fused(ins, module) if f.opcode == "dot"]
+    for d in dots:
+        out = sum(_elements(d.shape))
+        if _BATCHED.search(d.attributes) and all(out > sum(_elements(module.shape(o))) for o in d.operands[:2]):
+            return True
+    return False
+
+
+def _scores(module: Module) -> set[str]:
+    """The instructions whose results are attention score matrices: an attention product's result, and every
+    result of the same size computed from one (its scale, mask, softmax, conversions, copies and layouts),
+    the chain a flash-attention kernel keeps on chip."""
+    found: set[str] = set()
+    for body in module.computations.values():
+        for ins in body:
+            if ins.opcode == "parameter":
+                continue
+            if _attention_product(ins, module):
+                found.add(ins.name)
+                continue
+            sizes = {n for o in ins.operands if o in found for n in _elements(module.shape(o))}
+            if sizes and any(n in sizes for n in _elements(ins.shape)):
+                found.add(ins.name)
+    return found
+
+
+def _kernel(ins: Instruction, module: Module, scores: set[str] = frozenset()) -> Kernel | None:
+    k = _kernel_io(ins, module)
+    if k is None or not scores:
+        return k
+    moved = sum(shape_bytes(module.shape(o)) for o in ins.operands if o in scores)
+    if ins.name in scores:
+        moved += shape_bytes(ins.shape)
+    return Kernel(k.flops, k.bytes, k.count, k.dtype, min(moved, k.bytes))
+
+
+def _kernel_io(ins: Instruction, module: Module) -> Kernel | None:
     if ins.opcode in _NOT_KERNELS or ins.opcode.endswith(("-start", "-done", "-update")):
         return None
     if ins.opcode == "fusion":
         body = _fused(ins, module)
-        return Kernel(sum(_product_flops(f, module) for f in body if f.opcode == "dot"),
-                      _fusion_bytes(ins, module, body))
+        dots = [f for f in body if f.opcode == "dot"]
+        return Kernel(sum(_product_flops(f, module) for f in dots), _fusion_bytes(ins, module, body),
+                      dtype=_product_dtype(dots[0], module) if dots else "")
     if ins.opcode == "dynamic-update-slice" and len(ins.operands) > 1:
         return Kernel(0.0, 2 * shape_bytes(module.shape(ins.operands[1])))
     if ins.opcode in _SLICES:
         return Kernel(0.0, 2 * shape_bytes(ins.shape))
     flops = _product_flops(ins, module) if ins.opcode in ("dot", "custom-call") else 0.0
-    return Kernel(flops, shape_bytes(ins.shape) + sum(shape_bytes(module.shape(o)) for o in ins.operands))
+    return Kernel(flops, shape_bytes(ins.shape) + sum(shape_bytes(module.shape(o)) for o in ins.operands),
+                  dtype=_product_dtype(ins, module) if flops else "")
 
 
 def find_kernels(hlo_text: str | Module) -> tuple[Kernel, ...]:
-    """The kernels of a compiled program's HLO (``compiled.as_text()`` or its `parse_module`), kernels with
-    the same flops and bytes merged (their counts summed), largest bytes first."""
+    """The kernels of a compiled program's HLO (``compiled.as_text()`` or its `parse_module`), kernels alike
+    merged (their counts summed), largest bytes first; each with the bytes of attention score matrices it
+    moves (`_scores`)."""
     module = parse_module(hlo_text)
-    counts: Counter[tuple[float, int]] = Counter()
+    scores = _scores(module)
+    counts: Counter[tuple[float, int, str, int]] = Counter()
     for ins, times in module.executed(_RUNS_AS_CODE):
-        k = _kernel(ins, module)
+        k = _kernel(ins, module, scores)
         if k is not None and (k.flops or k.bytes):
-            counts[(k.flops, k.bytes)] += times
-    return tuple(Kernel(f, b, n) for (f, b), n in sorted(counts.items(), key=lambda kv: (-kv[0][1], -kv[0][0])))
+            counts[(k.flops, k.bytes, k.dtype, k.attention_bytes)] += times
+    return tuple(Kernel(f, b, n, d, a) for (f, b, d, a), n in sorted(counts.items(),
+                                                                     key=lambda kv: (-kv[0][1], -kv[0][0],
+                                                                                     kv[0][2], kv[0][3])))

@@ -13,8 +13,9 @@ import math
 from typing import Any
 
 from ..core.jaxprs import subjaxprs
+from .precision import dot_dtype
 
-__all__ = ["matmul_flops"]
+__all__ = ["matmul_flops", "matmul_flops_by_dtype"]
 
 
 def _dot_flops(eqn: Any) -> float:
@@ -26,25 +27,37 @@ def _dot_flops(eqn: Any) -> float:
 
 
 def matmul_flops(jaxpr: Any) -> float:
-    """Flops of every ``dot_general`` in ``jaxpr`` (a `Jaxpr` or `ClosedJaxpr`) and the jaxprs it nests,
+    """Flops of every ``dot_general`` in ``jaxpr`` (`matmul_flops_by_dtype`, all dtypes together)."""
+    return sum(matmul_flops_by_dtype(jaxpr).values())
+
+
+def _add(into: dict[str, float], more: dict[str, float], times: float = 1.0) -> None:
+    for k, v in more.items():
+        into[k] = into.get(k, 0.0) + times * v
+
+
+def matmul_flops_by_dtype(jaxpr: Any) -> dict[str, float]:
+    """Flops of every ``dot_general`` in ``jaxpr`` (a `Jaxpr` or `ClosedJaxpr`) and the jaxprs it nests, by
+    the dtype its operands run in (`precision.dot_dtype`: bf16 operands accumulated in f32 are bfloat16),
     over the whole (global) arrays: a ``scan`` body counted ``length`` times, a ``while`` body once (its
     trip count is not known before it runs), a ``cond`` as its costliest branch, a ``shard_map`` body (its
     per-device shapes) once per device of its mesh."""
-    total = 0.0
+    total: dict[str, float] = {}
     for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
         name = eqn.primitive.name
         if name == "dot_general":
-            total += _dot_flops(eqn)
+            dtype = dot_dtype(eqn.invars[0].aval.dtype.name, eqn.invars[1].aval.dtype.name,
+                              eqn.params.get("precision"))
+            _add(total, {dtype: _dot_flops(eqn)})
             continue
-        inner = [matmul_flops(j) for j in subjaxprs(eqn)]
+        inner = [matmul_flops_by_dtype(j) for j in subjaxprs(eqn)]
         if not inner:
             continue
         if name == "cond":
-            total += max(inner)
-        elif name == "scan":
-            total += eqn.params["length"] * sum(inner)
-        elif name == "shard_map":
-            total += eqn.params["mesh"].size * sum(inner)
-        else:
-            total += sum(inner)
+            _add(total, max(inner, key=lambda d: sum(d.values())))
+            continue
+        times = eqn.params["length"] if name == "scan" else eqn.params["mesh"].size if name == "shard_map" else 1
+        for d in inner:
+            _add(total, d, times)
     return total
+

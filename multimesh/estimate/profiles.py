@@ -43,8 +43,11 @@ class HardwareProfile:
     ``peak_flops``: dense peak per dtype name (``"bfloat16"``, ``"float32"``,
     ...) in flop/s; ``memory_bandwidth`` in bytes/s; ``memory_bytes`` the
     device memory; ``intra_node_*`` the links between devices of one node
-    (bytes/s per direction, seconds), ``inter_node_*`` those between nodes;
-    ``devices_per_node`` says which collectives stay inside a node.
+    (bytes/s per direction, seconds), ``inter_node_*`` those between nodes
+    (the network); ``devices_per_node``: how many devices a node holds,
+    device id ``i`` on node ``i // devices_per_node`` (JAX numbers a GPU
+    cluster's devices process by process, a node's together). A collective
+    is priced over the links its group's devices cross (`timing`).
     """
 
     name: str
@@ -105,6 +108,10 @@ class HardwareProfile:
         return (f"{type(self).__name__}({self.name!r}: {self.peak_flops[top] / 1e12:.4g} Tflop/s {top}, "
                 f"{self.memory_bandwidth / 1e9:.4g} GB/s memory, {format_bytes(self.memory_bytes)}, "
                 f"{self.intra_node_bandwidth / 1e9:.4g} GB/s links in nodes of {self.devices_per_node})")
+
+    def node_of(self, device_id: int) -> int:
+        """The node device ``device_id`` sits on."""
+        return int(device_id) // self.devices_per_node
 
     def flops_rate(self, dtype: str) -> float:
         """The peak for ``dtype``; float32 work is taken at the float32 (non-Tensor-Core) rate."""

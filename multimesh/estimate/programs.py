@@ -17,6 +17,7 @@ import hashlib
 import re
 import weakref
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,7 @@ from .compiler_log import Reshard, compile_noting_reshards
 from .held import slice_bytes
 from .hlo import parse_module
 from .kernels import Kernel, find_kernels
-from .matmuls import matmul_flops
+from .matmuls import matmul_flops_by_dtype
 
 __all__ = ["MPMDPrograms", "ProgramCost", "analyse_compiled", "mpmd_programs", "spmd_program"]
 
@@ -57,6 +58,12 @@ class ProgramCost:
     #: the JAX platform it was compiled for (its kernels are that platform's)
     platform: str = ""
     reshards: tuple[Reshard, ...] = ()
+    #: (dtype, flops per device) of its matrix products, by the dtype their operands run in (counted from its
+    #: jaxpr: `matmul_flops_by_dtype`); empty where not counted
+    matmul_dtypes: tuple[tuple[str, float], ...] = ()
+    #: of ``bytes_accessed``, those of attention score matrices (`kernels`), which a flash
+    #: kernel keeps on chip: left out where the program is priced for another platform than its own
+    attention_bytes: float = 0.0
 
     @property
     def peak_bytes(self) -> int:
@@ -78,31 +85,36 @@ _READ: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _read_hlo(compiled: Any, mesh: Mesh) -> tuple[tuple[Collective, ...], tuple[Kernel, ...]]:
-    axes = (tuple(mesh.axis_names), tuple(int(s) for s in mesh.devices.shape))
+    ids = tuple(int(d.id) for d in mesh.devices.flat)
+    axes = (tuple(mesh.axis_names), tuple(int(s) for s in mesh.devices.shape), ids)
     read = _READ.setdefault(compiled, {})
     if axes not in read:
         module = parse_module(compiled.as_text())
-        read[axes] = (tuple(find_collectives(module, list(axes[0]), list(axes[1]))), find_kernels(module))
+        read[axes] = (tuple(find_collectives(module, list(axes[0]), list(axes[1]), ids)),
+                      find_kernels(module))
     return read[axes]
 
 
-def analyse_compiled(name: str, compiled: Any, mesh: Mesh, executions: int = 1, matmuls: float = 0.0,
-                     reshards: tuple[Reshard, ...] = ()) -> ProgramCost:
+def analyse_compiled(name: str, compiled: Any, mesh: Mesh, executions: int = 1,
+                     matmuls: Mapping[str, float] | None = None, reshards: tuple[Reshard, ...] = ()) -> ProgramCost:
     """A `ProgramCost` from a `jax.stages.Compiled` of a program on ``mesh``. ``matmuls``: the flops of its
-    matrix products counted from its jaxpr (`matmul_flops`, global arrays): the flops per device are at least
-    those over the devices, where XLA's count misses some (a loop body counted once, GPU library calls).
+    matrix products by dtype, counted from its jaxpr (`matmul_flops_by_dtype`, global arrays): the flops per
+    device are at least those over the devices, where XLA's count misses some (a loop body counted once, GPU
+    library calls).
     ``reshards``: what XLA warned of while compiling it (`compiled_once`)."""
     memory = compiled.memory_analysis()
     cost = _cost(compiled)
     collectives, kernels = _read_hlo(compiled, mesh)
     moved = sum(k.bytes * k.count for k in kernels) if kernels else float(cost.get("bytes accessed", 0.0))
+    per_device = {k: v / mesh.devices.size for k, v in (matmuls or {}).items()}
     return ProgramCost(
         name=name, devices=frozenset(d.id for d in mesh.devices.flat),
         argument_bytes=int(memory.argument_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
         alias_bytes=int(memory.alias_size_in_bytes), temp_bytes=int(memory.temp_size_in_bytes),
-        flops=max(float(cost.get("flops", 0.0)), matmuls / mesh.devices.size), bytes_accessed=float(moved),
+        flops=max(float(cost.get("flops", 0.0)), sum(per_device.values())), bytes_accessed=float(moved),
         collectives=collectives, executions=executions, kernels=kernels,
-        platform=mesh.devices.flat[0].platform, reshards=reshards)
+        platform=mesh.devices.flat[0].platform, reshards=reshards, matmul_dtypes=tuple(sorted(per_device.items())),
+        attention_bytes=float(sum(k.attention_bytes * k.count for k in kernels)))
 
 
 def _abstract(tree: Any, shardings: Any) -> Any:
@@ -117,7 +129,7 @@ def spmd_program(step_fn: Any, args: tuple = ()) -> ProgramCost:
         traced = step_fn.trace(step_fn.abstract_params, batch, *args)
         compiled, reshards = compiled_once(traced.lower(), step_fn.mesh)
     return analyse_compiled(getattr(step_fn.fun, "__name__", "step"), compiled, step_fn.mesh,
-                            matmuls=matmul_flops(traced.jaxpr), reshards=reshards)
+                            matmuls=matmul_flops_by_dtype(traced.jaxpr), reshards=reshards)
 
 
 @dataclass(frozen=True)
@@ -146,6 +158,11 @@ def _unnamed(module: str) -> str:
 _COMPILED: OrderedDict[tuple, Any] = OrderedDict()
 _KEPT = 64
 
+#: XLA:CPU options for programs compiled only to be read, never run: LLVM's machine-code optimisation
+#: skipped (about half of an 8B model step's compile time here), which leaves the optimised HLO, its
+#: buffers (the memory analysis) and so every figure an estimate reads unchanged.
+_READ_ONLY_CPU = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
 
 def compiled_once(lowered: Any, mesh: Mesh) -> tuple[Any, tuple[Reshard, ...]]:
     """``lowered`` compiled, or the program compiled before from the same module (but for its name) for a mesh
@@ -156,7 +173,7 @@ def compiled_once(lowered: Any, mesh: Mesh) -> tuple[Any, tuple[Reshard, ...]]:
            mesh.devices.shape, mesh.axis_names)
     compiled = _COMPILED.pop(key, None)
     if compiled is None:
-        compiled = compile_noting_reshards(lowered)
+        compiled = compile_noting_reshards(lowered, _READ_ONLY_CPU if device.platform == "cpu" else None)
     _COMPILED[key] = compiled
     while len(_COMPILED) > _KEPT:
         _COMPILED.popitem(last=False)
@@ -206,7 +223,7 @@ def mpmd_programs(runtime: Any) -> MPMDPrograms:
             if key not in compiled:
                 traced = step.fn.trace(*args, *step.literals)
                 compiled[key] = (*compiled_once(traced.lower(), mesh), program_of[seg.index], mesh,
-                                 matmul_flops(traced.jaxpr))
+                                 matmul_flops_by_dtype(traced.jaxpr))
             calls[key] = calls.get(key, 0) + 1
             runs[seg.index] = key
             outs = [_moved_to(s, mesh) for s in jax.tree.leaves(compiled[key][0].output_shardings)]

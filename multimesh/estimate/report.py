@@ -64,13 +64,29 @@ class StepTime:
     programs: dict[str, ProgramTime]
     transfers: float
     total: float
+    #: the dtypes the products were priced in (read from the programs), or the override asked for
     dtype: str
-    mfu: float
+    #: model flop utilisation: ``model_flops`` over the peak for the step (None: no model flops given)
+    mfu: float | None
+    #: hardware flop utilisation: the compiled programs' flops (recomputation included) over the same peak
+    hfu: float = 0.0
+    #: flop/s per device at peak for the step's mix of dtypes (its flops over their time at each one's peak)
+    peak: float = 0.0
+    model_flops: float | None = None
     pipeline: float = 0.0
     outside: float = 0.0
 
+    @property
+    def utilisation(self) -> str:
+        """``MFU x% (model flops), HFU y% (compiled flops)``, or HFU alone without model flops."""
+        hfu = f"HFU {self.hfu:.1%} (compiled flops, recomputation included)"
+        if self.mfu is None:
+            return f"{hfu}; MFU: pass model_flops="
+        return f"MFU {self.mfu:.1%} (model flops), {hfu}"
+
     def __repr__(self) -> str:
-        parts = [f"{self.total * 1e3:.4g} ms", f"MFU {self.mfu:.1%} ({self.dtype})",
+        mfu = "" if self.mfu is None else f"MFU {self.mfu:.1%}, "
+        parts = [f"{self.total * 1e3:.4g} ms", f"{mfu}HFU {self.hfu:.1%} ({self.dtype})",
                  f"{len(self.programs)} program{'s' * (len(self.programs) != 1)}"]
         if self.pipeline:
             parts.append(f"pipeline {self.pipeline * 1e3:.4g} ms + outside {self.outside * 1e3:.4g} ms")
@@ -162,8 +178,9 @@ class Estimate:
         for p in self.programs:
             t = f", {self.time.programs[p.name].total * 1e3:.3g} ms" if self.time is not None else ""
             kernels = f"{sum(k.count for k in p.kernels)} kernels, " if p.kernels else ""
+            scores = f" ({b(int(p.attention_bytes))} of it attention scores)" if p.attention_bytes else ""
             lines.append(f"  {p.name} x{p.executions} on {len(p.devices)} devices: {p.flops:.4g} flops per device, "
-                         f"{b(p.bytes_accessed)} accessed, temp {b(p.temp_bytes)}, {kernels}"
+                         f"{b(p.bytes_accessed)} accessed{scores}, temp {b(p.temp_bytes)}, {kernels}"
                          f"{len(p.collectives)} collective{'s' * (len(p.collectives) != 1)}{t}")
         coll = self.collectives()
         if coll:
@@ -179,7 +196,7 @@ class Estimate:
             parts = (f" (pipeline {self.time.pipeline * 1e3:.4g} ms + outside it {self.time.outside * 1e3:.4g} ms)"
                      if self.time.pipeline else "")
             lines.append(f"predicted step time on {self.profile.name} ({self.time.dtype}): "
-                         f"{self.time.total * 1e3:.4g} ms{parts}, MFU {self.time.mfu:.1%}")
+                         f"{self.time.total * 1e3:.4g} ms{parts}, {self.time.utilisation}")
         if self.reshards:
             lines.append(f"XLA reshards {len(self.reshards)} array{'s' * (len(self.reshards) != 1)} by gathering it "
                          f"whole on every device (its 'involuntary full rematerialization' warning):")

@@ -52,17 +52,26 @@ class StepTiming:
         self.pipeline, self.outside = pipeline, outside
 
 
+def _one_node(plan: Any, src: int, dst: int, profile: HardwareProfile, n_devices: int) -> bool:
+    """Whether a copy from segment ``src`` (-1: a step input) to ``dst`` stays inside one node: both
+    submeshes' devices on one node (an input's source unknown: the step's devices fit in one node)."""
+    if src < 0:
+        return n_devices <= profile.devices_per_node
+    ids = {d.id for i in (src, dst) for d in plan.segments[i].placement.devices}
+    return len({profile.node_of(i) for i in ids}) == 1
+
+
 def step_timing(plan: Any, programs: tuple[ProgramCost, ...], segment_program: dict[int, int] | None,
-                transfers: tuple[tuple[str, int, int, int], ...], profile: HardwareProfile, dtype: str,
+                transfers: tuple[tuple[str, int, int, int], ...], profile: HardwareProfile, dtype: str | None,
                 n_devices: int) -> StepTiming:
     """The step's time (see the module docstring); ``segment_program`` None: one SPMD program."""
     times = {p.name: program_time(p, profile, dtype) for p in programs}
     if segment_program is None:
         (p,) = programs
         return StepTiming(times, 0.0, times[p.name].total)
-    inside = n_devices <= profile.devices_per_node
     copies: dict[int, float] = {}
-    for _, _, dst, size in transfers:
+    for _, src, dst, size in transfers:
+        inside = _one_node(plan, src, dst, profile, n_devices)
         copies[dst] = copies.get(dst, 0.0) + transfer_time(size, profile, inside_node=inside)
     moved = sum(copies.values())
     took = {k: times[programs[i].name].total for k, i in segment_program.items()}

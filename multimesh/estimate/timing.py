@@ -1,7 +1,10 @@
 """Step time from a hardware profile: a roofline per kernel and an alpha-beta model per collective.
 
-A program's kernels run one after another, each bound by its compute or its
-memory traffic: a program takes the sum over its kernels (`kernels`) of
+A matrix product is priced at the peak of the dtype its operands run in
+(`precision`: bf16 operands with f32 accumulation are bf16 work), read from
+the program; ``dtype=`` overrides that for every flop. A program's kernels
+run one after another, each bound by its compute or its memory traffic: a
+program takes the sum over its kernels (`kernels`) of
 ``max(flops / peak, bytes / memory bandwidth)``, plus the flops no kernel
 shows (a library call whose dimensions its HLO does not print) at peak, plus
 its collectives, which are not assumed to overlap with compute, plus the
@@ -15,7 +18,8 @@ another platform (``HardwareProfile.platform``: a plan for GPUs or TPUs
 compiled on CPU, whose compiler fuses far less), or where none were read, a
 program takes ``max(flops / peak, bytes accessed / memory bandwidth)``: one
 roofline over the whole program, which assumes the target's compiler hides
-its memory traffic under its compute. A copy between
+its memory traffic under its compute, its bytes without the attention score
+matrices a flash kernel keeps on chip (`memory_bytes`). A copy between
 submeshes costs its fixed cost (``transfer_time``) and its bytes over the
 link. A collective over ``n`` devices moving ``B`` bytes (ring algorithms) takes
 ``steps * latency + factor * B / bandwidth``:
@@ -30,8 +34,13 @@ all-to-all             n-1        (n-1)/n
 collective-permute     1          1
 =====================  =========  ===========================
 
-with the intra-node link when the group fits in a node
-(``devices_per_node``), else the inter-node one.
+over the links the group's devices cross: device ``i`` sits on node
+``i // devices_per_node`` (the program's device assignment maps the HLO's
+replica groups to device ids); a group inside one node runs over the
+intra-node link (NVLink, ICI), one across nodes over the inter-node network,
+a ring over both at its slowest hop, the network, for every step. Where the
+devices are not known, a group of at most ``devices_per_node`` devices is
+taken to be inside one node.
 """
 
 from __future__ import annotations
@@ -39,11 +48,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .collectives import Collective
+from .kernels import Kernel
+from .precision import main_dtype, rate_for
 from .profiles import HardwareProfile
 from .programs import ProgramCost
 
-__all__ = ["FRESH_MAPPING_BYTES", "ProgramTime", "collective_time", "fresh_memory_time", "kernels_time",
-           "launch_overhead", "program_time", "transfer_time"]
+__all__ = ["FRESH_MAPPING_BYTES", "ProgramTime", "collective_time", "compute_time", "fresh_memory_time", "kernels_time",
+           "launch_overhead", "memory_bytes", "program_time", "transfer_time"]
 
 #: A buffer above this many bytes is mapped afresh by glibc's malloc on every allocation and unmapped when
 #: freed: 32 MiB, the most its mmap threshold grows to on a 64-bit host (a thread's arena holds no more than
@@ -52,12 +63,12 @@ FRESH_MAPPING_BYTES = 32 << 20
 
 
 def collective_time(c: Collective, profile: HardwareProfile) -> float:
-    """Seconds one collective takes on ``profile``'s links: latency plus its bytes over the bandwidth of
-    the link its group uses, by the algorithm its kind needs (a ring's ``2(n-1)/n`` for an all-reduce)."""
+    """One execution of ``c`` over the links its groups' devices cross (see the module docstring)."""
     n = max(c.group_size, 1)
     if n == 1:
         return 0.0
-    inside = n <= profile.devices_per_node
+    spanned = c.nodes_spanned(profile.node_of)
+    inside = n <= profile.devices_per_node if spanned is None else spanned == 1
     bandwidth = profile.intra_node_bandwidth if inside else profile.inter_node_bandwidth
     latency = profile.intra_node_latency if inside else profile.inter_node_latency
     steps, factor = {
@@ -105,15 +116,32 @@ def _compiled_for(p: ProgramCost, profile: HardwareProfile) -> bool:
     return bool(profile.platform) and profile.platform == p.platform
 
 
-def kernels_time(p: ProgramCost, profile: HardwareProfile, peak: float) -> float | None:
-    """The sum of ``p``'s kernels' rooflines, plus its flops that no kernel shows at ``peak`` (None: no
-    kernels read, or read from a compilation for another platform than ``profile``'s)."""
+def compute_time(p: ProgramCost, profile: HardwareProfile, dtype: str | None = None) -> float:
+    """Seconds ``p``'s flops take at peak: each dtype's matrix flops (``p.matmul_dtypes``) at that dtype's
+    rate, the rest at the rate of the dtype of most of them; ``dtype``: every flop at that dtype's rate."""
+    if dtype is not None:
+        return p.flops / profile.flops_rate(dtype)
+    by = dict(p.matmul_dtypes)
+    rest = max(p.flops - sum(by.values()), 0.0)
+    return sum(f / rate_for(profile, d) for d, f in by.items()) + rest / rate_for(profile, main_dtype(by))
+
+
+def kernels_time(p: ProgramCost, profile: HardwareProfile, dtype: str | None = None) -> float | None:
+    """The sum of ``p``'s kernels' rooflines, each kernel's flops at the rate of its own dtype (``dtype``:
+    all at that one's), plus its flops that no kernel shows at the rate of its main dtype (None: no kernels
+    read, or read from a compilation for another platform than ``profile``'s)."""
     if not p.kernels or not _compiled_for(p, profile):
         return None
     bandwidth = profile.memory_bandwidth
+    main = dtype or main_dtype(dict(p.matmul_dtypes))
+    rate = profile.flops_rate if dtype is not None else (lambda d: rate_for(profile, d))
+
+    def peak(k: Kernel) -> float:
+        return rate(dtype or k.dtype or main)
+
     shown = sum(k.flops * k.count for k in p.kernels)
-    return (sum(k.count * max(k.flops / peak, k.bytes / bandwidth) for k in p.kernels)
-            + max(p.flops - shown, 0.0) / peak)
+    return (sum(k.count * max(k.flops / peak(k), k.bytes / bandwidth) for k in p.kernels)
+            + max(p.flops - shown, 0.0) / rate(main))
 
 
 def fresh_memory_time(p: ProgramCost, profile: HardwareProfile) -> float:
@@ -126,11 +154,22 @@ def fresh_memory_time(p: ProgramCost, profile: HardwareProfile) -> float:
     return p.temp_bytes / rate
 
 
-def program_time(p: ProgramCost, profile: HardwareProfile, dtype: str) -> ProgramTime:
-    peak, bandwidth = profile.flops_rate(dtype), profile.memory_bandwidth
-    return ProgramTime(compute=p.flops / peak, memory=p.bytes_accessed / bandwidth,
+def memory_bytes(p: ProgramCost, profile: HardwareProfile) -> float:
+    """The bytes one execution of ``p`` moves through device memory as priced on ``profile``: its kernels'
+    as compiled, where that is for the profile's platform; else without its attention score matrices, which
+    the target's flash-attention kernel keeps on chip (``attention_bytes``)."""
+    if _compiled_for(p, profile):
+        return p.bytes_accessed
+    return max(p.bytes_accessed - p.attention_bytes, 0.0)
+
+
+def program_time(p: ProgramCost, profile: HardwareProfile, dtype: str | None = None) -> ProgramTime:
+    """One execution of ``p``: its matrix products at the rates of the dtypes they run in (``dtype``: every
+    flop at that dtype's rate, an override)."""
+    return ProgramTime(compute=compute_time(p, profile, dtype),
+                       memory=memory_bytes(p, profile) / profile.memory_bandwidth,
                        communication=sum(c.count * collective_time(c, profile) for c in p.collectives),
-                       launch=launch_overhead(profile), kernels=kernels_time(p, profile, peak),
+                       launch=launch_overhead(profile), kernels=kernels_time(p, profile, dtype),
                        fresh_memory=fresh_memory_time(p, profile))
 
 
