@@ -99,8 +99,9 @@ def parallelize(fun: Callable, *, layout: str | None = None, profile: str | Hard
         ``pipeline=``, ``stage_counts=``, ``microbatches=``, ``schedules=``, ``rule_sets=``,
         ``progress=``, ``time_top=``, ``time_steps=``, ``dtype=``, ``model_flops=`` as there, and
         ``rules=``: rules for the model's own logical names, given before the search's), then built
-        like any other layout with the real ``init_params``. The returned step has ``.layout_search``, the `LayoutSearch`. Without it
-        (default) the step is built on ``mesh=`` (or the mesh in force) and those arguments are refused.
+        like any other layout with the real ``init_params``. The returned step has ``.layout_search``,
+        the `LayoutSearch`. Without it (default) the step is built on ``mesh=`` (or the mesh in force)
+        and those arguments are refused.
 
     Returns:
       A `ParallelizeResult`: with ``get_input_batch``, a `StepFunctions` ``(step, init_params,
