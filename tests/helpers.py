@@ -12,7 +12,8 @@ configurations are chosen so that no divisibility or stacking decision arises.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from multimesh.jax import ignore_transforms, parallelize, with_sharding_constraint
+from multimesh.jax import ignore_transforms, parallelize, register_task, with_sharding_constraint
 
 RTOL = 1e-5
 ATOL = 1e-6
@@ -458,3 +459,11 @@ def in_a_small_tmpfs(mount: str, size: str, argv: list[str]) -> list[str] | None
         return None
     script = 'mount -t tmpfs -o size="$1" tmpfs "$2" && shift 2 && exec "$@"'
     return [unshare, "-Urm", "sh", "-c", script, "sh", size, mount, *argv]
+
+
+@contextlib.contextmanager
+def stages(first: str, second: str) -> Iterator[tuple[Any, Any]]:
+    """Two `register_task` stages: modules matching ``first`` on devices 0-3, ``second`` on 4-7."""
+    devs = jax.devices()
+    with register_task(first, devices=devs[:4]) as a, register_task(second, devices=devs[4:]) as b:
+        yield a, b

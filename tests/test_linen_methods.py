@@ -9,7 +9,6 @@ pipeline); either way the result is the one-device program's.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import flax.linen as nn
@@ -17,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from helpers import check_mpmd_against_reference
+from helpers import check_mpmd_against_reference, stages
 
-from multimesh.jax import clear_tasks, microbatch, parallelize, register_task
+from multimesh.jax import clear_tasks, microbatch, parallelize
 from multimesh.trace.implicit import implicit_placement
 
 pytestmark = pytest.mark.devices(8)
@@ -69,13 +68,6 @@ def make_step(pipelined: bool):
 def _no_leftover_tasks():
     yield
     clear_tasks()
-
-
-@contextlib.contextmanager
-def stages(first: str, second: str):
-    devs = jax.devices()
-    with register_task(first, devices=devs[:4]) as a, register_task(second, devices=devs[4:]) as b:
-        yield a, b
 
 
 def test_a_pattern_for_a_module_matches_its_methods():

@@ -10,7 +10,6 @@ equal to the one-device program.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import jax
@@ -18,7 +17,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
-from helpers import check_mpmd_against_reference
+from helpers import check_mpmd_against_reference, stages
 
 from multimesh.jax import clear_tasks, microbatch, parallelize, register_task
 from multimesh.trace.implicit import implicit_placement, scope_names
@@ -88,13 +87,6 @@ def make_step(pipelined: bool):
 def _no_leftover_tasks():
     yield
     clear_tasks()
-
-
-@contextlib.contextmanager
-def stages(first: str, second: str):
-    devs = jax.devices()
-    with register_task(first, devices=devs[:4]) as a, register_task(second, devices=devs[4:]) as b:
-        yield a, b
 
 
 def test_methods_other_than_call_run_under_path_dot_method():

@@ -299,22 +299,29 @@ def check_stage_layout(state: dict) -> None:
 def test_spmd_checkpoint_restores_onto_the_pipeline(tmp_path):
     """Saved from SPMD after SAVE_AT steps, restored onto the pipeline's layout bit for bit, trained on: the
     run ends where the one-device run does."""
-    step_fn, init_fn, batch_fn = spmd()
+    pipe_fn, restored, pipe_batch = restored_onto(pipeline, 1, tmp_path)
+    losses, states = train(pipe_fn, restored, pipe_batch(), STEPS - SAVE_AT)
+    assert_matches_reference(losses, states, first=SAVE_AT)
+
+
+def restored_onto(build_pipeline: Callable, layers: int, tmp_path) -> tuple[Any, Any, Callable]:
+    """The SPMD run of ``layers`` layers saved after SAVE_AT steps and restored onto the pipeline
+    ``build_pipeline()`` builds, checked bit for bit and in the pipeline's shardings: ``(step, state, batch)``."""
+    step_fn, init_fn, batch_fn = spmd(layers)
     state, batch = init_fn(), batch_fn()
     for _ in range(SAVE_AT):
         _, state = step_fn(state, batch)
     saved = jax.device_get(state)
     with CheckpointManager(tmp_path / "ckpt") as mgr:
         mgr.save(SAVE_AT, state)
-    pipe_fn, _, pipe_batch = pipeline()
+    pipe_fn, _, pipe_batch = build_pipeline()
     with CheckpointManager(tmp_path / "ckpt", read_only=True) as mgr:
         restored = mgr.restore(SAVE_AT, target=pipe_fn)
     for a, b, sharding in zip(jax.tree.leaves(restored.state), jax.tree.leaves(saved),
                               jax.tree.leaves(pipe_fn.param_shardings)):
         assert np.array_equal(np.asarray(a), b)
         assert a.sharding.is_equivalent_to(sharding, a.ndim)
-    losses, states = train(pipe_fn, restored.state, pipe_batch(), STEPS - SAVE_AT)
-    assert_matches_reference(losses, states, first=SAVE_AT)
+    return pipe_fn, restored.state, pipe_batch
 
 
 # ----------------------------------------------------------------- the pipeline by layers
@@ -374,22 +381,9 @@ def check_layer_stages(state: dict) -> None:
 def test_spmd_checkpoint_restores_onto_the_layer_pipeline(tmp_path):
     """Saved from SPMD (4 layers) after SAVE_AT steps, restored onto the pipeline by parameter paths bit for
     bit, trained on: the run ends where the one-device run does."""
-    step_fn, init_fn, batch_fn = spmd(LAYERS)
-    state, batch = init_fn(), batch_fn()
-    for _ in range(SAVE_AT):
-        _, state = step_fn(state, batch)
-    saved = jax.device_get(state)
-    with CheckpointManager(tmp_path / "ckpt") as mgr:
-        mgr.save(SAVE_AT, state)
-    pipe_fn, _, pipe_batch = layer_pipeline()
-    with CheckpointManager(tmp_path / "ckpt", read_only=True) as mgr:
-        restored = mgr.restore(SAVE_AT, target=pipe_fn)
-    for a, b, sharding in zip(jax.tree.leaves(restored.state), jax.tree.leaves(saved),
-                              jax.tree.leaves(pipe_fn.param_shardings)):
-        assert np.array_equal(np.asarray(a), b)
-        assert a.sharding.is_equivalent_to(sharding, a.ndim)
-    check_layer_stages(restored.state)
-    losses, states = train(pipe_fn, restored.state, pipe_batch(), STEPS - SAVE_AT)
+    pipe_fn, restored, pipe_batch = restored_onto(layer_pipeline, LAYERS, tmp_path)
+    check_layer_stages(restored)
+    losses, states = train(pipe_fn, restored, pipe_batch(), STEPS - SAVE_AT)
     assert_matches_reference(losses, states, first=SAVE_AT, layers=LAYERS)
 
 
