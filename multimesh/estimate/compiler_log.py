@@ -104,10 +104,12 @@ def _flush_python_stderr() -> None:
             stream.flush()
 
 
-def compile_noting_reshards(lowered: Any, options: dict[str, Any] | None = None) -> tuple[Any, tuple[Reshard, ...]]:
+def compile_noting_reshards(lowered: Any, options: dict[str, Any] | None = None, *,
+                            text: str | None = None) -> tuple[Any, tuple[Reshard, ...]]:
     """``lowered.compile(compiler_options=options)``, and the arrays XLA warned it reshards by gathering them
-    whole (also when JAX's persistent compilation cache holds the program: see the module's docstring)."""
-    kept = _kept_reshards_path(lowered, options)
+    whole (also when JAX's persistent compilation cache holds the program: see the module's docstring).
+    ``text``: ``lowered.as_text()``, where the caller has it already."""
+    kept = _kept_reshards_path(lowered.as_text() if text is None else text, options)
     compiled, reshards, from_cache = _compile_noting(lowered, options)
     if not from_cache:
         if kept is not None:
@@ -152,15 +154,14 @@ def _compile_noting(lowered: Any, options: dict[str, Any] | None) -> tuple[Any, 
     return compiled, reshards, bool(hits)
 
 
-def _kept_reshards_path(lowered: Any, options: dict[str, Any] | None = None) -> Path | None:
-    """Where this program's warnings are kept beside JAX's persistent cache (compiled with ``options``);
-    None without one."""
+def _kept_reshards_path(text: str, options: dict[str, Any] | None = None) -> Path | None:
+    """Where the warnings of the program whose text is ``text`` (compiled with ``options``) are kept beside
+    JAX's persistent cache; None without one."""
     cache_dir = jax.config.jax_compilation_cache_dir
     if not cache_dir or not jax.config.jax_enable_compilation_cache or "://" in str(cache_dir):
         return None
     digest = hashlib.sha256()
-    for part in (jax.__version__, jax.devices()[0].device_kind, repr(sorted((options or {}).items())),
-                 lowered.as_text()):
+    for part in (jax.__version__, jax.devices()[0].device_kind, repr(sorted((options or {}).items())), text):
         digest.update(part.encode())
     return Path(cache_dir) / f"multimesh-reshards-{digest.hexdigest()[:32]}.json"
 

@@ -169,11 +169,12 @@ def compiled_once(lowered: Any, mesh: Mesh) -> tuple[Any, tuple[Reshard, ...]]:
     of the same shape and kind of device: XLA's analyses of it, per device, are the same; and the arrays XLA
     warned it reshards by gathering them whole (`compile_noting_reshards`), which it says only when compiling."""
     device = mesh.devices.flat[0]
-    key = (hashlib.sha256(_unnamed(lowered.as_text()).encode()).digest(), device.platform, device.device_kind,
+    text = lowered.as_text()
+    key = (hashlib.sha256(_unnamed(text).encode()).digest(), device.platform, device.device_kind,
            mesh.devices.shape, mesh.axis_names)
     compiled = _COMPILED.pop(key, None)
     if compiled is None:
-        compiled = compile_noting_reshards(lowered, _READ_ONLY_CPU if device.platform == "cpu" else None)
+        compiled = compile_noting_reshards(lowered, _READ_ONLY_CPU if device.platform == "cpu" else None, text=text)
     _COMPILED[key] = compiled
     while len(_COMPILED) > _KEPT:
         _COMPILED.popitem(last=False)
