@@ -10,12 +10,14 @@ allocated) and estimated on the device's hardware profile. The table compares
 the predicted throughput per device, in the source's own FLOP count, with the
 published figure:
 
-- ``at peak``: the estimate as `multimesh.estimate` makes it (datasheet peak
-  flop rate, roofline per program, alpha-beta collectives, no overlap);
-- ``at MAMF`` (GPUs only): the same with the peak flop rate replaced by an
-  independently measured *maximum achievable matmul* rate (``ACHIEVABLE``),
-  the one principled correction applied here. Nothing is fitted to the
-  figures compared against.
+- ``at peak``: the estimate as `multimesh.estimate` makes it on the datasheet
+  profile (its flops at the profile's ``achievable_matmul_fraction`` of the
+  peak where one was measured, alpha-beta collectives beside the compute
+  unless critical: `multimesh.estimate.timing`);
+- ``at MAMF`` (GPUs only): the same with the bfloat16 peak replaced by an
+  independently measured *maximum achievable matmul* rate (``ACHIEVABLE``;
+  the built-in GPU profiles now carry the same fraction, so the two agree).
+  Nothing is fitted to the figures compared against.
 
 Depth: the step is compiled at 1 and at 2 layers (unrolled, not scanned) and
 its flops, bytes and collective time extrapolated linearly to the published
@@ -158,12 +160,17 @@ class Prediction:
     communication: float
     peak_bytes: float
     compile_seconds: float
+    #: the sum of the kernels' rooflines (None: one roofline over the program), and the seconds of
+    #: ``communication`` that run beside the compute (`multimesh.estimate.timing`)
+    kernels: float | None = None
+    overlapped: float = 0.0
 
     @property
     def step_time(self) -> float:
         from multimesh.estimate import ProgramTime
 
-        return ProgramTime(self.compute, self.memory, self.communication).total
+        return ProgramTime(self.compute, self.memory, self.communication, kernels=self.kernels,
+                           overlapped=self.overlapped).total
 
     @property
     def serial_time(self) -> float:
@@ -226,10 +233,11 @@ def predict(run: PublishedRun, estimates: tuple, profile, compile_seconds: float
     for e in estimates:
         (program,) = e.programs  # an SPMD step: one program
         t = program_time(program, profile, "bfloat16")
-        parts.append((t.compute, t.memory, t.communication, e.peak_bytes))
+        parts.append((t.compute, t.memory, t.communication, e.peak_bytes, t.kernels or 0.0, t.overlapped))
     extra = run.num_layers - 1
-    at_depth = [a + extra * (b - a) for a, b in zip(*parts)]
-    return Prediction(run, profile.name, *at_depth, compile_seconds=compile_seconds)
+    *at_depth, kernels, overlapped = [a + extra * (b - a) for a, b in zip(*parts)]
+    return Prediction(run, profile.name, *at_depth, compile_seconds=compile_seconds,
+                      kernels=kernels if t.kernels is not None else None, overlapped=overlapped)
 
 
 def achievable_profile(name: str):
@@ -239,6 +247,7 @@ def achievable_profile(name: str):
     base = get_profile(name)
     rate, why = ACHIEVABLE[name]
     return dataclasses.replace(base, name=f"{name}@MAMF", peak_flops={**base.peak_flops, "bfloat16": rate},
+                               achievable_matmul_fraction=1.0,
                                notes=(*base.notes, f"bfloat16 at the maximum achievable matmul rate: {why}"))
 
 

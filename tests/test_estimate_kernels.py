@@ -94,29 +94,34 @@ def test_kernels_are_read_with_their_products_bytes_and_loop_counts():
 
 def test_a_program_takes_the_sum_of_its_kernels_rooflines():
     h100 = get_profile("h100-sxm")
-    peak, bw = h100.peak_flops["bfloat16"], h100.memory_bandwidth
+    rate, bw = h100.peak_flops["bfloat16"] * h100.achievable_matmul_fraction, h100.memory_bandwidth
     compute_bound = Kernel(flops=1e12, bytes=10**6, count=2)  # 1e12 flops: ~1 ms; 1 MB: ~0.3 us
     memory_bound = Kernel(flops=1e6, bytes=10**10, count=1)  # 10 GB: ~3 ms
     p = ProgramCost("p", frozenset({0}), 0, 0, 0, 0, flops=2e12 + 1e6 + 5e11, bytes_accessed=2e6 + 1e10,
                     collectives=(), kernels=(compute_bound, memory_bound), platform="gpu")
     t = program_time(p, h100, "bfloat16")
-    # 5e11 flops no kernel shows (a library call whose dimensions are not printed) count at peak
-    assert t.kernels == pytest.approx(2 * 1e12 / peak + 1e10 / bw + 5e11 / peak)
+    # 5e11 flops no kernel shows (a library call whose dimensions are not printed) count at the same rate
+    assert t.kernels == pytest.approx(2 * 1e12 / rate + 1e10 / bw + 5e11 / rate)
     assert t.work == pytest.approx(t.kernels)
     # the whole program's roofline would hide the memory-bound kernel under the compute-bound ones
     assert t.work > max(t.compute, t.memory)
-    # no kernels read, or kernels of another platform's compilation (XLA:CPU's, priced as a GPU): one
-    # roofline over the whole program, as the target's compiler fuses more
-    unread = program_time(dataclasses.replace(p, kernels=()), h100, "bfloat16")
+    # XLA:CPU's kernels priced as a GPU: the same sum (XLA:GPU runs products as library kernels and the
+    # elementwise work as kernels of its own)
     elsewhere = program_time(dataclasses.replace(p, platform="cpu"), h100, "bfloat16")
-    for other in (unread, elsewhere):
-        assert other.kernels is None and other.work == pytest.approx(max(t.compute, t.memory))
-    assert get_profile("tpu-v5p").platform == "tpu" and {get_profile(n).platform for n in
-                                                         ("h100-sxm", "h200", "a100-80gb")} == {"gpu"}
+    assert elsewhere.kernels == pytest.approx(t.kernels)
+    # no kernels read, or XLA:CPU's priced as a TPU (whose compiler fuses the elementwise work into the
+    # products): one roofline over the whole program
+    unread = program_time(dataclasses.replace(p, kernels=()), h100, "bfloat16")
+    tpu = get_profile("tpu-v5p")
+    on_tpu = program_time(dataclasses.replace(p, platform="cpu"), tpu, "bfloat16")
+    assert unread.kernels is None and unread.work == pytest.approx(max(t.compute, t.memory))
+    assert on_tpu.kernels is None and on_tpu.work == pytest.approx(max(on_tpu.compute, on_tpu.memory))
+    assert on_tpu.compute == pytest.approx(p.flops / tpu.peak_flops["bfloat16"])
+    assert tpu.platform == "tpu" and {get_profile(n).platform for n in ("h100-sxm", "h200", "a100-80gb")} == {"gpu"}
 
 
 @pytest.mark.devices(8)
-def test_a_step_is_priced_kernel_by_kernel_only_on_the_platform_that_compiled_it():
+def test_a_step_is_priced_kernel_by_kernel_on_its_own_platform_and_on_gpus_but_not_on_tpus():
     def init():
         return {"w": jax.random.normal(jax.random.key(0), (64, 64))}
 
@@ -127,13 +132,15 @@ def test_a_step_is_priced_kernel_by_kernel_only_on_the_platform_that_compiled_it
                            mesh=build_mesh({"data": 8}), rules=[("batch", "data")])
     here = calibrate(matmul_size=64, copy_bytes=1 << 16, collective_bytes=1 << 16, repeats=1)
     assert here.platform == "cpu"
-    local, sheet = fn.estimate(profile=here), fn.estimate(profile="h100-sxm")
+    local, sheet, tpu = (fn.estimate(profile=p) for p in (here, "h100-sxm", "tpu-v5p"))
     (program,) = local.programs
     assert program.platform == "cpu" and program.kernels
     timed = local.time.programs[program.name]
     assert timed.kernels is not None and timed.total == pytest.approx(timed.launch + timed.kernels
                                                                       + timed.communication)
     assert any("sum of its kernels' rooflines (compiled for cpu" in n for n in local.notes)
-    assert sheet.time.programs[program.name].kernels is None
-    assert any("one roofline per program whose kernels were not priced (compiled for cpu, priced as gpu" in n
+    assert sheet.time.programs[program.name].kernels is not None
+    assert any("sum of its kernels' rooflines (compiled for cpu, priced as gpu: matrix products as library" in n
                for n in sheet.notes)
+    assert tpu.time.programs[program.name].kernels is None
+    assert any("one roofline per program (compiled for cpu, priced as tpu" in n for n in tpu.notes)

@@ -15,7 +15,7 @@ from .profiles import HardwareProfile, get_profile
 from .programs import ProgramCost, analyse_compiled, compiled_once, mpmd_programs, spmd_program
 from .report import DeviceMemory, Estimate, StepTime
 from .steptime import step_timing
-from .timing import compute_time
+from .timing import compute_time, overlaps_collectives
 from .utilisation import utilisation
 
 __all__ = ["estimate", "estimate_mjit"]
@@ -155,17 +155,24 @@ def _estimate(name: str, plan: Any, runtime: Any, spmd: Any, placements: Any, pa
 
 
 def _time_note(programs: tuple[ProgramCost, ...], time: StepTime, profile: HardwareProfile) -> str:
-    """How the programs were timed: kernel by kernel (on the platform they were compiled for), or not."""
+    """How the programs were timed: kernel by kernel, or one roofline each; their collectives beside the
+    compute, or after it (`timing`)."""
     compiled = ", ".join(sorted({p.platform for p in programs})) or "an unknown platform"
-    if all(t.kernels is not None for t in time.programs.values()):
-        model = f"each program the sum of its kernels' rooflines (compiled for {compiled}, the profile's platform)"
+    native = all(p.platform == profile.platform for p in programs) and bool(profile.platform)
+    kernel_wise = all(t.kernels is not None for t in time.programs.values())
+    if kernel_wise:
+        model = (f"each program the sum of its kernels' rooflines (compiled for {compiled}, priced as "
+                 f"{profile.platform}{'' if native else ': matrix products as library kernels'})")
     else:
-        model = (f"one roofline per program whose kernels were not priced (compiled for {compiled}, priced as "
-                 f"{profile.platform or 'a profile of no platform'}: kernels count only on their own platform)")
+        model = (f"one roofline per program (compiled for {compiled}, priced as "
+                 f"{profile.platform or 'a profile of no platform'}: elementwise work fused into the products)")
     flash = ("; priced for another platform, a program's bytes leave out the attention scores a flash kernel "
-             "keeps on chip" if any(p.attention_bytes for p in programs) and not all(
-                 t.kernels is not None for t in time.programs.values()) else "")
-    return (f"time: {model} + alpha-beta collectives, not overlapped; a pipeline through its schedule's "
+             "keeps on chip" if any(p.attention_bytes for p in programs) and not native else "")
+    rate = (f"; flops at {profile.achievable_matmul_fraction:.1%} of the peak, the measured maximum achievable "
+            f"matmul rate" if profile.achievable_matmul_fraction < 1 else "")
+    overlap = ("beside the compute, except those between two matrix products" if overlaps_collectives(profile)
+               else "after the compute")
+    return (f"time: {model} + alpha-beta collectives, {overlap}{rate}; a pipeline through its schedule's "
             f"simulator, each stage with its own programs' costs (see multimesh.estimate.steptime){flash}")
 
 

@@ -18,18 +18,29 @@ devices in order; the groups are matched against the mesh's axes, and a
 collective whose groups match no set of axes has axes ``None`` (shown as
 "unknown axes"). Given that assignment, each group is also kept as device
 ids: which nodes its devices sit on decides the links it is priced over.
+
+A collective is ``critical`` when, within its computation, its input is
+computed by a matrix product and a matrix product waits for its result (a
+tensor-parallel all-reduce of activations): it cannot run while those
+products do. Every other collective can (a parameter's all-gather, which
+depends on no product; a gradient's reduce-scatter or all-reduce, on which no
+product depends): on devices whose compiler runs collectives asynchronously
+and schedules independent compute beside them (XLA's latency-hiding
+scheduler on GPU and TPU), it takes the links' time while the products take
+theirs. A loop, call or conditional whose computations hold a product counts
+as one.
 """
 
 from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from .hlo import Module, parse_module, shape_bytes
+from .hlo import Instruction, Module, calls_of, parse_module, shape_bytes
 
 __all__ = ["KINDS", "Collective", "find_collectives"]
 
@@ -51,6 +62,9 @@ class Collective:
     #: the device ids of each of its groups (a permute's: each source-target pair), from the program's device
     #: assignment; None where not read (then it is priced by its group size alone)
     devices: tuple[tuple[int, ...], ...] | None = None
+    #: whether a matrix product computes its input and another waits for its result (see the module
+    #: docstring): it cannot overlap with the products around it
+    critical: bool = False
 
     def nodes_spanned(self, node_of: Callable[[int], int]) -> int | None:
         """The most nodes any one of its groups spans, ``node_of(device id)`` its node (None: its devices not
@@ -155,6 +169,51 @@ def _on_devices(groups: Sequence[Sequence[int]], device_ids: Sequence[int] | Non
     return tuple(tuple(int(device_ids[i]) for i in g) for g in groups)
 
 
+_PRODUCTS = ("dot", "convolution")
+
+
+def _holding_products(module: Module) -> set[str]:
+    """The computations that compute a matrix product, themselves or through any computation they call."""
+    direct = {name for name, body in module.computations.items() if any(i.opcode in _PRODUCTS for i in body)}
+    holding: set[str] = set()
+    for name in module.computations:
+        stack, seen = [name], set()
+        while stack:
+            c = stack.pop()
+            if c in direct:
+                holding.add(name)
+                break
+            seen.add(c)
+            stack.extend(callee for callee, _, _ in module.calls.get(c, ()) if callee not in seen)
+    return holding
+
+
+def _is_product(ins: Instruction, holding: Collection[str]) -> bool:
+    """Whether ``ins`` computes a matrix product: a dot or convolution, a library call for one (a gemm), or a
+    fusion, loop, call or conditional whose computations hold one."""
+    if ins.opcode in _PRODUCTS:
+        return True
+    if ins.opcode == "custom-call":
+        return re.search(r"gemm|matmul|conv", ins.attributes, re.IGNORECASE) is not None
+    return any(callee in holding for callee, _, _ in calls_of(ins))
+
+
+def _critical(body: Sequence[Instruction], holding: Collection[str]) -> set[str]:
+    """The names of ``body``'s instructions whose input a product computes and whose result a product waits
+    for (``body`` in the text's order, each instruction after its operands)."""
+    products = {i.name for i in body if _is_product(i, holding)}
+    after: dict[str, bool] = {}
+    users: dict[str, list[str]] = {}
+    for ins in body:
+        after[ins.name] = any(o in products or after.get(o, False) for o in ins.operands)
+        for o in ins.operands:
+            users.setdefault(o, []).append(ins.name)
+    feeds: dict[str, bool] = {}
+    for ins in reversed(body):
+        feeds[ins.name] = any(u in products or feeds.get(u, False) for u in users.get(ins.name, ()))
+    return {name for name, a in after.items() if a and feeds[name]}
+
+
 def find_collectives(hlo_text: str | Module, axis_names: Sequence[str], axis_sizes: Sequence[int],
                      device_ids: Sequence[int] | None = None) -> list[Collective]:
     """Every collective of a compiled program's HLO (``compiled.as_text()`` or its `parse_module`), in text
@@ -163,8 +222,10 @@ def find_collectives(hlo_text: str | Module, axis_names: Sequence[str], axis_siz
     n_devices = int(np.prod(axis_sizes, dtype=np.int64))
     module = parse_module(hlo_text)
     runs = module.runs()
+    holding = _holding_products(module)
     out = []
     for computation, body in module.computations.items():
+        critical: set[str] | None = None
         for ins in body:
             if ins.opcode.endswith("-start"):  # an asynchronous pair counts once, at its -done
                 continue
@@ -183,6 +244,8 @@ def find_collectives(hlo_text: str | Module, axis_names: Sequence[str], axis_siz
                 groups = _groups(rest, n_devices) or [list(range(n_devices))]
                 axes = _axes_of_groups(groups, axis_names, axis_sizes)
                 size = max(len(g) for g in groups)
+            if critical is None:
+                critical = _critical(body, holding)
             out.append(Collective(kind, shape_bytes(ins.shape), size, axes, ins.name, count=runs.get(computation, 1),
-                                  devices=_on_devices(groups, device_ids)))
+                                  devices=_on_devices(groups, device_ids), critical=ins.name in critical))
     return out

@@ -20,7 +20,7 @@ import re
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
-__all__ = ["CALLS", "Instruction", "Module", "parse_module", "shape_bytes"]
+__all__ = ["CALLS", "Instruction", "Module", "calls_of", "parse_module", "shape_bytes"]
 
 #: How a computation may be called: everything but ``fused`` and ``applied`` runs as code of its own.
 CALLS = ("body", "condition", "branch", "call", "fused", "applied")
@@ -78,7 +78,7 @@ def _split_operands(tail: str) -> tuple[str, str]:
     return tail, ""
 
 
-def _calls(ins: Instruction) -> list[tuple[str, str, int]]:
+def calls_of(ins: Instruction) -> list[tuple[str, str, int]]:
     """(callee, how, times per execution of ``ins``) for every computation ``ins`` calls."""
     out = []
     for attr, callee in _CALLEE_RE.findall(ins.attributes):
@@ -171,5 +171,5 @@ def parse_module(text: str | Module) -> Module:
         ins = Instruction(m.group("name"), m.group("shape"), m.group("opcode"), tuple(_OPERAND.findall(operands)),
                           attributes, root=line.lstrip().startswith("ROOT "), literal=operands.strip())
         computations[current].append(ins)
-        calls.setdefault(current, []).extend(_calls(ins))
+        calls.setdefault(current, []).extend(calls_of(ins))
     return Module({k: tuple(v) for k, v in computations.items()}, entry, {k: tuple(v) for k, v in calls.items()})

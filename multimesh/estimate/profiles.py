@@ -83,6 +83,10 @@ class HardwareProfile:
     #: `timing.FRESH_MAPPING_BYTES`: the kernel faults in and zeroes every page each time); 0: buffers are
     #: reused (GPUs, TPUs, an allocator told to keep freed memory: see docs/planning.md).
     fresh_memory_rate: float = 0.0
+    #: ``achievable_matmul_fraction``: the fraction of ``peak_flops`` a matrix product reaches at best, as an
+    #: independent measurement found it (the maximum achievable matmul rate over the peak); the step is
+    #: priced at that rate, utilisation is still reported against the peak. 1: not measured.
+    achievable_matmul_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, want: str) -> ValueError:
@@ -100,6 +104,8 @@ class HardwareProfile:
                 raise bad(name, getattr(self, name), "a number of 0 or more")
         if not isinstance(self.devices_per_node, numbers.Integral) or self.devices_per_node < 1:
             raise bad("devices_per_node", self.devices_per_node, "a whole number of 1 or more")
+        if not _positive(self.achievable_matmul_fraction) or self.achievable_matmul_fraction > 1:
+            raise bad("achievable_matmul_fraction", self.achievable_matmul_fraction, "a fraction in (0, 1]")
         if not _positive(self.alone_speedup) or not all(_positive(v) for _, v in self.busy_speedup):
             raise bad("alone_speedup/busy_speedup", (self.alone_speedup, self.busy_speedup), "above 0")
 
@@ -129,6 +135,10 @@ def _positive(x: object, or_zero: bool = False) -> bool:
 
 
 _T, _G = 1e12, 1e9
+#: The maximum achievable matmul rate (bfloat16, the best over shapes), measured independently with
+#: mamf-finder.py: https://github.com/stas00/ml-engineering, compute/accelerator/README.md, "Maximum
+#: Achievable Matmul FLOPS comparison table".
+_MAMF = "achievable_matmul_fraction: maximum achievable matmul FLOPS {} of the datasheet's {} ({}), ml-engineering"
 _LINK_ASSUMPTION = "inter-node bandwidth and all latencies are assumptions of a typical cluster, not datasheet values"
 _TPU_ASSUMPTIONS = (
     "intra-node (ICI) bandwidth per direction assumes a collective runs as a bidirectional ring over one torus "
@@ -149,7 +159,8 @@ PROFILES: dict[str, HardwareProfile] = {
         intra_node_bandwidth=450 * _G, intra_node_latency=5e-6,  # NVLink 4: 900 GB/s both directions
         inter_node_bandwidth=50 * _G, inter_node_latency=10e-6,  # assumed: NDR 400 Gb/s per GPU
         source="https://www.nvidia.com/en-us/data-center/h100/ (H100 Tensor Core GPU datasheet, SXM column)",
-        notes=(_LINK_ASSUMPTION,),
+        notes=(_LINK_ASSUMPTION, _MAMF.format("794.5", "989", "80.3%, torch 2.7.0+cu126")),
+        achievable_matmul_fraction=794.5 / 989,
     ),
     "h200": HardwareProfile(
         name="h200",
@@ -174,7 +185,8 @@ PROFILES: dict[str, HardwareProfile] = {
         inter_node_bandwidth=25 * _G, inter_node_latency=10e-6,  # assumed: HDR 200 Gb/s per GPU
         source="https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
                "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf (A100 80GB SXM column)",
-        notes=(_LINK_ASSUMPTION,),
+        notes=(_LINK_ASSUMPTION, _MAMF.format("271.2", "312", "86.9%, torch 2.6.0+cu126")),
+        achievable_matmul_fraction=271.2 / 312,
     ),
     "tpu-v5e": HardwareProfile(
         name="tpu-v5e",

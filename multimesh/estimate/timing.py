@@ -2,24 +2,41 @@
 
 A matrix product is priced at the peak of the dtype its operands run in
 (`precision`: bf16 operands with f32 accumulation are bf16 work), read from
-the program; ``dtype=`` overrides that for every flop. A program's kernels
-run one after another, each bound by its compute or its memory traffic: a
-program takes the sum over its kernels (`kernels`) of
-``max(flops / peak, bytes / memory bandwidth)``, plus the flops no kernel
-shows (a library call whose dimensions its HLO does not print) at peak, plus
-its collectives, which are not assumed to overlap with compute, plus the
-profile's ``launch_overhead`` (a `CalibratedProfile`'s measured cost of one
-execution whatever its work; 0 for a datasheet profile), plus, where the
-host's allocator maps a temporary buffer above `FRESH_MAPPING_BYTES` afresh
-on every execution (the profile's ``fresh_memory_rate``, measured on CPU),
-the first touch of all its pages. The kernels are
-those of the platform the program was compiled for: priced on a profile of
-another platform (``HardwareProfile.platform``: a plan for GPUs or TPUs
-compiled on CPU, whose compiler fuses far less), or where none were read, a
-program takes ``max(flops / peak, bytes accessed / memory bandwidth)``: one
-roofline over the whole program, which assumes the target's compiler hides
-its memory traffic under its compute, its bytes without the attention score
-matrices a flash kernel keeps on chip (`memory_bytes`). A copy between
+the program; ``dtype=`` overrides that for every flop. Flops take their peak
+times the profile's ``achievable_matmul_fraction`` (the best rate a matrix
+product reaches, measured independently; 1 where not measured). A program's
+kernels run one after another, each bound by its compute or its memory
+traffic: a program takes the sum over its kernels (`kernels`) of
+``max(flops / rate, bytes / memory bandwidth)``, plus the flops no kernel
+shows (a library call whose dimensions its HLO does not print) at that rate,
+plus its collectives, plus the profile's ``launch_overhead`` (a
+`CalibratedProfile`'s measured cost of one execution whatever its work; 0
+for a datasheet profile), plus, where the host's allocator maps a temporary
+buffer above `FRESH_MAPPING_BYTES` afresh on every execution (the profile's
+``fresh_memory_rate``, measured on CPU), the first touch of all its pages.
+
+A program compiled for another platform than the profile's (a plan for GPUs
+or TPUs compiled on CPU) is priced by what the target's compiler does with
+it, from the kernels XLA:CPU made:
+
+- on a GPU (``platform="gpu"``), XLA runs each matrix product as a library
+  kernel (cuBLAS) and the elementwise work around it as kernels of its own:
+  the sum of the kernels' rooflines, as above;
+- on a TPU, or a profile of no platform, XLA fuses the elementwise work into
+  its matrix-product kernels: one roofline over the whole program,
+  ``max(flops / rate, bytes / memory bandwidth)``;
+
+either way without the bytes of the attention score matrices, which the
+target's flash-attention kernel keeps on chip (`memory_bytes`).
+
+Collectives: on GPUs and TPUs XLA runs them asynchronously and its
+latency-hiding scheduler places independent compute beside them, so only a
+``critical`` collective (`collectives`: a product computes its input and
+another waits for its result, as a tensor-parallel all-reduce) adds its
+time; the others (a parameter's all-gather, a gradient's reduction) take
+the links' time while the compute takes its own: the program takes
+``max(compute-or-memory bound, those collectives) + critical collectives``.
+On a CPU they run one after another with the compute. A copy between
 submeshes costs its fixed cost (``transfer_time``) and its bytes over the
 link. A collective over ``n`` devices moving ``B`` bytes (ring algorithms) takes
 ``steps * latency + factor * B / bandwidth``:
@@ -54,7 +71,7 @@ from .profiles import HardwareProfile
 from .programs import ProgramCost
 
 __all__ = ["FRESH_MAPPING_BYTES", "ProgramTime", "collective_time", "compute_time", "fresh_memory_time", "kernels_time",
-           "launch_overhead", "memory_bytes", "program_time", "transfer_time"]
+           "launch_overhead", "memory_bytes", "overlaps_collectives", "program_time", "transfer_time"]
 
 #: A buffer above this many bytes is mapped afresh by glibc's malloc on every allocation and unmapped when
 #: freed: 32 MiB, the most its mmap threshold grows to on a 64-bit host (a thread's arena holds no more than
@@ -83,11 +100,12 @@ def collective_time(c: Collective, profile: HardwareProfile) -> float:
 
 @dataclass(frozen=True)
 class ProgramTime:
-    """One execution of a program, in seconds: ``compute`` (all its flops at peak), ``memory`` (all its bytes
-    at the memory bandwidth), ``kernels`` (the sum of its kernels' rooflines; None: not read),
-    ``communication`` (its collectives), ``launch`` (the execution's fixed cost), ``fresh_memory`` (the first
-    touch of a temporary buffer mapped afresh); ``total`` = launch + work, ``work`` = kernels (or, not read,
-    max(compute, memory)) + communication + fresh_memory."""
+    """One execution of a program, in seconds: ``compute`` (all its flops at the achievable rate), ``memory``
+    (all its bytes at the memory bandwidth), ``kernels`` (the sum of its kernels' rooflines; None: not
+    priced kernel by kernel), ``communication`` (its collectives), of which ``overlapped`` can run beside
+    the compute, ``launch`` (the execution's fixed cost), ``fresh_memory`` (the first touch of a temporary
+    buffer mapped afresh); ``total`` = launch + work, ``work`` = max(bound, overlapped) + the other
+    collectives + fresh_memory, ``bound`` = kernels (or max(compute, memory))."""
 
     compute: float
     memory: float
@@ -95,11 +113,16 @@ class ProgramTime:
     launch: float = 0.0
     kernels: float | None = None
     fresh_memory: float = 0.0
+    overlapped: float = 0.0
+
+    @property
+    def bound(self) -> float:
+        """Seconds of compute and memory traffic."""
+        return max(self.compute, self.memory) if self.kernels is None else self.kernels
 
     @property
     def work(self) -> float:
-        bound = max(self.compute, self.memory) if self.kernels is None else self.kernels
-        return bound + self.communication + self.fresh_memory
+        return max(self.bound, self.overlapped) + self.communication - self.overlapped + self.fresh_memory
 
     @property
     def total(self) -> float:
@@ -111,14 +134,20 @@ def launch_overhead(profile: HardwareProfile) -> float:
     return profile.launch_overhead
 
 
+def overlaps_collectives(profile: HardwareProfile) -> bool:
+    """Whether the profile's compiler runs collectives beside independent compute (XLA on GPU and TPU)."""
+    return profile.platform in ("gpu", "tpu")
+
+
 def _compiled_for(p: ProgramCost, profile: HardwareProfile) -> bool:
     """Whether ``p`` was compiled for the profile's platform (one of no platform matches none)."""
     return bool(profile.platform) and profile.platform == p.platform
 
 
 def compute_time(p: ProgramCost, profile: HardwareProfile, dtype: str | None = None) -> float:
-    """Seconds ``p``'s flops take at peak: each dtype's matrix flops (``p.matmul_dtypes``) at that dtype's
-    rate, the rest at the rate of the dtype of most of them; ``dtype``: every flop at that dtype's rate."""
+    """Seconds ``p``'s flops take at peak (`program_time` divides by the achievable fraction): each dtype's
+    matrix flops (``p.matmul_dtypes``) at that dtype's rate, the rest at the rate of the dtype of most of them;
+    ``dtype``: every flop at that dtype's rate."""
     if dtype is not None:
         return p.flops / profile.flops_rate(dtype)
     by = dict(p.matmul_dtypes)
@@ -127,20 +156,26 @@ def compute_time(p: ProgramCost, profile: HardwareProfile, dtype: str | None = N
 
 
 def kernels_time(p: ProgramCost, profile: HardwareProfile, dtype: str | None = None) -> float | None:
-    """The sum of ``p``'s kernels' rooflines, each kernel's flops at the rate of its own dtype (``dtype``:
-    all at that one's), plus its flops that no kernel shows at the rate of its main dtype (None: no kernels
-    read, or read from a compilation for another platform than ``profile``'s)."""
-    if not p.kernels or not _compiled_for(p, profile):
+    """The sum of ``p``'s kernels' rooflines, each kernel's flops at the achievable rate of its own dtype
+    (``dtype``: all at that one's), plus its flops that no kernel shows at the rate of its main dtype; a
+    kernel compiled for another platform without its attention-score bytes (None: no kernels read, or read
+    from a compilation for another platform whose compiler the profile's does not follow kernel for kernel:
+    see the module docstring)."""
+    native = _compiled_for(p, profile)
+    if not p.kernels or not (native or profile.platform == "gpu"):
         return None
     bandwidth = profile.memory_bandwidth
     main = dtype or main_dtype(dict(p.matmul_dtypes))
-    rate = profile.flops_rate if dtype is not None else (lambda d: rate_for(profile, d))
+    peak_of = profile.flops_rate if dtype is not None else (lambda d: rate_for(profile, d))
 
-    def peak(k: Kernel) -> float:
-        return rate(dtype or k.dtype or main)
+    def rate(d: str) -> float:
+        return peak_of(d) * profile.achievable_matmul_fraction
+
+    def moved(k: Kernel) -> int:
+        return k.bytes if native else k.bytes - k.attention_bytes
 
     shown = sum(k.flops * k.count for k in p.kernels)
-    return (sum(k.count * max(k.flops / peak(k), k.bytes / bandwidth) for k in p.kernels)
+    return (sum(k.count * max(k.flops / rate(dtype or k.dtype or main), moved(k) / bandwidth) for k in p.kernels)
             + max(p.flops - shown, 0.0) / rate(main))
 
 
@@ -166,9 +201,11 @@ def memory_bytes(p: ProgramCost, profile: HardwareProfile) -> float:
 def program_time(p: ProgramCost, profile: HardwareProfile, dtype: str | None = None) -> ProgramTime:
     """One execution of ``p``: its matrix products at the rates of the dtypes they run in (``dtype``: every
     flop at that dtype's rate, an override)."""
-    return ProgramTime(compute=compute_time(p, profile, dtype),
+    collectives = [(c, c.count * collective_time(c, profile)) for c in p.collectives]
+    overlapped = sum(t for c, t in collectives if not c.critical) if overlaps_collectives(profile) else 0.0
+    return ProgramTime(compute=compute_time(p, profile, dtype) / profile.achievable_matmul_fraction,
                        memory=memory_bytes(p, profile) / profile.memory_bandwidth,
-                       communication=sum(c.count * collective_time(c, profile) for c in p.collectives),
+                       communication=sum(t for _, t in collectives), overlapped=overlapped,
                        launch=launch_overhead(profile), kernels=kernels_time(p, profile, dtype),
                        fresh_memory=fresh_memory_time(p, profile))
 
