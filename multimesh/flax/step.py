@@ -159,7 +159,7 @@ def parallelize_step(
         strict=strict,
     )
     if not isinstance(made, StepFunctions):  # init_params= and get_input_batch= given: the step and both
-        raise TypeError(f"parallelize_step: parallelize returned {type(made).__name__}, not StepFunctions")
+        raise AssertionError(f"parallelize_step: parallelize returned {type(made).__name__}, not StepFunctions")
     step, sharded_init = made.step, made.init_params
     state = sharded_init()
     if global_batch is not None:
