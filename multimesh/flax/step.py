@@ -158,7 +158,7 @@ def parallelize_step(
         donate=donate,
         strict=strict,
     )
-    if not isinstance(made, StepFunctions):  # init_params= and get_input_batch= given: the step and both
+    if not isinstance(made, StepFunctions):  # given init_params= and get_input_batch=, it returns all three
         raise AssertionError(f"parallelize_step: parallelize returned {type(made).__name__}, not StepFunctions")
     step, sharded_init = made.step, made.init_params
     state = sharded_init()
