@@ -62,7 +62,7 @@ def _factory_call(factory: Any) -> Callable[[nnx.Rngs], Any]:
     what = f"the NNX model factory {getattr(factory, '__qualname__', factory)!r}"
     try:
         if isinstance(factory, type):  # NNX's metaclass hides the class's own signature: read __init__'s
-            init = inspect.signature(factory.__init__)
+            init = inspect.signature(getattr(factory, "__init__"))  # the class's function, not a bound method
             sig = init.replace(parameters=list(init.parameters.values())[1:])
         else:
             sig = inspect.signature(factory)

@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from .._compat.flax import running_linen_module
 from ..core.meshes import build_mesh
 from ..core.rules import MeshAxes, Rules, standard_rules
-from ..run.parallelize import parallelize_on_mesh
+from ..run.parallelize import StepFunctions, parallelize_on_mesh
 from ..trace.linen_constraints import flax_context_rules
 from .nnx_bridge import nnx_model_parts
 
@@ -148,7 +148,7 @@ def parallelize_step(
         return loss, state.apply_gradients(grads=grads)
 
     batch_spec = (None,) if replicate_inputs else ("batch",)
-    step, sharded_init, _ = parallelize_on_mesh(
+    made = parallelize_on_mesh(
         train_step,
         init_params=init_state,
         get_input_batch=lambda: jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), example),
@@ -158,6 +158,9 @@ def parallelize_step(
         donate=donate,
         strict=strict,
     )
+    if not isinstance(made, StepFunctions):  # given init_params= and get_input_batch=, it returns all three
+        raise AssertionError(f"parallelize_step: parallelize returned {type(made).__name__}, not StepFunctions")
+    step, sharded_init = made.step, made.init_params
     state = sharded_init()
     if global_batch is not None:
         return step, state, mesh

@@ -76,8 +76,8 @@ def place_per_microbatch(eqns: Sequence[JaxprEqn], implicit: Sequence[Placement 
 def floating(eqns: Sequence[JaxprEqn], colour: Sequence[Placement | None]) -> set[Placement]:
     """The placements of loop-dependent tasks whose slice differs between the step's microbatches: not stages."""
     microbatches = {microbatch_of(e.source_info.name_stack) for e in eqns} - {None}
-    out = set()
-    for p in set(colour) - {None}:
+    out: set[Placement] = set()
+    for p in {p for p in colour if p is not None}:
         family = loop_slices(p)
         if family is not None and len({family.at(m) for m in microbatches}) > 1:
             out.add(p)

@@ -70,7 +70,7 @@ def _schedule_for(segments: Sequence[Segment], pipelines: Sequence[Pipeline]) ->
         return None
     spec = specs[0]
     groups = list(dict.fromkeys(logical))
-    names = " -> ".join(p.name for p in logical)
+    names = " -> ".join(str(p.name) for p in logical)
     if len(logical) % len(groups) or any(logical[l] is not groups[l % len(groups)] for l in range(len(logical))):
         raise ValueError(
             f"microbatch({spec.name}): the tasks form the stage sequence {names}; a pipeline needs each "
@@ -84,7 +84,7 @@ def _schedule_for(segments: Sequence[Segment], pipelines: Sequence[Pipeline]) ->
             f"{chunks} times; use schedule='interleaved' with interleave={chunks}"
         )
     if chunks == 1 and spec.num_chunks > 1:  # the schedule would order logical stages the tasks do not form
-        cycle = " -> ".join([p.name for p in groups] * spec.num_chunks)
+        cycle = " -> ".join([str(p.name) for p in groups] * spec.num_chunks)
         raise ValueError(
             f"microbatch({spec.name}): schedule={spec.schedule_name!r} runs {spec.num_chunks} chunks "
             f"(interleave={spec.num_chunks}) on each submesh, but the stage sequence {names} visits each "
@@ -158,16 +158,18 @@ def _priorities(segments: Sequence[Segment], schedule: Schedule) -> tuple[list[f
     own = [rank[s.action] if s.action is not None else None for s in segments]
     down = [math.inf] * len(segments)  # earliest pipeline consumer
     for s in reversed(segments):
+        mine = own[s.index]
         for d in deps[s.index]:
-            down[d] = min(down[d], own[s.index] if own[s.index] is not None else down[s.index])
+            down[d] = min(down[d], mine if mine is not None else down[s.index])
     up = [-math.inf] * len(segments)  # latest pipeline producer
     for s in segments:
         for d in deps[s.index]:
-            up[s.index] = max(up[s.index], own[d] if own[d] is not None else up[d])
+            theirs = own[d]
+            up[s.index] = max(up[s.index], theirs if theirs is not None else up[d])
     out = []
     for i in range(len(segments)):
-        if own[i] is not None:
-            out.append(float(own[i]))
+        if (mine := own[i]) is not None:
+            out.append(float(mine))
         elif down[i] < math.inf:
             out.append(down[i] - 0.5)
         elif up[i] > -math.inf:  # right after its producer inside a microbatch, else after the schedule
@@ -239,13 +241,14 @@ def _fuse(order: Sequence[Segment]) -> list[Segment]:
         made[j] |= made[i]
         read[i], made[i], gone[i] = set(), set(), True
 
-    def joins(i: int, j: int | None) -> bool:
+    def joins(i: int, j: int) -> bool:
         """Whether glue ``i`` may join segment ``j``: a unit of its microbatch, or glue of the same one."""
-        if j is None:
-            return False
+        unit = out[j].unit
         if out[j].action is None:
             return mb[j] == mb[i]
-        return mb[i] is not None and out[j].unit.microbatch == mb[i]
+        if unit is None:
+            raise AssertionError(f"segment {out[j]} has a schedule action but no unit of work")
+        return mb[i] is not None and unit.microbatch == mb[i]
 
     def later_ok(i: int, j: int) -> bool:  # nothing between reads what i makes
         return not any(read[k] & made[i] for k in range(i + 1, j))
@@ -255,15 +258,15 @@ def _fuse(order: Sequence[Segment]) -> list[Segment]:
 
     glue = [i for i, s in enumerate(out) if s.action is None]
     for i in reversed(glue):
-        if mb[i] is not None and joins(i, j := neighbour(i, 1, unit=True)) and later_ok(i, j):
+        if mb[i] is not None and (j := neighbour(i, 1, unit=True)) is not None and joins(i, j) and later_ok(i, j):
             merge(i, j)
     for i in glue:
         if gone[i]:
             continue
         j = neighbour(i, -1, unit=True) if mb[i] is not None else None
-        if not (joins(i, j) and earlier_ok(i, j)):
+        if j is None or not (joins(i, j) and earlier_ok(i, j)):
             j = neighbour(i, -1)
-        if joins(i, j) and earlier_ok(i, j):
+        if j is not None and joins(i, j) and earlier_ok(i, j):
             merge(i, j)
     return [s for s, g in zip(out, gone) if not g]
 

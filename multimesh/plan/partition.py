@@ -20,7 +20,7 @@ segments to follow the schedule.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -233,16 +233,17 @@ def _units(eqns: Sequence, colour: Sequence[Placement | None]) -> list[Unit | No
     last: dict[tuple[int, bool], tuple[Placement, int]] = {}
     moving = floating(eqns, colour)
     for i, e in enumerate(eqns):
-        if colour[i] is None or colour[i] in moving:
+        here = colour[i]
+        if here is None or here in moving:
             continue
         m = microbatch_of(e.source_info.name_stack)
         if m is None:
             continue
         backward = e.params["kind"] == "bwd" if e.primitive is task_call_p else is_backprop(e.source_info.name_stack)
         where, run = last.get((m, backward), (None, -1))
-        if where != colour[i]:
+        if where != here:
             run += 1
-            last[(m, backward)] = (colour[i], run)
+            last[(m, backward)] = (here, run)
         units[i] = Unit(m, backward, run)
     return units
 
@@ -312,7 +313,7 @@ def _group(eqns: Sequence, colour: Sequence[Placement], units: Sequence[Unit | N
 
 
 def link_segments(jaxpr: Jaxpr, consts: dict, segments: list[Segment], schedule: Schedule | None = None,
-                  recomputed: set[int] = frozenset()) -> Plan:
+                  recomputed: Collection[int] = frozenset()) -> Plan:
     """Number ``segments`` (in execution order) and work out what flows between them.
 
     A step input lives on the submesh of its first consumer, not counting
@@ -368,14 +369,14 @@ def partition(closed: ClosedJaxpr, pipelines: Sequence[Pipeline] = ()) -> Plan:
     if any(p.split_backward for p in pipelines):  # zero-bubble: a task's backward splits into B and W
         eqns, consts, inlined = inline_backward_tasks(eqns, consts)
         placed.update(inlined)
-    colour = _initial_colours(eqns, placed)
-    pinned = [c is not None for c in colour]
-    tasks = [c for c in colour if c is not None]
+    initial = _initial_colours(eqns, placed)
+    pinned = [c is not None for c in initial]
+    tasks = [c for c in initial if c is not None]
     if not tasks:
         raise ValueError("partition() needs a function that calls at least one task")
     _check_overlaps(tasks)
-    units = _units(eqns, colour)
-    colour = _propagate(eqns, colour)
+    units = _units(eqns, initial)
+    colour = _propagate(eqns, initial)
     warn_whole_stacks(eqns, pinned, colour)
     if current_knobs().enable_recomputation:  # values of constants and small inputs: computed where read
         eqns, colour, units, copies = recompute_constants(eqns, colour, units, closed.jaxpr.outvars,
@@ -393,7 +394,7 @@ def partition(closed: ClosedJaxpr, pipelines: Sequence[Pipeline] = ()) -> Plan:
 
 def _check_split_backprop(segments: Sequence[Segment], schedule: Schedule | None) -> None:
     """A `Task` asked for its backward to be split, but the schedule does not split any: say so."""
-    asked = sorted({s.placement.name for s in segments if split_names(s.placement) is not None})
+    asked = sorted({str(s.placement.name) for s in segments if split_names(s.placement) is not None})
     if asked and (schedule is None or not schedule.split_backward):
         what = f"the schedule {schedule!r}" if schedule is not None else "a step without microbatch()"
         warnings.warn(f"tasks {asked} ask for split_backprop, but {what} does not split backward passes; use "

@@ -79,7 +79,7 @@ def _structure(eqns: Sequence[JaxprEqn], invars: Sequence[Var], outvars: Sequenc
     key: list = [tuple(v.aval for v in invars)]
     literals: list = []
     for e in eqns:
-        ins = []
+        ins: list[tuple[str, Any] | int] = []  # a literal's aval, or the number of the value it reads
         for x in e.invars:
             if isinstance(x, Literal):
                 ins.append(("literal", x.aval))
@@ -104,7 +104,7 @@ def group_programs(segments: Sequence[Segment], donate: dict[int, tuple[int, ...
     for seg in segments:
         key, literals = _structure(seg.eqns, seg.invars, seg.outvars)
         groups.setdefault((seg.placement, donate.get(seg.index, ()), key), []).append((seg, literals))
-    programs = []
+    programs: list[Program] = []
     for (placement, donation, _), members in groups.items():
         first, values = members[0]
         varying = [i for i, v in enumerate(values) if any(not _same(v, other[i]) for _, other in members[1:])]

@@ -51,18 +51,20 @@ body runs under the stacked module's attribute path (`trace.nnx_scopes`).
 from __future__ import annotations
 
 import contextvars
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import jax
 from jax import lax
+from jax.core import ShapedArray
 from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal, Var
 
 from ..core.jaxprs import subjaxprs
-from ..trace.implicit import names_in, registered_tasks, scope_names, split_for
+from ..trace.implicit import Registration, names_in, registered_tasks, scope_names, split_for
 from ..trace.task import Placement
 from .stack_layout import Boundary, SplitArray, StackSplit, check_stackable
 
@@ -126,6 +128,14 @@ def is_split_scan(eqn: JaxprEqn) -> bool:
     return split_for(scan_scopes(eqn)) is not None
 
 
+def _split_registration(eqn: JaxprEqn) -> tuple[Registration, re.Match]:
+    """The ``split=`` registration of a scan that `is_split_scan` found, and its match."""
+    found = split_for(scan_scopes(eqn))
+    if found is None:
+        raise AssertionError(f"the scan at {str(eqn.source_info.name_stack) or '/'} has no split= registration")
+    return found
+
+
 def _stack_split(eqn: JaxprEqn) -> StackSplit | None:
     found = split_for(scan_scopes(eqn)) if eqn.primitive.name == "scan" else None
     if found is None:
@@ -160,7 +170,7 @@ def check_split_registrations(jaxpr: Any) -> None:
     regs = [r for r in registered_tasks() if r.split is not None]
     if not regs:
         return
-    used = {id(split_for(scan_scopes(e))[0]) for e, _ in _split_scans_within(jaxpr)}
+    used = {id(_split_registration(e)[0]) for e, _ in _split_scans_within(jaxpr)}
     names = names_in(jaxpr)
     for reg in regs:
         hit = sorted(n for n in names if reg.pattern.fullmatch(n))
@@ -329,7 +339,7 @@ def _by_parts(eqn: JaxprEqn, ins: list, want: dict[Var, SplitArray]) -> list | N
     runs whole."""
     out = next((v for v in eqn.outvars if v in want), None)
     partners = _partners(eqn, out, want[out].axis) if out is not None else None
-    if partners is not None and all(v in partners for v in eqn.outvars):
+    if out is not None and partners is not None and all(v in partners for v in eqn.outvars):
         how = want[out]
         per_in = [_parts(x, SplitArray(how.split, partners[v])) if not isinstance(v, Literal) and v in partners
                   else None for v, x in zip(eqn.invars, ins)]
@@ -368,7 +378,7 @@ def split_scans(closed: ClosedJaxpr) -> Rewritten | None:
     for e, inside in _split_scans_within(jaxpr):
         if inside:
             raise NotImplementedError(
-                f"the scan {split_for(scan_scopes(e))[1].group(0)!r} registered with split= runs inside "
+                f"the scan {_split_registration(e)[1].group(0)!r} registered with split= runs inside "
                 f"{' > '.join(inside)}; a stack is split only where the step itself runs the scan (not inside "
                 f"a jax.checkpoint/remat of the whole stack, a task, or a loop): put the remat inside the "
                 f"scanned layer (nn.remat of the layer module) instead")
@@ -398,26 +408,26 @@ def split_scans(closed: ClosedJaxpr) -> Rewritten | None:
             with source_info_util.user_context(e.source_info.traceback, name_stack=stack + e.source_info.name_stack):
                 if i in scans:
                     outs = _split_scan(e, scans[i], ins)
+                elif (parts := _by_parts(e, ins, want)) is not None:
+                    outs = parts
                 else:
-                    outs = _by_parts(e, ins, want)
-                    if outs is None:
-                        outs = _bind(e, [_whole(x) for x in ins])
+                    outs = _bind(e, [_whole(x) for x in ins])
             env.update(zip(e.outvars, outs))
             if len(log) > before:
                 gathered.setdefault(log[-1], []).append(f"{e.primitive.name} at {str(e.source_info.name_stack) or '/'}")
         _GATHERED.reset(token)
         flat_out = []
         outputs.clear()
-        for v in jaxpr.outvars:
-            x = read(v)
+        for x in map(read, jaxpr.outvars):
             outputs.append(x.how if isinstance(x, _Parts) else None)
             flat_out.extend(x.vals if isinstance(x, _Parts) else [x])
         return flat_out
 
-    avals = []
+    avals: list[jax.ShapeDtypeStruct] = []
     for v, how in zip(jaxpr.invars, inputs):
         shapes = [_shape(v)] if how is None else [how.part_shape(_shape(v), k) for k in range(len(how.split.ranges))]
-        avals.extend(jax.ShapeDtypeStruct(s, v.aval.dtype) for s in shapes)
+        dtype = cast(ShapedArray, v.aval).dtype  # a step's inputs are arrays; JAX types Var.aval as their base class
+        avals.extend(jax.ShapeDtypeStruct(s, dtype) for s in shapes)
     new = jax.make_jaxpr(run)(*avals)
     for label, readers in gathered.items():
         shown = ", ".join(sorted(set(readers))[:5]) + (", ..." if len(set(readers)) > 5 else "")

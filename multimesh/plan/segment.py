@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
+from jax.core import ShapedArray
 from jax.extend.core import ClosedJaxpr, DebugInfo, Jaxpr, Var
 
 from ..schedules import Action
@@ -70,4 +72,5 @@ class Segment:
 
 def nbytes(v: Var) -> int:
     """The size of a jaxpr value in bytes (``dtype.itemsize``: also defined for PRNG key dtypes)."""
-    return int(np.prod(v.aval.shape, dtype=np.int64)) * v.aval.dtype.itemsize
+    aval = cast(ShapedArray, v.aval)  # a step's values are arrays; JAX types Var.aval as their base class
+    return int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize

@@ -114,7 +114,7 @@ def checked(make: Callable[[], Any], what: str) -> Callable[[], Any]:
             raise TypeError(f"{what} ({fun_name(make)!r}) returned {bad}; it must return arrays (in any pytree)")
         return out
 
-    run.__wrapped__ = make  # JAX's messages name the user's function
+    setattr(run, "__wrapped__", make)  # JAX's messages name the user's function (mypy: no attributes on functions)
     return run
 
 
@@ -246,6 +246,7 @@ def place_batch(batch: Any, shardings: Any, abstract_batch: Any = None, fun: Cal
         built = jax.tree.leaves(abstract_batch) if abstract_batch is not None else [None] * len(jax.tree.leaves(batch))
         for (path, x), s, a in zip(_leaves(batch), jax.tree.leaves(shardings), built):
             shape = _shape(x)
+            why: str | None
             if not is_array(x):
                 why = f"it is a {type(x).__name__} {x!r:.60}, not an array"
             else:

@@ -38,6 +38,7 @@ class ShardedInitializer:
         self.make = make
         self.shardings = shardings
         flat, self._treedef = jax.tree.flatten(shardings)
+        self._n_leaves = len(flat)
         groups: dict[frozenset, list[int]] = {}
         for i, s in enumerate(flat):
             groups.setdefault(frozenset(s.device_set), []).append(i)
@@ -67,7 +68,7 @@ class ShardedInitializer:
         return run
 
     def __call__(self) -> Any:
-        out: list[Any] = [None] * self._treedef.num_leaves
+        out: list[Any] = [None] * self._n_leaves
         for idx, run in self._parts:
             for i, x in zip(idx, run()):
                 out[i] = x
@@ -80,7 +81,7 @@ class ShardedInitializer:
         return lowered[0] if len(lowered) == 1 else lowered
 
     def __repr__(self) -> str:
-        return (f"ShardedInitializer({_origin(self.make)}, {self._treedef.num_leaves} arrays on "
+        return (f"ShardedInitializer({_origin(self.make)}, {self._n_leaves} arrays on "
                 f"{len(self._parts)} device group(s))")
 
 

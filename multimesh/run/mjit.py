@@ -18,12 +18,14 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.extend.core import Var
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..core.meshes import build_mesh
 from ..core.placement import Placement, use_placement
 from ..core.rules import MeshAxes, Rules
 from ..plan.partition import Plan, make_plan
+from ..plan.stack_layout import Boundary
 from ..trace.microbatch import collect_pipelines
 from ..trace.nnx_scopes import StepScopes
 from ..trace.step_context import traced_in_context
@@ -207,28 +209,28 @@ class MJitFunction:
         if plan.placements == [placement]:
             return self._spmd(fun, plan, tree, out_tree, out_shape, placement, donated_leaves)
         if plan.boundary is not None:
-            return self._split_stack(plan, flat, out_tree, donated_leaves)
+            return self._split_stack(plan, plan.boundary, flat, out_tree, donated_leaves)
         donated = {plan.jaxpr.invars[i] for i in donated_leaves}
         shardings = {v: s for v, x in zip(plan.jaxpr.invars, flat)
                      if isinstance(s := _sharding_of(x), NamedSharding)}
         runtime = Runtime(plan, shardings, donated=donated)
         return _Compiled(plan, runtime, out_tree, spmd=False, runtime=runtime)
 
-    def _split_stack(self, plan: Plan, flat: list, out_tree: Any, donated_leaves: list[int]) -> _Compiled:
-        """The MPMD runtime for a plan with a split scanned stack: each split argument is laid over its
-        stages (`run.stacked.union_for`, a copy only if it is not already) and given to the plan as its
-        per-stage parts; split outputs come back as one array over the stages."""
-        boundary = plan.boundary
+    def _split_stack(self, plan: Plan, boundary: Boundary, flat: list, out_tree: Any,
+                     donated_leaves: list[int]) -> _Compiled:
+        """The MPMD runtime for a plan with a split scanned stack (``boundary``, the plan's): each split
+        argument is laid over its stages (`run.stacked.union_for`, a copy only if it is not already) and given
+        to the plan as its per-stage parts; split outputs come back as one array over the stages."""
         unions = [None if how is None else union_for(x, how) for x, how in zip(flat, boundary.inputs)]
         own = [u if u is not None else _sharding_of(x) for x, u in zip(flat, unions)]
         shardings = {v: s for v, s in zip(plan.jaxpr.invars, part_shardings(boundary.inputs, own))
                      if isinstance(s, NamedSharding)}
-        donated = set()
+        donated: set[Var] = set()
         for i in donated_leaves:
             how, first = boundary.inputs[i], boundary.plan_index(i)
             donated.update(plan.jaxpr.invars[first:first + (1 if how is None else len(how.split.ranges))])
         runtime = Runtime(plan, shardings, donated=donated)
-        targets = [None] * len(boundary.outputs)
+        targets: list[NamedSharding | None] = [None] * len(boundary.outputs)
 
         def call(args: list) -> list:
             outs = runtime(to_parts(args, boundary.inputs, unions))
@@ -237,7 +239,8 @@ class MJitFunction:
         return _Compiled(plan, call, out_tree, spmd=False, runtime=runtime)
 
     def _donated_leaves(self, args: tuple) -> list[int]:
-        out, offset = [], 0
+        out: list[int] = []
+        offset = 0
         for i, a in enumerate(args):
             n = len(jax.tree.leaves(a))
             if i in self.donate_argnums:

@@ -70,7 +70,10 @@ class MPMDFunction(Parallelized):
         self._out_tree = out_tree
         # One target per output leaf (None: not a parameter's mirror). Up to the outputs' own leaves: a
         # None inside them (an NNX module's unset attribute) is an empty node, not an output.
-        self._out_targets = jax.tree.structure(out_abstract).flatten_up_to(self._mirror.shardings_for(out_abstract))
+        out_tree_def = jax.tree.structure(out_abstract)
+        # jax's PyTreeDef aliases the type of jaxlib._jax, which has no stubs: mypy knows none of its methods
+        self._out_targets = out_tree_def.flatten_up_to(  # type: ignore[attr-defined]
+            self._mirror.shardings_for(out_abstract))
 
     @property
     def stats(self):
@@ -118,7 +121,7 @@ class MPMDFunction(Parallelized):
 
     def __repr__(self) -> str:
         name = getattr(self.fun, "__name__", "fun")
-        stages = ", ".join(p.name for p in self.plan.placements)
+        stages = ", ".join(str(p.name) for p in self.plan.placements)
         return (f"MPMDFunction({name}, {len(self.plan.segments)} segments in {len(self.runtime.programs)} programs "
                 f"on [{stages}], {len(self.param_layout.leaves)} params{step_context_note(self.fun)})")
 
@@ -126,4 +129,8 @@ class MPMDFunction(Parallelized):
 
 def _readable_here_and_everywhere(x: jax.Array) -> bool:
     """Every process holds a whole copy of ``x`` already."""
-    return x.is_fully_replicated and {d.process_index for d in x.sharding.device_set} == set(range(jax.process_count()))
+    if not x.is_fully_replicated:
+        return False
+    # jax's Device aliases the type of jaxlib._jax, which has no stubs: mypy knows none of its attributes
+    holders = {d.process_index for d in x.sharding.device_set}  # type: ignore[attr-defined]
+    return holders == set(range(jax.process_count()))

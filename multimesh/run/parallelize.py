@@ -153,9 +153,9 @@ def parallelize_on_mesh(
     params, batch = _input_layouts(plan, placement, abstract_params, abstract_batch, path_rules, batch_spec)
 
     if plan is not None and plan.placements != [placement]:  # tasks: the runtime runs the plan's segments
-        sharded = MPMDFunction(fun, plan, params, batch, abstract_params, abstract_batch,
-                               jax.tree.structure(out_shape), out_shape, donate)
-        return with_initializers(sharded, init_params, get_input_batch, None)
+        pipelined = MPMDFunction(fun, plan, params, batch, abstract_params, abstract_batch,
+                                 jax.tree.structure(out_shape), out_shape, donate)
+        return with_initializers(pipelined, init_params, get_input_batch, None)
     if rules is None:
         warn_everything_replicated(params, batch, the_mesh, stacklevel=2)
 
@@ -352,7 +352,7 @@ def _trace(fun: Callable, params: Any, batch: Any):
         check_outputs(out, fun)
         return out
 
-    traced.__wrapped__ = fun  # JAX's messages name the user's function, not this wrapper
+    setattr(traced, "__wrapped__", fun)  # JAX's messages name the user's function (mypy: no attributes on functions)
 
     closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(params, batch)
     return scopes.named(closed, (params, batch), "parallelize"), out_shape

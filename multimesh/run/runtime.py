@@ -23,7 +23,7 @@ read) are alive on each stage at once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,7 +91,7 @@ class Runtime:
     """Compiles each segment of a plan and executes the plan."""
 
     def __init__(self, plan: Plan, input_shardings: dict[Var, NamedSharding], *, sync_every: int = 16,
-                 donated: set[Var] = frozenset()):
+                 donated: Collection[Var] = frozenset()):
         self.plan = plan
         self.input_shardings = input_shardings
         self.sync_every = sync_every
@@ -291,12 +291,13 @@ def _lifetimes(plan: Plan) -> dict[int, list[Key]]:
             if loc != home:
                 free[max(idx)].append((v, loc))
         if v not in outputs:
-            serves = [min(idx) for loc, idx in where.items() if loc != home] + where.get(home, [])
+            serves = ([min(idx) for loc, idx in where.items() if loc != home]
+                      + (where.get(home, []) if home is not None else []))
             free[max(serves)].append((v, home))
     return free
 
 
-def _donations(plan: Plan, donated: set[Var]) -> dict[int, tuple[int, ...]]:
+def _donations(plan: Plan, donated: Collection[Var]) -> dict[int, tuple[int, ...]]:
     """Per segment, the arguments to donate: donated step inputs at their last use on a submesh, once
     every other submesh reading them has taken its copy (they are copied before their first use there).
 

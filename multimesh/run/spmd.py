@@ -76,8 +76,9 @@ class Parallelized:
             shardings = jax.tree.unflatten(b_def, jax.tree.leaves(shardings))
         return place_batch(batch, shardings, self._abstract_batch, self.fun)
 
-    def _new_static(self, where: str) -> None:
-        """Inputs with other static data than the step was traced with: a step that cannot trace again refuses."""
+    def _new_static(self, where: str | None) -> None:
+        """Inputs with other static data than the step was traced with (``where``: the difference, when
+        `static_difference` finds it): a step that cannot trace again refuses."""
         name = getattr(self.fun, "__name__", "fun")
         raise StepInputError(
             f"step {name!r}: {where}. Its plan was traced with the old object, and a pipelined "
@@ -161,7 +162,7 @@ class ShardedFunction(Parallelized):
             return mirror.constrain(out)
 
         step.__name__ = getattr(fun, "__name__", "step")
-        step.__wrapped__ = fun  # JAX's messages name the user's function
+        setattr(step, "__wrapped__", fun)  # JAX's messages name the user's function (mypy: no attributes on functions)
         return step
 
     @property
@@ -188,7 +189,7 @@ class ShardedFunction(Parallelized):
                                         donate_argnums=(0,) if self._donate else ())
         return self._jitted[key]
 
-    def _new_static(self, where: str) -> None:
+    def _new_static(self, where: str | None) -> None:
         """Like `jax.jit`, a step called with new static data (an optimizer made again) is traced again."""
 
     def __call__(self, params: Any, batch: Any, *args: Any) -> Any:

@@ -14,7 +14,7 @@ say), which is first moved onto the union sharding.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -40,13 +40,17 @@ def _view(x: jax.Array, shape: tuple[int, ...], sharding: NamedSharding) -> jax.
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=x.dtype)
 
 
-def to_parts(flat: Sequence[Any], splits: Sequence[SplitArray | None], shardings: Sequence[NamedSharding]) -> list:
-    """The step's flat inputs as the plan's: each split input as its parts, each on its stage."""
+def to_parts(flat: Sequence[Any], splits: Sequence[SplitArray | None],
+             shardings: Sequence[NamedSharding | None]) -> list:
+    """The step's flat inputs as the plan's: each split input as its parts, each on its stage (``shardings``:
+    each split input's union sharding, None for the others)."""
     out: list = []
     for x, how, union in zip(flat, splits, shardings):
         if how is None:
             out.append(x)
             continue
+        if union is None:
+            raise AssertionError(f"the input split as {how.split.label!r} has no union sharding")
         if not (isinstance(x, jax.Array) and x.sharding == union):
             (x,) = move([x], [union])
         out.extend(_view(x, how.part_shape(x.shape, k), part_sharding(how, union, k))
@@ -68,7 +72,7 @@ def from_parts(flat: Sequence[Any], splits: Sequence[SplitArray | None],
         shape = list(parts[0].shape)
         shape[how.axis] = sum(p.shape[how.axis] for p in parts)
         union = target if _is_union_of(target, how) else _default_union(parts[0], how)
-        arrays = []
+        arrays: list[jax.Array] = []
         for k, p in enumerate(parts):
             want = part_sharding(how, union, k)
             if p.sharding != want:
@@ -79,7 +83,7 @@ def from_parts(flat: Sequence[Any], splits: Sequence[SplitArray | None],
     return out
 
 
-def _is_union_of(target: Any, how: SplitArray) -> bool:
+def _is_union_of(target: Any, how: SplitArray) -> TypeGuard[NamedSharding]:
     """Whether ``target`` is a sharding of ``how``'s union mesh with the split axis over its stages."""
     if not isinstance(target, NamedSharding) or target.mesh != union_mesh(how.split) or len(target.spec) <= how.axis:
         return False
@@ -101,6 +105,7 @@ def union_for(x: Any, how: SplitArray) -> NamedSharding:
     if _is_union_of(s, how):
         return s
     stage = how.split.placements[0].mesh
-    keep = isinstance(s, NamedSharding) and tuple(s.mesh.axis_names) == tuple(stage.axis_names) and all(
-        s.mesh.shape[a] == stage.shape[a] for a in stage.axis_names)
-    return union_sharding(how, s.spec if keep else PartitionSpec(), len(x.shape))
+    if isinstance(s, NamedSharding) and tuple(s.mesh.axis_names) == tuple(stage.axis_names) and all(
+            s.mesh.shape[a] == stage.shape[a] for a in stage.axis_names):
+        return union_sharding(how, s.spec, len(x.shape))
+    return union_sharding(how, PartitionSpec(), len(x.shape))

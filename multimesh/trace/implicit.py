@@ -111,7 +111,7 @@ class Registration:
     callback: Callback | None = None
     dims: tuple[int, ...] | None = None
     device_axes: tuple[str, ...] | None = None
-    logical_axes: tuple | None = None
+    logical_axes: Rules | tuple | None = None
     task: Task | None = None
     #: the global mesh a `Task`'s ``mesh_slice`` slices (the `MultiMesh` registered on; None: the one in force)
     global_mesh: Mesh | None = None
@@ -140,7 +140,8 @@ class Registration:
             return self.placement
         key = (match.group(0), backprop)
         if key not in self._cache:  # the callback is asked once per name and direction
-            got = self.task if self.callback is None else self._from_callback(match, backprop)
+            callback = self.callback
+            got = self.task if callback is None else self._resolve(callback(MatchedName(match), backprop), match)
             self._cache[key] = got
         got = self._cache[key]
         if not isinstance(got, Task):
@@ -170,9 +171,6 @@ class Registration:
                 parts.append(((first, stop), got))
             self._cache[key] = parts
         return self._cache[key]
-
-    def _from_callback(self, match: re.Match, backprop: bool) -> Placement | Task | None:
-        return self._resolve(self.callback(MatchedName(match), backprop), match)
 
     def _resolve(self, got: Any, match: re.Match) -> Placement | Task | None:
         """A callback's answer (a Task, ``((start, stop), name)``, ``(devices, name)`` or None) as a placement."""

@@ -220,15 +220,21 @@ def microbatch(
         if not -len(args) <= argnum < len(args):
             raise ValueError(f"microbatch({name}): argnum={argnum}, but it was called with {len(args)} arguments")
         if arg_shardings is not None:
-            args = list(args)
-            args[argnum] = with_sharding_constraint(args[argnum], arg_shardings)
+            constrained = list(args)
+            constrained[argnum] = with_sharding_constraint(args[argnum], arg_shardings)
+            args = tuple(constrained)
         leaves, treedef = jax.tree.flatten(args[argnum])
         if not leaves:
             raise ValueError(f"microbatch({name}): argument {argnum} has no arrays to split")
         # a layout search may choose the pipeline from outside the step (`pipeline_choice`)
         choice = chosen_pipeline()
         if choice is None:
-            mb_size = size if size is not None else _size_for(leaves, dim, num_microbatches, name, argnum)
+            if size is not None:
+                mb_size = size
+            elif num_microbatches is not None:
+                mb_size = _size_for(leaves, dim, num_microbatches, name, argnum)
+            else:  # checked when microbatch was called: exactly one of the two is given
+                raise AssertionError(f"microbatch({name}): neither size nor num_microbatches")
             mb_schedule, mb_stages, mb_interleave = schedule, num_stages, interleave
         else:
             mb_size = choice.size_for(f"microbatch({name})", leaves, dim)

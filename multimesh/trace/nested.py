@@ -13,9 +13,10 @@ the equation with the new bodies.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
+from jax.core import ShapedArray
 from jax.extend.core import ClosedJaxpr, Jaxpr, JaxprEqn
 
 from .._compat.jax import convert_constvars_jaxpr
@@ -41,8 +42,8 @@ def _holds(jaxpr: Jaxpr, wanted: Callable[[JaxprEqn], bool]) -> bool:
 
 
 def _retrace(jaxpr: Jaxpr, consts: list, rule: Rule) -> ClosedJaxpr:
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False))
-             for v in jaxpr.invars]
+    inputs = [cast(ShapedArray, v.aval) for v in jaxpr.invars]  # arrays; JAX types Var.aval as their base class
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in inputs]
     return jax.make_jaxpr(lambda *args: interpret(jaxpr, consts, args, rule))(*avals)
 
 

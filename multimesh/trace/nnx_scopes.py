@@ -104,18 +104,18 @@ class _Tracing:
         first, then every model seen, then (for a copy an NNX transform made) its original's, then (for
         a copy a JAX transform made) its one twin's; (None, None) when it is in none."""
         tables = [t for _, t in reversed(self.stack) if t is not None] + [t for _, t in reversed(self.roots)]
-        copy = module
+        current: nnx.Module | None = module
         for _ in range(_MAX_COPIES):
-            for table in tables:
-                if id(module) in table:
-                    return table, table[id(module)]
-            module = _original_of(module)
-            if module is None:
+            if current is None:
                 break
-        path = self._twin_path(copy)
+            for table in tables:
+                if id(current) in table:
+                    return table, table[id(current)]
+            current = _original_of(current)
+        path = self._twin_path(module)
         if path is None:
             return None, None
-        return {id(m): module_path((path, *p)) for p, m in nnx.iter_modules(copy)}, path
+        return {id(m): module_path((path, *p)) for p, m in nnx.iter_modules(module)}, path
 
     def _twin_path(self, copy: nnx.Module) -> str | None:
         """The path of the one module of the models seen that ``copy`` is a pytree copy of; a placeholder
@@ -186,7 +186,9 @@ def _pytree_twins(original: Any, copy: Any) -> bool:
         copy_leaves, copy_tree = jax.tree.flatten(copy)
     except Exception:  # not a pytree JAX can flatten
         return False
-    return tree == copy_tree and all(_sliced_or_same(np.shape(a), np.shape(b)) for a, b in zip(leaves, copy_leaves))
+    # jax's PyTreeDef aliases the type of jaxlib._jax, which has no stubs: mypy knows none of its methods
+    return tree == copy_tree and all(  # type: ignore[operator]
+        _sliced_or_same(np.shape(a), np.shape(b)) for a, b in zip(leaves, copy_leaves))
 
 
 def _sliced_or_same(shape: tuple, copy_shape: tuple) -> bool:

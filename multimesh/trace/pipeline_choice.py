@@ -55,8 +55,9 @@ def choose_pipeline(microbatches: int, schedule: str, stages: int,
     """Within the block, `microbatch` calls traced use this many microbatches, schedule and stages."""
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"choose_pipeline: microbatches must be a positive int, got {microbatches!r}")
-    token = _CHOICE.set(PipelineChoice(microbatches, schedule, stages, interleave))
+    choice = PipelineChoice(microbatches, schedule, stages, interleave)
+    token = _CHOICE.set(choice)
     try:
-        yield _CHOICE.get()
+        yield choice
     finally:
         _CHOICE.reset(token)

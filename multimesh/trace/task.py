@@ -332,7 +332,7 @@ def task(
 
 
 def _make_task(fun: Callable | type, name: str | None, options: dict) -> Callable:
-    label = name or getattr(fun, "__name__", "task")
+    label: str = name if name else getattr(fun, "__name__", "task")
     resolve = _placement_source(label, options)
     out_shardings = options["out_shardings"]
     configured = _configured(label, options["configure"], options["configure_args"])
@@ -355,7 +355,7 @@ def _run_task(fun: Callable, resolve: Callable, out_shardings: Any, configured: 
             return fun(*args, **(kwargs or {}))
     if kwargs:  # keyword arguments travel as one more (last) positional pytree: traced like the others
         fun, args = _keywords_last(fun), (*args, kwargs)
-    iterations = microbatch_iterations() or [_current_iteration()]
+    iterations: Sequence[int | None] = microbatch_iterations() or [_current_iteration()]
     placement = resolve(iterations[0])
     # One trace serves every microbatch: check each one's slice now. A loop-dependent task's copy for
     # microbatch i is moved onto its own slice by the planner (plan.loop_slices).

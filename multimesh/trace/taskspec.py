@@ -272,9 +272,12 @@ class Task:
         return self.mesh_slice is not None or self.loop_dependent_mesh_slice is not None
 
     def _slice_at(self, iteration: int | None, global_mesh: Mesh, who: str) -> Mesh:
+        fixed = self.slice
         if self.loop_dependent_mesh_slice is None:
-            return slice_mesh_keep(global_mesh, self.slice, f"{who}: mesh_slice")
-        base = (slice_mesh_keep(global_mesh, self.slice, f"{who}: mesh_slice") if self.mesh_slice is not None
+            if fixed is None:
+                raise AssertionError(f"{who}: sliced without mesh_slice or loop_dependent_mesh_slice")
+            return slice_mesh_keep(global_mesh, fixed, f"{who}: mesh_slice")
+        base = (slice_mesh_keep(global_mesh, fixed, f"{who}: mesh_slice") if fixed is not None
                 else slice_mesh_keep(global_mesh, dict(self.loop_dependent_mesh_slice(0)),
                                      f"{who}: loop_dependent_mesh_slice(0)"))
         if iteration is None:
@@ -295,6 +298,7 @@ class Task:
         """The `Placement` this task runs on (``iteration``: the `microbatch` index, for loop-dependent slices)."""
         name = self.name or default_name
         who = f"Task({name!r})"
+        loop: LoopSlices | None = None
         if self.needs_global_mesh():
             gm = global_mesh if global_mesh is not None else current_global_mesh()
             if gm is None:
@@ -303,6 +307,8 @@ class Task:
                                  f"`with MultiMesh(...):`, `with jax.set_mesh(mesh):` or `with mesh:`, or register "
                                  f"it with multi_mesh.register_task(...)")
             mesh = self._slice_at(iteration, gm, who)
+            if self.loop_dependent_mesh_slice is not None:
+                loop = LoopSlices(self, name, gm)
         elif isinstance(self.mesh, TaskMesh):
             mesh = self.mesh.mesh(global_mesh)
         elif isinstance(self.mesh, Mesh):
@@ -319,8 +325,8 @@ class Task:
         placement = _PLACEMENTS.setdefault(placement, placement)
         if self.split_backprop is not None:
             _SPLIT_NAMES[placement] = self.split_backprop
-        if self.loop_dependent_mesh_slice is not None:
-            _LOOP_SLICES[placement] = LoopSlices(self, name, gm)
+        if loop is not None:
+            _LOOP_SLICES[placement] = loop
         return placement
 
 
