@@ -30,6 +30,7 @@ from multimesh.autolayout import (
     enumerate_layouts,
     factorizations,
 )
+from multimesh.autolayout.building import build_on
 from multimesh.core.fmt import format_bytes
 from multimesh.estimate import UnknownProfileError, get_profile
 from multimesh.jax import auto_layout, build_mesh, microbatch, parallelize, register_task, stage_task, standard_rules
@@ -273,6 +274,15 @@ def test_a_pipeline_that_builds_no_stages_is_named():
 
     with pytest.raises(NoValidLayoutError, match="registered no stage"):
         search(axes=("data",), pipeline=registers_nothing, stage_counts=(2,), microbatches=(2,), schedules=("1f1b",))
+
+
+@pytest.mark.parametrize("missing", ["microbatches", "schedule"])
+def test_a_pipeline_layout_built_without_its_microbatches_or_schedule_names_them(missing):
+    layout = dataclasses.replace(ParallelLayout({"data": 2}, stages=2, microbatches=2, schedule="1f1b"),
+                                 **{missing: None})
+    with pytest.raises(ValueError, match=r"is a pipeline; it needs microbatches= and schedule="):
+        build_on(layout, step, jax.devices()[:4], two_layers, init_params=init, get_input_batch=get_batch,
+                 param_rules=PARAM_RULES)
 
 
 @pytest.mark.parametrize("kw, error, words", [

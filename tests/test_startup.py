@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from helpers import free_port
 
-from multimesh.startup.agreement import differences
+from multimesh.startup.agreement import differences, source_digest
 from multimesh.startup.rollcall import StartupError, roll_call
 
 REPO = Path(__file__).resolve().parent.parent
@@ -157,6 +157,15 @@ def test_differences_name_each_key_and_the_processes():
                        2: {"optimizer.lr": 0.001}})
     assert got == ["optimizer.lr: 0.001 on processes [0, 2], 0.01 on process 1",
                    'steps: 4 on processes [0, 1], "<unset>" on process 2']
+
+
+def test_source_digest_of_a_namespace_package_names_it(tmp_path, monkeypatch):
+    (tmp_path / "loose_modules").mkdir()  # no __init__.py: a namespace package, without a __file__
+    (tmp_path / "loose_modules" / "one.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"source_digest\('loose_modules'\): the package has no __init__.py"):
+        source_digest("loose_modules")
+    assert len(source_digest("multimesh")) == 16
 
 
 # -- real processes ------------------------------------------------------------------------------------

@@ -88,6 +88,9 @@ def _placed(layout: ParallelLayout, rules: Rules, mesh: Mesh, pipeline: Pipeline
                 raise ValueError(f"layout {layout.describe()!r} is a pipeline; building it needs pipeline= "
                                  f"(stages, chunks) -> a context that registers the model's stages")
             stack.enter_context(pipeline(layout.stages, layout.chunks))
+            if layout.microbatches is None or layout.schedule is None:
+                raise ValueError(f"layout {layout.describe()!r} is a pipeline; it needs microbatches= and "
+                                 f"schedule= (e.g. ParallelLayout(..., microbatches=8, schedule='1f1b'))")
             stack.enter_context(choose_pipeline(layout.microbatches, layout.schedule, layout.stages,
                                                 layout.chunks if layout.chunks > 1 else None))
         yield

@@ -20,6 +20,7 @@ ranked first, by their measured step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 import warnings
@@ -144,20 +145,20 @@ class NoValidLayoutError(LayoutSearchError):
 
 
 def _nothing_fits(search: LayoutSearch) -> LayoutSearchError:
-    valid = [c for c in search.candidates if c.valid and c.peak_bytes is not None]
+    valid = [(c, c.peak_bytes) for c in search.candidates if c.valid and c.peak_bytes is not None]
     if valid:
         # a whole peak estimated (a limit that suffices), else the least held bytes (a limit that does not)
-        estimated = [c for c in valid if c.estimate is not None]
-        least = min(estimated or valid, key=lambda c: c.peak_bytes)
-        needs = f"{format_bytes(least.peak_bytes)} ({least.peak_bytes:,} B) per device"
+        estimated = [(c, peak) for c, peak in valid if c.estimate is not None]
+        least, peak = min(estimated or valid, key=lambda pair: pair[1])
+        needs = f"{format_bytes(peak)} ({peak:,} B) per device"
 
         def fits(arg: Callable[[str], str]) -> str:
             if least.estimate is None:  # refused on its held bytes before its programs were compiled
                 advice = (f"more than {needs}: that is its parameters, optimizer state and batch alone, and its "
                           f"programs' temporaries (not estimated) come on top. Raise {arg('memory_limit')} well "
-                          f"above {least.peak_bytes:,}")
+                          f"above {peak:,}")
             else:
-                advice = f"{needs}. Raise {arg('memory_limit')} to at least {least.peak_bytes:,}"
+                advice = f"{needs}. Raise {arg('memory_limit')} to at least {peak:,}"
             return (f"auto_layout: no layout of {search.num_devices} devices fits the memory limit "
                     f"{format_bytes(search.memory_limit)} ({search.memory_limit:,} B) per device; the smallest "
                     f"found, {least.layout.describe()}, needs {advice}, use more devices, or shrink the model or "
@@ -342,7 +343,7 @@ def _timed(ranked: list[Candidate], top: int, steps: int, progress: bool | None,
     timed = {}
     with _progress(len(chosen), progress, "timing") as bar:
         for c in chosen:
-            timed[c.layout] = dataclasses.replace(c, measured=time_layout(lambda c=c: build(c.layout), steps))
+            timed[c.layout] = dataclasses.replace(c, measured=time_layout(functools.partial(build, c.layout), steps))
             bar.update(1)
     return sorted((timed.get(c.layout, c) for c in ranked), key=_rank)
 
@@ -371,14 +372,21 @@ def _pruned(layout: ParallelLayout, done: Sequence[Candidate]) -> Candidate | No
     if layout.rules == "standard":
         return None
     twin = dataclasses.replace(layout, rules="standard")
-    fitting = [c.time for c in done if c.rejected is None]
+    fitting = [_predicted(c) for c in done if c.rejected is None]
     for c in done:
         if c.layout == twin and c.rejected is None and fitting \
-                and c.time >= PRUNE_RATIO * min(fitting):
+                and _predicted(c) >= PRUNE_RATIO * min(fitting):
             return Candidate(layout, rejected=f"not compiled: its standard-rules twin fits and is predicted "
-                                              f"{c.time / min(fitting):.2f}x the best, and these rules save "
+                                              f"{_predicted(c) / min(fitting):.2f}x the best, and these rules save "
                                               f"memory, not time")
     return None
+
+
+def _predicted(c: Candidate) -> float:
+    """The predicted step time of a fitting candidate (each was estimated, so it has one)."""
+    if c.time is None:
+        raise ValueError(f"auto_layout: the fitting layout {c.layout.describe()} has no predicted step time")
+    return c.time
 
 
 def _explicit_hint(error: Exception) -> str:
@@ -412,7 +420,8 @@ def _try(layout: ParallelLayout, step: Callable, pool: list, pipeline: PipelineF
     except Exception as e:  # the layout's own misfit, e.g. more stages than layers, a dimension that won't split
         if not isinstance(e, (ValueError, NotImplementedError)) and type(e).__name__ != "ShardingTypeError":
             raise
-        if isinstance(e, MeshAxesError):  # its advice is for a mesh the user passes; the search's is below
+        # JAX's own error: a MeshAxesError's advice is for a mesh the user passes; the search's is below
+        if isinstance(e, MeshAxesError) and isinstance(e.__cause__, Exception):
             e = e.__cause__
         why = f"{_INVALID}cannot be built: {type(e).__name__}: {e}{_explicit_hint(e)}"
         return Candidate(layout, rejected=why), names

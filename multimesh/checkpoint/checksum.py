@@ -51,7 +51,7 @@ import functools
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -310,8 +310,10 @@ def _owned(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[Hash
     """The distinct shard boxes that this process hashes, each with the local
     device holding it. Of all devices (of all processes) holding the same box,
     the one with the lowest id hashes it, so every element counts exactly once."""
-    owner: dict[HashableIndex, Any] = {}
-    for device, index in sharding.devices_indices_map(shape).items():
+    owner: dict[HashableIndex, jax.Device] = {}
+    # typed as the public jax.Device: the alias jax's own hints use is no type to mypy (jaxlib has no stubs)
+    placed: Mapping[jax.Device, Any] = sharding.devices_indices_map(shape)
+    for device, index in placed.items():
         box = box_of(index, shape)
         if box not in owner or device.id < owner[box].id:
             owner[box] = device

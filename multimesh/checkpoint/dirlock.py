@@ -71,10 +71,11 @@ class DirectoryInUseError(BlockingIOError):
         self.lock_path = lock_path
         self.holder = holder
         who = holder.describe() if holder is not None else "another process (not yet recorded)"
-        super().__init__(errno.EWOULDBLOCK, f"{directory} is in use by {who}; lock file {lock_path}. {fix}")
+        self._message = f"{directory} is in use by {who}; lock file {lock_path}. {fix}"
+        super().__init__(errno.EWOULDBLOCK, self._message)
 
     def __str__(self) -> str:  # the message alone, without OSError's "[Errno 11]"
-        return self.strerror
+        return self._message
 
 
 class DirectoryLock:

@@ -85,7 +85,7 @@ class ArrayHandler(StageLocalSerialize, ocp.type_handlers.ArrayHandler):
     ``checksum.Hasher``; ``hashed`` collects those paths.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         # Orbax's per-process write-shape records: its commit wants every array's record on process 0,
         # which does not write (nor record) the arrays of pipeline stages on other processes.
         single = jax.process_count() == 1
@@ -102,7 +102,7 @@ class ArrayHandler(StageLocalSerialize, ocp.type_handlers.ArrayHandler):
 
         def lean(info: Any) -> Any:
             limiter = getattr(info, "byte_limiter", None)
-            if not is_orbax_byte_limiter(limiter):
+            if limiter is None or not is_orbax_byte_limiter(limiter):
                 return info
             if id(limiter) not in leaner:
                 leaner[id(limiter)] = LeanByteLimit(limiter.max_bytes)
@@ -184,7 +184,7 @@ class ArrayHandler(StageLocalSerialize, ocp.type_handlers.ArrayHandler):
         if not boxes:  # a pipeline stage on other processes: they read it; a placeholder here
             return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=dtype)
         return jax.make_array_from_callback(
-            shape, sharding, lambda index: bufs[_checksum.box_of(index, shape)])
+            shape, sharding, lambda index: bufs[_checksum.box_of(_shard_index(index), shape)])
 
 
 class _ByteBudget:
@@ -198,7 +198,7 @@ class _ByteBudget:
         self._waiting: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
 
     def _fits(self, nbytes: int) -> bool:
-        return self._used == 0 or self._used + nbytes <= self._limit
+        return self._used == 0 or self._limit is None or self._used + nbytes <= self._limit
 
     @contextlib.asynccontextmanager
     async def __call__(self, nbytes: int):
@@ -247,10 +247,18 @@ def _sharing_chunks(boxes: list, chunk: tuple[int, ...]) -> list[list]:
 def _local_boxes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict:
     """The distinct shard boxes on this process's devices: box -> (index, devices)."""
     by_box: dict[_checksum.HashableIndex, tuple[tuple, list]] = {}
-    for device, index in sharding.addressable_devices_indices_map(shape).items():
+    for device, given in sharding.addressable_devices_indices_map(shape).items():
+        index = _shard_index(given)
         box = _checksum.box_of(index, shape)
         by_box.setdefault(box, (index, []))[1].append(device)
     return by_box
+
+
+def _shard_index(index: tuple[slice, ...] | None) -> tuple[slice, ...]:
+    """A shard's index as JAX hands it: its hints allow None, which it never gives for a shard."""
+    if index is None:
+        raise ValueError("JAX gave no index for a shard of an array; a shard's index is a tuple of slices")
+    return index
 
 
 async def _gather(coros: list) -> list:

@@ -346,9 +346,9 @@ class CheckpointManager:
             try:  # with several processes, a gather of every process's checksums
                 doc = self._with_checksums(doc, [x for _, x in named])
             except Exception as e:
-                if (failure := as_save_error(e, step, self._directory)) is None:
+                if (save_error := as_save_error(e, step, self._directory)) is None:
                     raise
-                raise failure from None
+                raise save_error from None
         args = ocp.args.Composite(**{
             STATE_ITEM: ocp.args.StandardSave(state),
             META_ITEM: ocp.args.JsonSave(doc),
@@ -692,7 +692,8 @@ class CheckpointManager:
         else:
             rest = [(p, x) for p, x in named if hasher is None or p not in hashed]
             parts = dict(zip([p for p, _ in rest], _checksum.start([x for _, x in rest])))
-            got = _checksum.finish([parts[p] if p in parts else hasher.partials(p) for p, _ in named])
+            got = _checksum.finish([parts[p] if hasher is None or p in parts else hasher.partials(p)
+                                    for p, _ in named])
         bad = [p for (p, _), c in zip(named, got) if c != recorded[p]]
         if bad:
             raise CheckpointCorruptError(
@@ -815,6 +816,6 @@ def _as_corrupt(e: BaseException, step: int, path: str) -> BaseException:
     if culprit is None:
         return e
     files = _FILE_RE.findall(" | ".join(str(x) for x in chain))
-    detail = str(culprit).split(" [tensorstore_spec")[0].strip().splitlines()
-    detail = (detail[0] if detail else type(culprit).__name__)[:400]
+    lines = str(culprit).split(" [tensorstore_spec")[0].strip().splitlines()
+    detail = (lines[0] if lines else type(culprit).__name__)[:400]
     return CheckpointCorruptError(step, files[-1] if files else path, detail)

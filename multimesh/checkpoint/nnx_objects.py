@@ -32,7 +32,7 @@ def as_states(tree: Any) -> tuple[Any, Callable[[Any], Any]]:
     if not split:
         return tree, lambda restored: restored
     parts = [split[i][1] if i in split else x for i, x in enumerate(flat)]
-    structures = [jax.tree.structure(part) for part in parts]
+    structures: list[jax.tree_util.PyTreeDef] = [jax.tree.structure(part) for part in parts]
 
     def as_objects(restored: Any) -> Any:
         leaves, out = iter(jax.tree.leaves(restored)), []

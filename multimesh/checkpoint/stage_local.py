@@ -40,4 +40,5 @@ def _first_process_holding(a: jax.Array) -> int | None:
     """The process that creates ``a``'s metadata: the first holding a shard of it (Orbax's primary host
     would, for arrays it may not hold); None where this process holds none (the processes holding its
     shards write them)."""
-    return min(d.process_index for d in a.sharding.device_set) if a.addressable_shards else None
+    devices: set[jax.Device] = a.sharding.device_set
+    return min(d.process_index for d in devices) if a.addressable_shards else None

@@ -172,6 +172,12 @@ def _spec_json(spec) -> list:
     return out
 
 
+def _device_ids(s: Sharding) -> list[int]:
+    """The ids of the devices ``s`` spans, in order."""
+    devices: set[jax.Device] = s.device_set  # the public type: the alias in jax's own hints is no type to mypy
+    return sorted(int(d.id) for d in devices)
+
+
 def build_manifest(
     named_leaves: list[tuple[str, jax.Array]], checksums: list[str] | None, names: list[str] | None = None,
 ) -> tuple[list[LeafRecord], list[MeshRecord]]:
@@ -191,9 +197,9 @@ def build_manifest(
                 meshes.append(m)
             desc = {"kind": "named", "mesh": index[m], "spec": _spec_json(s.spec)}
         elif isinstance(s, SingleDeviceSharding):
-            desc = {"kind": "single_device", "device": int(next(iter(s.device_set)).id)}
+            desc = {"kind": "single_device", "device": _device_ids(s)[0]}
         else:
-            desc = {"kind": type(s).__name__, "devices": sorted(int(d.id) for d in s.device_set)}
+            desc = {"kind": type(s).__name__, "devices": _device_ids(s)}
         size = jax.random.key_data(x).nbytes if is_prng_key(x.dtype) else x.nbytes
         records.append(LeafRecord(path, tuple(int(d) for d in x.shape), str(x.dtype), desc,
                                   int(size), checksums[i] if checksums else None,

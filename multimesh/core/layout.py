@@ -113,18 +113,25 @@ def derive_layout(
                 ann = Annotation(tuple(default)[: len(shape)], "default")
             else:
                 ann = Annotation(None, "none")
+        given = ann.spec
         if ann.physical:
+            if not isinstance(given, PartitionSpec):
+                raise TypeError(f"the {label}'s annotation ({ann.source}) says mesh axes, so it must be a "
+                                f"PartitionSpec, but it is {given!r}")
             try:
-                sharding = where.physical(ann.spec, shape, path=label, logical_fallback=ann.source != "path rule")
+                sharding = where.physical(given, shape, path=label, logical_fallback=ann.source != "path rule")
             except RuleError as e:
                 if ann.source != "path rule":
                     raise
                 raise RuleError(f"{e} (a PartitionSpec in param_rules names mesh axes; give a tuple of logical "
-                                f"names, e.g. {tuple(ann.spec)}, to have the rules resolve them)") from None
+                                f"names, e.g. {tuple(given)}, to have the rules resolve them)") from None
         else:
-            resolved = where.rules.resolution(ann.spec, where.axis_sizes, shape, path=label)
-            if exact and resolved.dropped:
-                _check_exact(ann.spec, resolved.dropped[0], shape, where, label)
+            if isinstance(given, PartitionSpec):
+                raise TypeError(f"the {label}'s annotation ({ann.source}) says logical names, so it must be a "
+                                f"tuple, but it is the PartitionSpec {given}")
+            resolved = where.rules.resolution(given, where.axis_sizes, shape, path=label)
+            if exact and resolved.dropped and given is not None:  # no spec drops nothing
+                _check_exact(given, resolved.dropped[0], shape, where, label)
             sharding = NamedSharding(where.mesh, resolved.spec)
         records.append(LeafLayout(path, shape, dtype, ann.spec, ann.source, sharding))
         return sharding
@@ -164,7 +171,7 @@ def constrained_inputs(jaxpr: jax.extend.core.Jaxpr) -> dict[int, PartitionSpec 
     Follows inputs into nested calls (jit, remat, custom derivatives) whose
     operands line up with their inner jaxpr's inputs.
     """
-    found: dict[int, PartitionSpec] = {}
+    found: dict[int, PartitionSpec | tuple] = {}
 
     def walk(jaxpr, owner: dict) -> None:
         for eqn in jaxpr.eqns:

@@ -231,7 +231,7 @@ def drop_axes(spec: PartitionSpec, drop: frozenset[str]) -> PartitionSpec:
     """``spec`` without the mesh axes ``drop`` (a dimension left with none is replicated)."""
     if not drop:
         return spec
-    out = []
+    out: list[Any] = []
     for entry in spec:
         if entry is None or entry is PartitionSpec.UNCONSTRAINED:
             out.append(entry)

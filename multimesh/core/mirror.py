@@ -29,6 +29,12 @@ def _is_leaf(x: Any) -> bool:
     return jax.tree_util.treedef_is_leaf(jax.tree.structure(x))
 
 
+def _leafless(x: Any) -> bool:
+    # typed as the public PyTreeDef: the alias in jax's own hints is no type to mypy (jaxlib has no stubs)
+    structure: jax.tree_util.PyTreeDef = jax.tree.structure(x)
+    return structure.num_leaves == 0
+
+
 def signature(x: Any) -> tuple:
     leaves, treedef = jax.tree_util.tree_flatten(x)
     return treedef, tuple((tuple(getattr(l, "shape", ())), str(getattr(l, "dtype", type(l).__name__))) for l in leaves)
@@ -42,7 +48,7 @@ class MirrorIndex:
         self._add(abstract, shardings, root=True)
 
     def _add(self, tree: Any, shardings: Any, root: bool = False) -> None:
-        if jax.tree.structure(tree).num_leaves == 0 or (_is_leaf(tree) and not root):
+        if _leafless(tree) or (_is_leaf(tree) and not root):
             return
         key = signature(tree)
         if key in self._index and self._index[key] is not _AMBIGUOUS and not _same(self._index[key], shardings):
@@ -62,7 +68,7 @@ class MirrorIndex:
 
     def constrain(self, out: Any) -> Any:
         """Apply the matching input shardings to the mirror subtrees of ``out`` (inside jit)."""
-        if jax.tree.structure(out).num_leaves == 0:
+        if _leafless(out):
             return out
         match = self.lookup(out)
         if match is not None:
@@ -74,7 +80,7 @@ class MirrorIndex:
 
     def shardings_for(self, out_abstract: Any) -> Any:
         """The matched shardings for each leaf of ``out_abstract`` (None where unmatched)."""
-        if jax.tree.structure(out_abstract).num_leaves == 0:
+        if _leafless(out_abstract):
             return out_abstract
         match = self.lookup(out_abstract)
         if match is not None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import jax
 import numpy as np
 
 from .fmt import device_span, format_bytes
@@ -20,7 +22,9 @@ def _mesh(leaf: LeafLayout) -> str:
 
 
 def _device_ids(leaf: LeafLayout) -> frozenset[int]:
-    return frozenset(d.id for d in leaf.sharding.device_set)
+    # typed as the public jax.Device: the alias in jax's own hints is no type to mypy (jaxlib has no stubs)
+    devices: set[jax.Device] = leaf.sharding.device_set
+    return frozenset(d.id for d in devices)
 
 
 def _stages_of(ids: frozenset[int], stages: Mapping[frozenset[int], str]) -> list[tuple[str, frozenset[int]]]:
@@ -42,8 +46,8 @@ def _bytes_held_by(leaf: LeafLayout, ids: frozenset[int]) -> int:
     """Bytes of the distinct pieces of ``leaf`` that the devices ``ids`` hold (each piece once)."""
     if not leaf.shape:
         return leaf.nbytes
-    pieces = {tuple(s.indices(n)[:2] for s, n in zip(index, leaf.shape))
-              for d, index in leaf.sharding.devices_indices_map(leaf.shape).items() if d.id in ids}
+    placed: Mapping[jax.Device, Any] = leaf.sharding.devices_indices_map(leaf.shape)  # as in _device_ids
+    pieces = {tuple(s.indices(n)[:2] for s, n in zip(index, leaf.shape)) for d, index in placed.items() if d.id in ids}
     itemsize = np.dtype(leaf.dtype).itemsize
     return sum(int(np.prod([stop - start for start, stop in piece], dtype=np.int64)) * itemsize for piece in pieces)
 

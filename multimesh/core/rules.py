@@ -314,29 +314,29 @@ def resolution(
     closed: set[tuple[int, str]] = set()
     used: set[str] = set()
     for name, axes in rules:
-        d = seen.get(name)
-        if d is None or (d, name) in closed:
+        dim = seen.get(name)
+        if dim is None or (dim, name) in closed:
             continue
         if axes is None:
-            closed.add((d, name))
+            closed.add((dim, name))
             continue
         axes_t = as_axes(axes)
         if used.intersection(axes_t):
             continue
-        wanted[d].extend(a for a in axes_t if a not in wanted[d])
+        wanted[dim].extend(a for a in axes_t if a not in wanted[dim])
         if shape is not None:
-            size = shape[d]
-            factor = math.prod(axis_sizes[a] for a in assigned[d] + list(axes_t))
+            size = shape[dim]
+            factor = math.prod(axis_sizes[a] for a in assigned[dim] + list(axes_t))
             if size % factor:
                 if strict:
                     raise RuleError(
-                        f"strict rules: dimension {d} ({name!r}, size {size}) of the array{_where(path)} "
+                        f"strict rules: dimension {dim} ({name!r}, size {size}) of the array{_where(path)} "
                         f"with shape {tuple(shape)} is not divisible by mesh axes {axes_t} "
                         f"(total size {factor}); pad the dimension, change the mesh, or drop the rule"
                     )
-                dropped.add(d)
+                dropped.add(dim)
                 continue
-        assigned[d].extend(axes_t)
+        assigned[dim].extend(axes_t)
         used.update(axes_t)
 
     out: list[Any] = []

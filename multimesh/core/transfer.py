@@ -129,7 +129,8 @@ def _identity(dst: NamedSharding) -> Any:
 def everywhere(x: jax.Array) -> NamedSharding:
     """A replicated sharding with one device in every process (the process's
     own device of ``x`` where it holds one): a value on it is readable everywhere."""
-    mine = {d.process_index: d for d in sorted(x.sharding.device_set, key=_id, reverse=True)}
+    held: set[jax.Device] = x.sharding.device_set  # the public type: the alias in jax's own hints is none to mypy
+    mine = {d.process_index: d for d in sorted(held, key=_id, reverse=True)}
     first = {d.process_index: d for d in sorted(jax.devices(), key=_id, reverse=True)}
     devices = [mine.get(p, first[p]) for p in sorted(first)]
     return NamedSharding(Mesh(np.array(devices), ("processes",)), PartitionSpec())
@@ -179,7 +180,10 @@ def _bridge(dst: NamedSharding, pairs: list) -> NamedSharding:
 def _local_copies(x: jax.Array, dst: NamedSharding) -> jax.Array:
     """``x`` (on the bridge of ``dst``: shard ``i`` in the process of ``dst``'s device ``i``) onto ``dst``, each
     process copying its own shards."""
-    position = {d: i for i, d in enumerate(x.sharding.mesh.devices.flat)}
+    bridge = x.sharding
+    if not isinstance(bridge, NamedSharding):
+        raise TypeError(f"a local copy onto {dst} starts from an array on its bridge, a NamedSharding, not on {bridge}")
+    position = {d: i for i, d in enumerate(bridge.mesh.devices.flat)}
     targets = list(dst.mesh.devices.flat)
     shards = [jax.device_put(s.data, targets[position[s.device]]) for s in x.addressable_shards]
     return jax.make_array_from_single_device_arrays(x.shape, dst, shards)
@@ -193,17 +197,19 @@ def _through_full_copies(x: jax.Array, dst: NamedSharding) -> jax.Array:
     """The general move: replicate ``x`` on its devices, send one full copy to each of ``dst``'s
     processes, and let each cut its shards from its copy."""
     me = jax.process_index()
-    src_devices = sorted(x.sharding.device_set, key=_id)
+    held: set[jax.Device] = x.sharding.device_set  # as in everywhere()
+    src_devices = sorted(held, key=_id)
     replicated = put(x, NamedSharding(Mesh(np.array(src_devices), ("all",)), PartitionSpec()))
     holder = {d.process_index: d for d in reversed(src_devices)}  # first source device of each process
     sender = src_devices[0]
     full = None
-    for p in sorted(_processes(dst.device_set)):
+    dst_devices: set[jax.Device] = dst.device_set
+    for p in sorted(_processes(dst_devices)):
         if p in holder:
             if p == me:
                 full = replicated.addressable_data(0)
             continue
-        receiver = min((d for d in dst.device_set if d.process_index == p), key=_id)
+        receiver = min((d for d in dst_devices if d.process_index == p), key=_id)
         if me == sender.process_index:
             source = jax.device_put(replicated.addressable_data(0), _single(sender))
         else:

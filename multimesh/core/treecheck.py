@@ -29,9 +29,12 @@ def tree_differences(expected: Any, got: Any, *, shapes: bool = True, limit: int
                 diffs.append(f"shape of {p}: expected {sa}, got {sb}")
             elif hasattr(a, "dtype") and hasattr(b, "dtype") and a.dtype != b.dtype:
                 diffs.append(f"dtype of {p}: expected {a.dtype}, got {b.dtype}")
-    if not diffs and jax.tree.structure(expected) != jax.tree.structure(got):
-        diffs.append(f"same paths but different containers: expected {jax.tree.structure(expected)}, "
-                     f"got {jax.tree.structure(got)}")
+    if not diffs:
+        # typed as the public PyTreeDef: the alias in jax's own hints is no type to mypy (jaxlib has no stubs)
+        want_structure: jax.tree_util.PyTreeDef = jax.tree.structure(expected)
+        got_structure: jax.tree_util.PyTreeDef = jax.tree.structure(got)
+        if want_structure != got_structure:
+            diffs.append(f"same paths but different containers: expected {want_structure}, got {got_structure}")
     if len(diffs) > limit:
         diffs = diffs[:limit] + [f"... and {len(diffs) - limit} more"]
     return diffs

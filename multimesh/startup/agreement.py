@@ -104,7 +104,11 @@ def source_digest(*packages: str) -> str:
     apart where the version number is the same (an edited checkout)."""
     digest = hashlib.sha256()
     for name in packages:
-        root = Path(importlib.import_module(name).__file__).parent
+        source = importlib.import_module(name).__file__
+        if source is None:
+            raise ValueError(f"source_digest({name!r}): the package has no __init__.py to find its files by "
+                             f"(a namespace package); give a regular package")
+        root = Path(source).parent
         for path in sorted(root.rglob("*.py")):
             digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]

@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 __all__ = ["StartupError", "roll_call", "split_address"]
 
@@ -142,7 +143,7 @@ class _Gathering:
                         self.buffers[conn] = b""
                         sel.register(conn, selectors.EVENT_READ)
                     else:
-                        self._read(key.fileobj, sel)
+                        self._read(_socket_of(key), sel)
             for conn in self.members:
                 _send(conn, {**go, "status": "go"})
             self._wait_for_close(sel, server)
@@ -250,7 +251,7 @@ class _Gathering:
         deadline = time.monotonic() + ANSWER_SECONDS
         while any(conn in self.members for conn in self.buffers) and time.monotonic() < deadline:
             for key, _ in sel.select(timeout=0.2):
-                conn = key.fileobj
+                conn = _socket_of(key)
                 try:
                     data = conn.recv(4096)
                 except OSError:
@@ -259,6 +260,11 @@ class _Gathering:
                     sel.unregister(conn)
                     del self.buffers[conn]
                     conn.close()
+
+
+def _socket_of(key: selectors.SelectorKey) -> socket.socket:
+    # the selector types what it holds as any file-like object; process 0 registers only sockets on it
+    return cast(socket.socket, key.fileobj)
 
 
 def _someone_listens(port: int) -> bool:
@@ -327,13 +333,14 @@ def _report_in(host: str, port: int, n: int, process_id: int, timeout: float, ev
             if answer.get("status") == "waiting":
                 say(f"{me}: process 0 is {answer['note']}")
             left = deadline - time.monotonic()
-            answer = answers.next(max(left, 0.0) + every + 5)  # process 0's deadline may be later
-            if answer is None:
+            got = answers.next(max(left, 0.0) + every + 5)  # process 0's deadline may be later
+            if got is None:
                 if time.monotonic() < deadline + every:
                     raise StartupError(f"{me}: process 0 (the coordinator) at {address} stopped answering "
                                        f"before every process had joined ({answers.why}; see its output)")
                 raise StartupError(f"{me}: not every process joined at {address} within the start-up timeout "
                                    f"of {timeout:g} s; see process 0's output for the missing ones")
+            answer = got
         return answer
 
 
