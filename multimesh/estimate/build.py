@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -98,13 +99,14 @@ def estimate_mjit(fn: Any, args: tuple, profile: str | HardwareProfile | None = 
     leaves = []
     for path, x in jax.tree_util.tree_flatten_with_path(args)[0]:
         sharding = getattr(x, "sharding", None)
-        if not isinstance(sharding, jax.sharding.Sharding):
+        if not isinstance(sharding, jax.sharding.NamedSharding):
             raise TypeError(f"estimate of mjit({fn.__name__}): argument args{jax.tree_util.keystr(path)} has no "
-                            f"sharding: pass a jax.Array or jax.ShapeDtypeStruct(shape, dtype, sharding=...) for "
-                            f"every leaf")
+                            f"sharding on a mesh (it has {type(sharding).__name__}): pass a jax.Array or "
+                            f"jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec)) for every leaf")
         leaves.append(LeafLayout(keypath_str(path), tuple(x.shape), x.dtype, None, "argument", sharding))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), args)
     compiled, abstract = fn.compiled_for(*abstract)
+    spmd: Callable[[], ProgramCost] | None = None
     if compiled.runtime is None:
         def spmd() -> ProgramCost:
             traced = compiled.jitted.trace(*jax.tree.leaves(abstract))
@@ -112,8 +114,6 @@ def estimate_mjit(fn: Any, args: tuple, profile: str | HardwareProfile | None = 
             program, reshards = compiled_once(traced.lower(), mesh)
             return analyse_compiled(fn.__name__, program, mesh, matmuls=matmul_flops_by_dtype(traced.jaxpr),
                                     reshards=reshards)
-    else:
-        spmd = None
     return _estimate(fn.__name__, compiled.plan, compiled.runtime, spmd, compiled.plan.placements, leaves, (),
                      profile, dtype, model_flops, optimizer_paths)
 

@@ -113,7 +113,7 @@ def _fresh_memory_rate(pass_: Callable, in_place: Callable, big: jax.Array, loca
     """Bytes/s per device at which ``pass_``'s fresh output (above `FRESH_MAPPING_BYTES` per device) is first
     touched: its time over the same pass written in place, where the allocator maps that output afresh on
     every call (most of its pages faulted in each time); 0 where it reuses them (no such page faults)."""
-    per_device = big.nbytes // big.sharding.mesh.size
+    per_device = big.nbytes // len(big.sharding.device_set)
     for _ in range(2):  # compiled, and a heap that keeps freed memory grown to hold it
         jax.block_until_ready(pass_(big))
     before = _minor_faults()

@@ -110,11 +110,11 @@ def _groups(rest: str, n_devices: int) -> list[list[int]] | None:
         return ids.reshape(shape).tolist()
     mesh = re.match(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}", text)
     if mesh:
-        dims = re.findall(r"'([^']+)'\s*=\s*(\d+)", mesh.group(1))
-        if not dims or ":" in mesh.group(2):  # sub-axes: not read
+        named = re.findall(r"'([^']+)'\s*=\s*(\d+)", mesh.group(1))
+        if not named or ":" in mesh.group(2):  # sub-axes: not read
             return None
-        names = [d for d, _ in dims]
-        sizes = [int(s) for _, s in dims]
+        names = [d for d, _ in named]
+        sizes = [int(s) for _, s in named]
         over = [names.index(a) for a in re.findall(r"'([^']+)'", mesh.group(2)) if a in names]
         ids = np.arange(int(np.prod(sizes))).reshape(sizes)
         rest_axes = [i for i in range(len(sizes)) if i not in over]

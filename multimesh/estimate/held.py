@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 from jax.sharding import Sharding
 
@@ -39,6 +40,7 @@ class HeldBytes:
 def slice_bytes(shape: tuple[int, ...], itemsize: int, sharding: Sharding) -> dict[int, int]:
     """Device id -> bytes of the slice of an array of ``shape`` that ``sharding`` gives the device."""
     out = {}
+    device: jax.Device
     for device, index in sharding.devices_indices_map(tuple(shape)).items():
         n = 1
         for size, sl in zip(shape, index):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from .collectives import KINDS
@@ -98,6 +99,7 @@ def _fusion_bytes(ins: Instruction, module: Module, body: tuple[Instruction, ...
         for o in f.operands:
             users.setdefault(o, []).append(f)
     root = next((f for f in body if f.root), None)
+    results: list[Instruction | None]
     if root is None:  # its fused computation not printed: the result whole
         results, written = [], shape_bytes(ins.shape)
     else:
@@ -161,7 +163,7 @@ def _scores(module: Module) -> set[str]:
     return found
 
 
-def _kernel(ins: Instruction, module: Module, scores: set[str] = frozenset()) -> Kernel | None:
+def _kernel(ins: Instruction, module: Module, scores: Collection[str] = frozenset()) -> Kernel | None:
     k = _kernel_io(ins, module)
     if k is None or not scores:
         return k

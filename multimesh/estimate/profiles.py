@@ -110,7 +110,7 @@ class HardwareProfile:
             raise bad("alone_speedup/busy_speedup", (self.alone_speedup, self.busy_speedup), "above 0")
 
     def __repr__(self) -> str:
-        top = "bfloat16" if "bfloat16" in self.peak_flops else max(self.peak_flops, key=self.peak_flops.get)
+        top = "bfloat16" if "bfloat16" in self.peak_flops else max(self.peak_flops, key=lambda d: self.peak_flops[d])
         return (f"{type(self).__name__}({self.name!r}: {self.peak_flops[top] / 1e12:.4g} Tflop/s {top}, "
                 f"{self.memory_bandwidth / 1e9:.4g} GB/s memory, {format_bytes(self.memory_bytes)}, "
                 f"{self.intra_node_bandwidth / 1e9:.4g} GB/s links in nodes of {self.devices_per_node})")
@@ -131,7 +131,8 @@ def _positive(x: object, or_zero: bool = False) -> bool:
     """Whether ``x`` is a real number above 0 (or 0, ``or_zero``): not a bool, NaN or infinity."""
     if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x):
         return False
-    return x >= 0 if or_zero else x > 0
+    value = float(x)
+    return value >= 0 if or_zero else value > 0
 
 
 _T, _G = 1e12, 1e9

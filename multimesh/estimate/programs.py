@@ -230,7 +230,8 @@ def mpmd_programs(runtime: Any) -> MPMDPrograms:
             outs = [_moved_to(s, mesh) for s in jax.tree.leaves(compiled[key][0].output_shardings)]
             for (v, _), k, s in zip([(o[0], None) for o in step.outs], step.outs, outs):
                 held[k] = jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=s)
-    programs, position = [], {}
+    programs: list[ProgramCost] = []
+    position: dict[Any, int] = {}
     for key, (c, reshards, program, mesh, matmuls) in compiled.items():
         name = f"{program.placement.name or 'default'}_program{program.index}"
         if any(p.name == name for p in programs):  # one program compiled for two sets of input shardings

@@ -50,9 +50,10 @@ def bytes_per_device(value: object, where: str, name: str) -> int:
     at least 1, else an error naming both."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{where}: {name} must be a number of bytes per device (e.g. 80 * 2**30), got {value!r}")
-    if not (math.isfinite(value) and value >= 1):
+    number = float(value)
+    if not (math.isfinite(number) and number >= 1):
         raise ValueError(f"{where}: {name} must be a positive number of bytes per device, got {value!r}")
-    return int(value)
+    return int(value) if isinstance(value, numbers.Integral) else int(number)
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,7 @@ class Estimate:
 
     def __repr__(self) -> str:
         text = f"Estimate({self.name}, peak {format_bytes(self.peak_bytes)}/device, {self.flops:.3g} flops in all"
-        if self.time is not None:
+        if self.time is not None and self.profile is not None:
             text += f", {self.time.total * 1e3:.3g} ms on {self.profile.name}"
         return text + ")"
 
@@ -192,7 +193,7 @@ class Estimate:
         if self.transfers:
             lines.append(f"between stages: {len(self.transfers)} copies, "
                          f"{b(sum(t[3] for t in self.transfers))} per step")
-        if self.time is not None:
+        if self.time is not None and self.profile is not None:
             parts = (f" (pipeline {self.time.pipeline * 1e3:.4g} ms + outside it {self.time.outside * 1e3:.4g} ms)"
                      if self.time.pipeline else "")
             lines.append(f"predicted step time on {self.profile.name} ({self.time.dtype}): "
