@@ -7,14 +7,20 @@ throughput, with its source and its split) is rebuilt as a trainer config of the
 published sizes and layout, its train step compiled on that many simulated CPU devices from abstract inputs
 and priced by the planner (`multimesh.estimate`, bfloat16 compute) on the device's hardware profile, with
 ``benchmarks/fleet.py``'s machinery: compiled at 1 and 2 blocks and extrapolated linearly to the published
-depth. The published step time is the source's own FLOP count for one step divided by the devices and the
+depth. A pipelined run is priced as one stage (its share of the layers, on ``devices / pipeline`` devices,
+the whole batch of a data-parallel replica) run through the planner's 1F1B schedule simulator
+(`multimesh.schedules`) over microbatches of one sequence (sources do not all state theirs), each send
+between stages the activations of one microbatch over the network (stages on different nodes): the stage's
+step time is split evenly over the microbatches, forward one third of it; every stage is priced as the one
+compiled (each holds the embedding and the logits, which over-counts the two ends slightly). The published
+step time is the source's own FLOP count for one step divided by the devices and the
 published TFLOP/s per device; the ratio is predicted / published step (above 1: the planner is slow).
 
 Per split (``dev``: rows looked at while the planner was developed; ``held_out``: rows never used to shape
 it) it prints each row and the median absolute error ``median |ratio - 1|`` over the rows it could compile.
 Nothing is fitted to any row. A row this machine cannot build says why in the table instead of being
-skipped: more devices than ``--max-devices`` (each simulated device adds compile time and memory here),
-or a pipeline or context-parallel layout (the depth extrapolation prices one SPMD program).
+skipped: a stage of more devices than ``--max-devices`` (each simulated device adds compile time and memory
+here), or a context-parallel layout.
 
 Mapping onto the example transformer (RMSNorm, RoPE, SwiGLU, no biases, no dropout): a two-matrix MLP
 (GELU, ReLU) of width ``ffn`` becomes a SwiGLU of width ``2 ffn / 3`` rounded to 64, the same parameters
@@ -89,7 +95,7 @@ def _maxtext_flops(r: ValidationRun) -> float:
 
 #: The sources' FLOP counts for one training step, all devices together.
 FLOP_COUNTS: dict[str, Callable[[ValidationRun], float]] = {
-    "megatron": lambda r: fleet.megatron_flops(as_fleet_run(r)),  # Narayanan et al. 2021, eq. (3)
+    "megatron": lambda r: fleet.megatron_flops(as_fleet_run(r, whole=True)),  # Narayanan et al. 2021, eq. (3)
     "maxtext": _maxtext_flops,
 }
 
@@ -198,38 +204,70 @@ def load_runs(path: str | os.PathLike = RUNS_FILE) -> list[ValidationRun]:
 def why_not_compiled(r: ValidationRun, max_devices: int) -> str | None:
     """Why this machine does not build ``r`` (None: it does)."""
     reasons = []
-    if r.layout["pipeline"] > 1 or r.layout["context"] > 1:
-        reasons.append(f"pipeline={r.layout['pipeline']}, context={r.layout['context']}: the depth extrapolation "
-                       "prices one SPMD program, not a pipeline's stages and schedule or context parallelism")
-    if r.device_count > max_devices:
-        reasons.append(f"{r.device_count} devices exceed --max-devices {max_devices} (raise it to try: every "
+    if r.layout["context"] > 1:
+        reasons.append(f"context={r.layout['context']}: the example transformer has no context parallelism")
+    if r.layout["pipeline"] > 1 and r.model["layers"] % r.layout["pipeline"]:
+        reasons.append(f"{r.model['layers']} layers do not split evenly into {r.layout['pipeline']} stages")
+    stage = r.device_count // r.layout["pipeline"]
+    if stage > max_devices:
+        reasons.append(f"a stage's {stage} devices exceed --max-devices {max_devices} (raise it to try: every "
                        "simulated device adds compile time and memory on this host)")
     return "; ".join(reasons) or None
 
 
-def as_fleet_run(r: ValidationRun) -> fleet.PublishedRun:
-    """``r`` as `fleet.PublishedRun`, the example transformer's config at the published sizes and layout."""
+def as_fleet_run(r: ValidationRun, whole: bool = False) -> fleet.PublishedRun:
+    """``r`` as `fleet.PublishedRun`, the example transformer's config at the published sizes and layout (a
+    pipelined run's: one stage, its share of the layers on its share of the devices; ``whole``: all of them)."""
     mesh = {k: r.layout[k] for k in ("data", "fsdp", "tensor") if r.layout[k] > 1} or {"data": 1}
-    m = r.model
+    m, stages = r.model, 1 if whole else r.layout["pipeline"]
     return fleet.PublishedRun(
-        name=r.name, source=r.source, profile=r.devices["kind"], devices=r.device_count, mesh=mesh,
-        d_model=m["d_model"], num_layers=m["layers"], num_heads=m["heads"], num_kv_heads=m["kv_heads"],
+        name=r.name, source=r.source, profile=r.devices["kind"], devices=r.device_count // stages, mesh=mesh,
+        d_model=m["d_model"], num_layers=m["layers"] // stages, num_heads=m["heads"], num_kv_heads=m["kv_heads"],
         head_dim=m["head_dim"], d_ff=swiglu_width(r), vocab=m["vocab"], seq_len=r.seq_len,
         global_batch=r.global_batch, tie_embeddings=m["tied"], remat=r.remat,
         published_tflops=float(r.published["tflops_per_device"]), source_flops=lambda _: source_flops(r),
         notes=r.notes)
 
 
-def predict_run(r: ValidationRun) -> fleet.Prediction:
-    """The planner's estimate of ``r`` (compiled on the first ``r.device_count`` JAX devices)."""
+@dataclass(frozen=True)
+class PipelinePrediction:
+    """A pipelined run: its one stage's `fleet.Prediction` (the parts shown) and the schedule's step time."""
+
+    stage: fleet.Prediction
+    step_time: float
+    microbatches: int
+
+    def __getattr__(self, name: str) -> Any:  # compute, memory, communication, compile_seconds: the stage's
+        return getattr(self.stage, name)
+
+
+def pipelined(r: ValidationRun, stage: fleet.Prediction) -> PipelinePrediction:
+    """``r``'s step from its stage's: the 1F1B schedule over microbatches of one sequence (module docstring)."""
+    from multimesh.estimate import get_profile
+    from multimesh.estimate.timing import transfer_time
+    from multimesh.schedules import get_schedule
+
+    stages = r.layout["pipeline"]
+    m = r.global_batch // (r.layout["data"] * r.layout["fsdp"])
+    per = stage.step_time / m
+    sent = r.seq_len * r.model["d_model"] * 2 // r.layout["tensor"]  # bfloat16 activations, split over tensor
+    send = transfer_time(sent, get_profile(r.devices["kind"]), inside_node=False)
+    timeline = get_schedule("1f1b", stages, m).simulate(forward_time=per / 3, backward_time=2 * per / 3,
+                                                         comm_time=send)
+    return PipelinePrediction(stage, timeline.makespan, m)
+
+
+def predict_run(r: ValidationRun) -> fleet.Prediction | PipelinePrediction:
+    """The planner's estimate of ``r`` (compiled on the first devices of JAX: as many as a stage has)."""
     import jax
 
-    if jax.device_count() < r.device_count:
-        raise RuntimeError(f"{r.name} needs {r.device_count} devices, JAX has {jax.device_count()}: run "
-                           f"validate_planner.py, which sets the simulated device count")
     run = as_fleet_run(r)
+    if jax.device_count() < run.devices:
+        raise RuntimeError(f"{r.name} needs {run.devices} devices, JAX has {jax.device_count()}: run "
+                           f"validate_planner.py, which sets the simulated device count")
     estimates, seconds = fleet.compile_depths(run)
-    return fleet.predict(run, estimates, r.devices["kind"], seconds)
+    stage = fleet.predict(run, estimates, r.devices["kind"], seconds)
+    return pipelined(r, stage) if r.layout["pipeline"] > 1 else stage
 
 
 def _peak(r: ValidationRun) -> float:
@@ -246,7 +284,8 @@ HEADER = ("| run | devices | layout | predicted step | published step | ratio | 
           "published | MFU predicted / published | compute / memory / comm. (s) | built in |\n|" + "---|" * 11)
 
 
-def format_row(r: ValidationRun, p: fleet.Prediction | None, reason: str | None = None) -> str:
+def format_row(r: ValidationRun, p: fleet.Prediction | PipelinePrediction | None,
+               reason: str | None = None) -> str:
     """One table row: the prediction against the published figures, or why there is none."""
     pub_step, pub_tflops, peak = published_step(r), r.published["tflops_per_device"], _peak(r)
     head = f"| {r.name} | {r.device_count} {r.devices['kind']} | {_layout(r)} | "
@@ -291,7 +330,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             sys.exit("validate_planner.py sets the simulated device count itself: unset XLA_FLAGS' "
                      "--xla_force_host_platform_device_count")
         os.environ["JAX_PLATFORMS"] = "cpu"
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(r.device_count for r in built)}"
+        most = max(r.device_count // r.layout["pipeline"] for r in built)
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={most}"
     import jax
 
     print(f"{jax.device_count()} simulated {jax.devices()[0].platform} devices, {os.cpu_count()} cores, "

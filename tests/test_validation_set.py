@@ -75,7 +75,7 @@ def test_a_malformed_row_is_named_with_its_field(tmp_path, edit, message):
 def test_the_script_runs_on_the_smallest_row_and_says_why_it_skips_one():
     runs = vp.load_runs()
     smallest = min(runs, key=lambda r: (r.device_count, vp.parameter_count(r)))
-    too_big = next(r for r in runs if r.device_count > vp.DEFAULT_MAX_DEVICES)
+    too_big = next(r for r in runs if r.device_count // r.layout["pipeline"] > vp.DEFAULT_MAX_DEVICES)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "validate_planner.py"), smallest.name,
@@ -88,3 +88,24 @@ def test_the_script_runs_on_the_smallest_row_and_says_why_it_skips_one():
     skipped = next(line for line in out.splitlines() if line.startswith(f"| {too_big.name} |"))
     assert "not compiled" in skipped and f"exceed --max-devices {vp.DEFAULT_MAX_DEVICES}" in skipped
     assert re.search(rf"{smallest.split}: median \|predicted / published step - 1\| = \d+% over 1 compiled row", out)
+
+
+def test_a_pipelined_run_is_one_stage_through_the_1f1b_schedule():
+    r = next(r for r in vp.load_runs() if r.name == "megatron-39.1b")
+    stage = vp.as_fleet_run(r)
+    assert (stage.devices, stage.num_layers, stage.mesh, stage.global_batch) == (256, 24, {"data": 32, "tensor": 8},
+                                                                                 1536)
+    assert vp.source_flops(r) == pytest.approx(fleet.megatron_flops(vp.as_fleet_run(r, whole=True)))
+    assert vp.as_fleet_run(r, whole=True).num_layers == 48
+    one = fleet.Prediction(stage, "a100-80gb", compute=4.8, memory=1.0, communication=0.0, peak_bytes=0,
+                           compile_seconds=0)
+    p = vp.pipelined(r, one)
+    m, stages = 1536 // 32, 2
+    assert p.microbatches == m and p.compute == 4.8  # the stage's parts are shown
+    # 1F1B: (m + p - 1) microbatch slots of forward and backward, plus the sends on the critical path (at most
+    # one each way per slot: with two stages of equal costs, each slot waits on the other stage's send)
+    from multimesh.estimate import get_profile
+    from multimesh.estimate.timing import transfer_time
+    send = transfer_time(2048 * 8192 * 2 // 8, get_profile("a100-80gb"), inside_node=False)
+    bubble = 4.8 * (m + stages - 1) / m
+    assert bubble < p.step_time <= bubble + 2 * (m + stages - 1) * send + 1e-9
