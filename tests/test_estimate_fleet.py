@@ -210,6 +210,8 @@ def test_fleet_depth_extrapolation_equals_compiling_every_layer(tmp_path):
     assert predicted.compute == pytest.approx(direct.compute, rel=0.02)
     assert predicted.memory == pytest.approx(direct.memory, rel=0.05)
     assert predicted.communication == pytest.approx(direct.communication, rel=0.02)
+    assert predicted.kernels == pytest.approx(direct.kernels, rel=0.05)  # a GPU target: kernel by kernel
+    assert predicted.overlapped == pytest.approx(direct.overlapped, rel=0.02)
     assert predicted.communication > 0  # tensor and data parallel collectives were priced
     assert np.isfinite(predicted.tflops) and predicted.step_time > 0
 
