@@ -1,4 +1,4 @@
-"""Do programs on disjoint simulated CPU devices run at once, or one after another? (issue 24's time model)
+"""Do programs on disjoint simulated CPU devices run at once, or one after another? (the planner's time model)
 
     python benchmarks/host_sharing.py [--devices 8] [--rounds 7]
 

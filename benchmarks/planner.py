@@ -1,4 +1,4 @@
-"""Predicted vs measured step time of every candidate layout of the example transformer (issue 24).
+"""Predicted vs measured step time of every candidate layout of the example transformer.
 
     python benchmarks/planner.py [--sizes small large] [--steps 2] [--rounds 5] [--multiprocess]
 
@@ -102,7 +102,7 @@ class Row:
     predicted: float
     measured: list[float]
     error: str | None = None
-    before: float = float("nan")  # predicted by the model before issue 24's benchmark (no launch, no sharing)
+    before: float = float("nan")  # predicted by the model before this benchmark (no launch, no sharing)
     timed: float | None = None  # seconds per step as auto_layout(time_top=...) times it (`time_layout`)
 
     @property

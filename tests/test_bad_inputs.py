@@ -1026,7 +1026,7 @@ def test_bad_input_is_named(case: Case, shared: Shared):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Focused: what used to be silent or obscure (items 5, 6, 7 of the reliability issue)
+# Focused: failures that are easy to leave silent or obscure
 # ---------------------------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""MultiMesh compatibility: every annotation name is logical (issue 12, point 1).
+"""MultiMesh compatibility: every annotation name is logical.
 
 `nn.with_partitioning(init, ("data", "model"))` names logical axes when the
 mesh in force has no such axes: the rules in force (a task's ``logical_axes``)

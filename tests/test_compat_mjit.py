@@ -1,4 +1,4 @@
-"""`mjit` (issue 12, point 11): a `jax.jit`-like entry point over tasks on different submeshes.
+"""`mjit`: a `jax.jit`-like entry point over tasks on different submeshes.
 
 Arguments come already sharded and keep their shardings (read where they
 live, no copy to where they already are), donation included; numbers equal

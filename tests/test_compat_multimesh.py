@@ -1,4 +1,4 @@
-"""MultiMesh compatibility: `MultiMesh` / `Context` (issue 12, point 9) and the compiler contexts (point 12).
+"""MultiMesh compatibility: `MultiMesh` / `Context` and the compiler contexts.
 
 The reference-style example: a Linen pipeline whose blocks a `MultiMesh`
 places on slices of its global mesh (``Task(mesh_slice={"stage": i})``),

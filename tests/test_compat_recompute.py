@@ -1,4 +1,4 @@
-"""`enable_recomputation` (issue 12, point 12): a value made from constants alone is computed on each
+"""`enable_recomputation`: a value made from constants alone is computed on each
 submesh that reads it instead of being copied there. Measured: the bytes the plan and the runtime move.
 """
 

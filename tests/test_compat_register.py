@@ -1,4 +1,4 @@
-"""MultiMesh compatibility of `register_task` (issue 12, points 3, 7 and 8).
+"""MultiMesh compatibility of `register_task`.
 
 A callback receives the matched text (a str, ``name.split("_")``) and may
 return a `Task`; ``devices=`` takes integer ids, shaped by ``dims=`` without a

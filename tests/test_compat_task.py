@@ -1,4 +1,4 @@
-"""MultiMesh compatibility of `task`, `parallelize` and `ignore_transforms` (issue 12, points 4, 5, 6, 10).
+"""MultiMesh compatibility of `task`, `parallelize` and `ignore_transforms`.
 
 Numbers are checked against the same function run on one device.
 """

@@ -1,4 +1,4 @@
-"""`Task(split_backprop=...)` with the ``"zero-bubble-h2"`` schedule (issue 12, point 13).
+"""`Task(split_backprop=...)` with the ``"zero-bubble-h2"`` schedule.
 
 Two stages on slices of a `MultiMesh` (reference style), each task naming the
 halves of its backward pass; the zero-bubble schedule runs them apart. The

@@ -1,4 +1,4 @@
-"""Models written in JAX's explicit-sharding style, unmodified, under `parallelize` (issue 21, item 3).
+"""Models written in JAX's explicit-sharding style, unmodified, under `parallelize`.
 
 `jax.make_mesh` makes Explicit axes. Code written for them passes
 ``out_sharding=`` to ops, calls `jax.sharding.reshard` and reads

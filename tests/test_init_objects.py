@@ -1,4 +1,4 @@
-"""Initializers that build objects inside (issue 21, item 1).
+"""Initializers that build objects inside.
 
 Ordinary training code builds its whole train state in ``init_params``: a
 Flax ``TrainState`` holding ``apply_fn`` and an optimizer (here

@@ -1,4 +1,4 @@
-"""MultiMesh's mesh slices (issue 21, item 7).
+"""MultiMesh's mesh slices.
 
 ``Task(mesh_slice={"stage": i})`` slices the global mesh in force: a
 `MultiMesh`'s, else JAX's mesh in context (``jax.set_mesh``, a legacy

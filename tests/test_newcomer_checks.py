@@ -1,6 +1,6 @@
-"""Issue 23, what a newcomer is told: a mesh axis the standard rules leave unused is warned about (item 5,
-``layout.mesh={dta: 8}``), and the layout configs change only ``layout``, as docs/trainer.md and
-configs/tiny.yaml say (item 13)."""
+"""What a newcomer is told: a mesh axis the standard rules leave unused is warned about
+(``layout.mesh={dta: 8}``), and the layout configs change only ``layout``, as docs/trainer.md and
+configs/tiny.yaml say."""
 
 from __future__ import annotations
 

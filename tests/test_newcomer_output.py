@@ -1,4 +1,4 @@
-"""Issue 23 item 10: a run of two processes draws one progress bar, and nothing the processes print cuts it.
+"""A run of two processes draws one progress bar, and nothing the processes print cuts it.
 
 Both processes are started as a user starts them in one terminal (``multimesh-train ... --process-id i``,
 no ``-q``), each with its stdout and stderr in one stream, as a terminal shows them, unbuffered as on a

@@ -1,4 +1,4 @@
-"""Issue 23 item 12: the checkpoint inspector and the sharding report spell leaf paths alike.
+"""The checkpoint inspector and the sharding report spell leaf paths alike.
 
 A Flax box (Linen ``LogicallyPartitioned``, NNX ``Variable``) is one row of ``step_fn.report()``,
 ``params/Dense_0/kernel``; its array's key path runs through the box's ``value`` attribute. Each

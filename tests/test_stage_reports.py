@@ -1,4 +1,4 @@
-"""Where each array of a pipeline lives (issue 23, items 2 and 8): the stage column of the sharding
+"""Where each array of a pipeline lives: the stage column of the sharding
 report, ``--plan``'s modules and bytes per stage, the plan text, ``sharding.txt``/``--report``, and one
 model (tied embedding) for every layout, so that an SPMD checkpoint resumes on a pipeline.
 

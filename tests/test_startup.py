@@ -1,4 +1,4 @@
-"""Start-up mistakes of a multi-process run, and processes that disagree (issue 22, items 1 and 6).
+"""Start-up mistakes of a multi-process run, and processes that disagree.
 
 The roll call (`multimesh.startup.rollcall`) is plain sockets: its cases run here as threads, in a second
 each. The end-to-end cases start real processes (`multimesh.distributed.initialize`, the trainer CLI)

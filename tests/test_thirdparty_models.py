@@ -1,4 +1,4 @@
-"""Public Flax/JAX model code, unmodified, through multimesh's public API (issue 21).
+"""Public Flax/JAX model code, unmodified, through multimesh's public API.
 
 The models under ``tests/thirdparty/`` are vendored byte for byte from their
 repositories (each folder's README names the repository, commit, path and
@@ -27,7 +27,7 @@ state objects (a flax TrainState, an nnx.Optimizer). Every result (3 optimizer
 steps: losses, parameters and optimizer state) equals the same step on one
 device (plain ``jax.jit``, no mesh), and shardings are checked on the real
 arrays. Cases that fail because of the library are strict xfails naming the
-issue 21 item, so they flag when it is fixed.
+limitation, so they flag when it is fixed.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The trainer when its ``out_dir`` is shared or its disk fills (issue 22, items 2 and 4).
+"""The trainer when its ``out_dir`` is shared or its disk fills.
 
 * One run per ``out_dir``: a second run exits 2 naming the first (host, pid,
   lock file) before it writes anything; a lock left by a killed run is taken

@@ -1,4 +1,4 @@
-"""The trainer's guards (issue 22, items 3 and 5): a run that diverges, and a run that is preempted.
+"""The trainer's guards: a run that diverges, and a run that is preempted.
 
 * Non-finite: ``optimizer.lr=1e3`` makes the tiny model diverge within a few
   steps. With ``train.on_nonfinite=stop`` (the default) the CLI exits 3 naming

@@ -1,5 +1,5 @@
 """What a run shows while it trains and leaves behind: the bar's loss is the metrics' mean, wall_time goes on
-across a resume, the layouts a run used are recorded and titled (issue 23, item 10)."""
+across a resume, the layouts a run used are recorded and titled."""
 
 from __future__ import annotations
 
