@@ -1,6 +1,6 @@
 """The planner against published training runs: predicted vs published step time, dev and held-out rows.
 
-    python benchmarks/validate_planner.py [NAME ...] [--split dev|held_out] [--max-devices N] [--list]
+    python benchmarks/validate_planner.py [NAME ...] [--split dev|held_out|fresh] [--max-devices N] [--list]
 
 Each run of ``published_runs.yaml`` (model shape, devices, layout, batch, sequence, precision and measured
 throughput, with its source and its split) is rebuilt as a trainer config of the example transformer at the
@@ -17,7 +17,8 @@ step time is the source's own FLOP count for one step divided by the devices and
 published TFLOP/s per device; the ratio is predicted / published step (above 1: the planner is slow).
 
 Per split (``dev``: rows looked at while the planner was developed; ``held_out``: rows never used to shape
-it) it prints each row and the median absolute error ``median |ratio - 1|`` over the rows it could compile.
+it; ``fresh``: rows added after the planner's current model was written, committed before it first priced
+them) it prints each row and the median absolute error ``median |ratio - 1|`` over the rows it could compile.
 Nothing is fitted to any row. A row this machine cannot build says why in the table instead of being
 skipped: a stage of more devices than ``--max-devices`` (each simulated device adds compile time and memory
 here), or a context-parallel layout.
@@ -46,7 +47,7 @@ __all__ = ["FLOP_COUNTS", "RUNS_FILE", "RunsFileError", "ValidationRun", "load_r
            "published_step", "source_flops", "why_not_compiled"]
 
 RUNS_FILE = Path(__file__).with_name("published_runs.yaml")
-SPLITS = ("dev", "held_out")
+SPLITS = ("dev", "held_out", "fresh")
 LAYOUT_AXES = ("data", "fsdp", "tensor", "pipeline", "context")
 #: MLP kinds and how many ``d_model x ffn`` matrices each has.
 FFN_MATRICES = {"gelu": 2, "relu": 2, "swiglu": 3}

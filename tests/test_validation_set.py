@@ -22,7 +22,7 @@ def test_every_row_has_a_source_a_split_and_sizes():
     runs = vp.load_runs()
     assert len(runs) >= 8
     for r in runs:
-        assert r.split in ("dev", "held_out") and len(r.source) > 80, r.name
+        assert r.split in vp.SPLITS and len(r.source) > 80, r.name
         assert r.device_count > 0 and r.global_batch > 0 and r.seq_len > 0, r.name
         assert vp.source_flops(r) > 0 and vp.published_step(r) > 0, r.name
     held_out = [r for r in runs if r.split == "held_out"]
