@@ -86,6 +86,7 @@ def test_auto_layout_equals_one_device(name, capfd):
     _assert_built_on(name, chosen, built, state)
 
 
+@pytest.mark.slow  # one of the longest checks: the default suite's time
 def test_explicit_sharding_code_without_a_mesh_in_context():
     """The Gemma example's code names Explicit axes: with no mesh in context every candidate fails, and the
     error says what to pass; with axis_types="explicit" the model's own axes are Explicit and the search

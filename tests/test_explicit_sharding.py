@@ -221,7 +221,7 @@ def test_a_pipeline_runs_under_a_mesh_the_caller_has_set():
     assert_same(got, one_device(step_two, init_two, axis_types=(AxisType.Auto, AxisType.Auto)))
 
 
-@pytest.mark.parametrize("how", ["register_task", "task", "microbatch"])
+@pytest.mark.parametrize("how", [pytest.param("register_task", marks=pytest.mark.slow), "task", "microbatch"])
 def test_an_explicit_sharding_model_as_a_two_stage_pipeline(how):
     mesh = jax.make_mesh((2, 2, 2), ("stage", "data", "model"))
     stages = [jax.sharding.Mesh(mesh.devices[i], ("data", "model"), axis_types=(AxisType.Explicit,) * 2)

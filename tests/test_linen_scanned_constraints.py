@@ -272,6 +272,7 @@ def assert_trains_as_one_device(step_fn, state) -> None:
     assert largest_difference(got, one_device()) <= tolerance()
 
 
+@pytest.mark.slow  # one of the longest checks: the default suite's time
 def test_spmd_trains_equal_to_one_device():
     fn, init_p, _ = built(init_boxed, "rules=")
     assert_trains_as_one_device(fn, init_p())

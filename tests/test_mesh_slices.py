@@ -301,6 +301,7 @@ def explicit_problem(schedule: str | None, n_mb: int, slice_of, rows: str = "bat
     return init, batch, step
 
 
+@pytest.mark.slow  # one of the longest checks: the default suite's time
 def test_sliced_tasks_under_jax_set_mesh_train_as_on_one_device():
     """`parallelize` under ``jax.set_mesh``: its mesh is the step's, and the tasks' slices are its slices."""
     mesh = Mesh(np.asarray(jax.devices()[::-1], dtype=object).reshape(2, 4), ("stage", "data"))
@@ -312,6 +313,7 @@ def test_sliced_tasks_under_jax_set_mesh_train_as_on_one_device():
     assert ids(state["p"]["s1"]["a"].sharding.device_set) == {3, 2, 1, 0}
 
 
+@pytest.mark.slow  # one of the longest checks: the default suite's time
 def test_sliced_microbatched_tasks_under_an_auto_jax_set_mesh():
     """The same with microbatches: a task's outputs are typed on its slice, and JAX's transposes refuse to mix
     mesh sizes in one trace unless they come back to the caller's (Auto) mesh."""
@@ -323,7 +325,7 @@ def test_sliced_microbatched_tasks_under_an_auto_jax_set_mesh():
     check_units_on_their_slices(fn, state, batch, mesh, "embed", n_mb, slice_of)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b"])  # gpipe: 12 s
 def test_a_loop_dependent_embedding_runs_each_microbatch_on_its_slice(schedule):
     n_mb, slice_of = 4, lambda i: i % 2
     mm = MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "data"))

@@ -49,7 +49,7 @@ def build(n_stages):
     return stages, init, batch, step
 
 
-@pytest.mark.parametrize("n_stages", [2, 4])
+@pytest.mark.parametrize("n_stages", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 stages: 10 s
 def test_pipeline_matches_one_device(n_stages):
     stages, init, batch, step = build(n_stages)
     _, state = check_mpmd_against_reference(step, init, batch)

@@ -169,6 +169,7 @@ def test_nnx_layout_matches_one_device(name, tmp_path, nnx_reference):
         assert shard == {"dp": (32, mlp_dim), "fsdp": (32 // 8, mlp_dim), "tp": (32, mlp_dim // 8)}[name]
 
 
+@pytest.mark.slow  # one of the longest checks: the default suite's time
 def test_nnx_pipeline_with_remat_finds_stages_by_attribute_path(tmp_path, nnx_reference):
     """The NNX transformer opens no scope itself: the pipeline's registrations find ``embed``, ``layers_i``
     and ``head`` by attribute path, blocks run through ``nnx.remat`` included."""

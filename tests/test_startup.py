@@ -240,6 +240,7 @@ def test_initialize_called_twice_says_it_is_already_initialized():
         assert f"pid {p.pid}" in second and f"coordinator_address='127.0.0.1:{port}'" in second, second
 
 
+@pytest.mark.slow  # one of the longest checks: the default suite's time
 def test_processes_of_two_runs_on_one_port_never_join(tmp_path):
     """Two 2-process runs given one port, with their own run ids (``MULTIMESH_RUN_ID``): none of run B's
     processes joins run A, which starts with its own two; B's stop with a StartupError."""

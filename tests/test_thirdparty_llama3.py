@@ -173,6 +173,7 @@ def assert_matches_reference(losses: list[float], states: list[Any], first: int 
             np.testing.assert_allclose(a, b, rtol=0, atol=state_atol)
 
 
+@pytest.mark.slow  # one of the longest checks: the default suite's time
 def test_the_tolerances_are_small():
     """The model's own jit stays close to one device: the tolerances say float rounding, not a wrong result."""
     loss_rtol, state_atol = tolerances()
@@ -342,6 +343,7 @@ def layer_pipeline():
                            mesh=cfg.mesh, rules=model_rules(cfg))
 
 
+@pytest.mark.slow  # one of the longest checks: the default suite's time
 def test_the_tolerances_of_four_layers_are_small():
     """Four layers round more activations to bfloat16 (its RMS norm): the model's own jit differs from one
     device by about one bfloat16 step at 1 (2**-8) in the state, still rounding beside a wrong gradient's."""

@@ -216,6 +216,7 @@ def test_layout_matches_one_device(name, tmp_path, reference_curve):
     assert want[-1] < want[0] - 1.0  # it learns, so the comparison means something
 
 
+@pytest.mark.slow  # one of the longest checks: the default suite's time
 def test_sequence_rules_split_the_sequence_and_train_like_one_device(tmp_path, reference_curve):
     """``layout.rules: sequence`` (Megatron's sequence parallelism, a rule set the layout search tries):
     the residual stream's sequence is split over the tensor axis, so the step gathers it there, which
