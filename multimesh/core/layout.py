@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from .jaxprs import subjaxprs
 from .metadata import Annotation, map_with_annotations
@@ -39,11 +39,19 @@ class LeafLayout:
     dtype: Any
     logical: tuple | PartitionSpec | None
     source: str
-    sharding: NamedSharding
+    #: a NamedSharding, or for an argument given on one device (an `mjit` estimate of a pmap-style step)
+    #: its SingleDeviceSharding
+    sharding: Sharding
 
     @property
     def spec(self) -> PartitionSpec:
-        return self.sharding.spec
+        """Its spec over the mesh (one device's array: ``P()``, the whole array there)."""
+        return self.sharding.spec if isinstance(self.sharding, NamedSharding) else PartitionSpec()
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """Its mesh's axis sizes (one device's array: none)."""
+        return dict(self.sharding.mesh.shape) if isinstance(self.sharding, NamedSharding) else {}
 
     @property
     def nbytes(self) -> int:

@@ -18,7 +18,7 @@ LARGE_BYTES = 1 << 20  # tensors from 1 MiB up are worth sharding
 
 
 def _mesh(leaf: LeafLayout) -> str:
-    return "x".join(f"{k}={v}" for k, v in leaf.sharding.mesh.shape.items())
+    return "x".join(f"{k}={v}" for k, v in leaf.mesh_shape.items()) or "one device"
 
 
 def _device_ids(leaf: LeafLayout) -> frozenset[int]:
@@ -58,7 +58,7 @@ def replicated_but_shardable(leaves: Iterable[LeafLayout], threshold: int = LARG
     for leaf in leaves:
         if leaf.nbytes < threshold or leaf.bytes_per_device < leaf.nbytes:
             continue
-        sizes = [s for s in leaf.sharding.mesh.shape.values() if s > 1]
+        sizes = [s for s in leaf.mesh_shape.values() if s > 1]
         if any(dim % s == 0 for dim in leaf.shape for s in sizes):
             out.append(leaf)
     return out

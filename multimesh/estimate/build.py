@@ -99,10 +99,10 @@ def estimate_mjit(fn: Any, args: tuple, profile: str | HardwareProfile | None = 
     leaves = []
     for path, x in jax.tree_util.tree_flatten_with_path(args)[0]:
         sharding = getattr(x, "sharding", None)
-        if not isinstance(sharding, jax.sharding.NamedSharding):
+        if not isinstance(sharding, jax.sharding.Sharding):
             raise TypeError(f"estimate of mjit({fn.__name__}): argument args{jax.tree_util.keystr(path)} has no "
-                            f"sharding on a mesh (it has {type(sharding).__name__}): pass a jax.Array or "
-                            f"jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec)) for every leaf")
+                            f"sharding: pass a jax.Array or jax.ShapeDtypeStruct(shape, dtype, sharding=...) for "
+                            f"every leaf")
         leaves.append(LeafLayout(keypath_str(path), tuple(x.shape), x.dtype, None, "argument", sharding))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), args)
     compiled, abstract = fn.compiled_for(*abstract)
