@@ -52,7 +52,7 @@ def test_model_axes_are_the_ones_its_parameters_name(name):
 
 #: the Linen models with logical names only, like this repository's own (`test_autolayout.py`): 25 s each;
 #: Gemma's search, 10 s (its explicit-sharding search stays in the default suite, below)
-_LONG = ("flax_lm1b", "flax_wmt", "flax_gemma")
+_LONG = ("flax_lm1b", "flax_wmt", "flax_gemma", "nanodo")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _LONG else n for n in OWN_AXES])

@@ -506,7 +506,10 @@ _LAYOUTS = [((16, 4, 6), [(_M42, P("data", None, "model")), (_M24, P(None, "mode
             ((), [(_M42, P())])]
 
 
-@pytest.mark.parametrize("dtype", _DTYPES, ids=lambda d: np.dtype(d).name)
+# float32 and bfloat16 in the default suite; the integer and bool widths (7 to 10 s each) with -m slow
+@pytest.mark.parametrize("dtype", [d if d in (np.float32, jax.numpy.bfloat16) else
+                                   pytest.param(d, marks=pytest.mark.slow) for d in _DTYPES],
+                         ids=lambda d: np.dtype(d).name)
 def test_checksum_same_on_every_layout_on_host_and_on_device(dtype):
     """Format 2 adds per-shard parts: the sum must not depend on where the
     shards are cut, nor on whether a shard is hashed by host threads (CPU

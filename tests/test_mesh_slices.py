@@ -184,7 +184,7 @@ def test_registered_slices_of_a_with_mesh_block_train_as_on_one_device():
     assert w3.sharding.device_set == set(mesh.devices[1].flat) and w3.sharding.spec == P(None, "model")
 
 
-@pytest.mark.parametrize("n_mb", [1, 4])
+@pytest.mark.parametrize("n_mb", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_slices_registered_before_the_with_mesh_block_resolve_when_traced_inside_it(n_mb):
     """MultiMesh's own test style: ``Task``s with a ``mesh_slice`` (and, pipelined, the embedding's
     ``loop_dependent_mesh_slice``) registered first, then the step traced inside ``with mesh:``, where the

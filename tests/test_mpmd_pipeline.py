@@ -133,7 +133,7 @@ def programs_compiled(fn, *args):
     return count
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b"])
 def test_stage_programs_compile_once_whatever_the_microbatch_count(schedule):
     compiled, executions = {}, {}
     for n_mb in (2, 4, 8):

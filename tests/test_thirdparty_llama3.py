@@ -352,6 +352,7 @@ def test_the_tolerances_of_four_layers_are_small():
     assert loss_rtol < 5e-4 and state_atol < 1e-2
 
 
+@pytest.mark.slow  # one of the longest checks (23 s); the pipeline also trains in the checkpoint test below
 def test_pipeline_by_parameter_paths_equals_one_device():
     """Layers 0-1 on devices 0-3, layers 2-3 on devices 4-7, by `register_task(params=...)`: a 2-stage 1F1B
     pipeline whose losses and states over 3 steps equal one device's, each layer's parameters (and momentum)

@@ -118,7 +118,7 @@ def test_the_reference_trains_and_pmap_over_8_devices_agrees(one_device):
     assert_same(*pmapped(8), one_device)  # BatchNorm's statistics and the gradients averaged over 8 equal slices
 
 
-@pytest.mark.parametrize("mesh", [{"data": 8}, {"data": 2, "fsdp": 4}])
+@pytest.mark.parametrize("mesh", [pytest.param({"data": 8}, marks=pytest.mark.slow), {"data": 2, "fsdp": 4}])
 def test_parallelize_takes_the_pmap_step_as_it_is(mesh, one_device):
     rules = [("batch", tuple(mesh))]
     built = parallelize(train_step, init_params=init, get_input_batch=get_batch, mesh=mesh, rules=rules)
