@@ -18,7 +18,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from helpers import ATOL, RTOL
-from multimesh.jax import Task, ignore_transforms, microbatch, parallelize, register_task, task, with_sharding_constraint
+from multimesh.jax import (Task, ignore_transforms, microbatch, mjit, parallelize, register_task, task,
+                           with_sharding_constraint)
 
 STEPS = 3
 TX = optax.adam(1e-2)
@@ -380,3 +381,25 @@ def test_a_pipeline_without_a_mesh_names_the_default_mesh_and_says_to_pass_one(i
                                              r"force\).*Pass mesh= a mesh over those 8 devices with the axes the "
                                              r"code names \(.*'model'\)"):
             parallelize(two_layers, init_params=init, get_input_batch=get_batch, rules=[("batch", "data")])
+
+
+def test_mjit_explains_a_mesh_axis_its_default_mesh_lacks():
+    """mjit without a mesh traces on ``{'x': 8}``: code naming other axes gets the explanation parallelize gives,
+    naming mjit and its default mesh; with a mesh of those axes it runs there, an argument made on one device
+    included."""
+    from jax.sharding import NamedSharding
+
+    def f(x):
+        return jax.lax.with_sharding_constraint(x * 2, P("model"))
+
+    x = jnp.arange(16.0)
+    with pytest.raises(ValueError, match=r"mjit\(f\): the code names mesh axis 'model' .*traced on mjit\(f\)'s "
+                                         r"default mesh \{'x': 8\} \(1-D over devices 0-7: no mesh= was given") as info:
+        mjit(f)(x)
+    assert "model" in str(info.value.__cause__)
+    mesh = jax.make_mesh((8,), ("model",), axis_types=(AxisType.Auto,))
+    for arg in (x, jax.device_put(x, NamedSharding(mesh, P()))):  # not committed to devices, and placed
+        out = mjit(f, mesh=mesh)(arg)
+        np.testing.assert_array_equal(out, 2 * np.arange(16.0))
+        # as jax.jit under jax.set_mesh(mesh): the constraint's layout, not the one device x was made on
+        assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("model")), 1), out.sharding

@@ -1,4 +1,4 @@
-"""JAX's refusals of a step's mesh axes, explained by the mesh `parallelize` traced it on.
+"""JAX's refusals of a step's mesh axes, explained by the mesh `parallelize` (or `mjit`) traced it on.
 
 Two meshes a newcomer gets without asking surprise code written for another:
 
@@ -65,9 +65,10 @@ def _named(text: str) -> tuple[tuple[str, ...], str] | None:
     return None
 
 
-def explain(error: BaseException, mesh: Mesh, given: Any) -> MeshAxesError | None:
+def explain(error: BaseException, mesh: Mesh, given: Any, who: str = "parallelize") -> MeshAxesError | None:
     """A clearer error for JAX's refusal ``error`` of the code's mesh axes on ``mesh``, built from ``given``
-    (what ``mesh=`` was: None for the default, a shape, or the mesh); None when it is not one."""
+    (what ``mesh=`` was: None for the default, a shape, or the mesh); None when it is not one. ``who``: the
+    entry point that traced the step, as the message names it."""
     found = _named(str(error))
     if found is None:
         return None
@@ -76,12 +77,12 @@ def explain(error: BaseException, mesh: Mesh, given: Any) -> MeshAxesError | Non
     if missing := [a for a in axes if a not in names]:
         devices = device_span(d.id for d in mesh.devices.flat)
         if given is None:
-            which = (f"parallelize's default mesh {_shape(mesh)} (1-D over devices {devices}: no mesh= was given "
+            which = (f"{who}'s default mesh {_shape(mesh)} (1-D over devices {devices}: no mesh= was given "
                      f"and no MultiMesh is in force)")
         else:
             which = f"the mesh {_shape(mesh)} (devices {devices})"
         return MeshAxesError(
-            f"parallelize: the code names mesh axis {missing[0]!r} ({spec}), but the step is traced on {which}, "
+            f"{who}: the code names mesh axis {missing[0]!r} ({spec}), but the step is traced on {which}, "
             f"which has no axis {missing[0]!r}; a pipeline's step too is traced on that mesh before it is split "
             f"over the tasks' submeshes. Pass mesh= a mesh over those {mesh.size} devices with the axes the code "
             f"names ({', '.join(map(repr, axes))}): an {{axis: size}} shape gives Auto axes, and code in JAX's "
@@ -95,19 +96,19 @@ def explain(error: BaseException, mesh: Mesh, given: Any) -> MeshAxesError | Non
         how = ("was made from an {axis: size} shape, which gives Auto axes (as Flax Linen's logical rules need) "
                "unless jax.set_mesh puts a mesh of typed axes in context")
     return MeshAxesError(
-        f"parallelize: the code uses JAX's explicit sharding ({spec} naming mesh axis {auto[0]!r} in "
+        f"{who}: the code uses JAX's explicit sharding ({spec} naming mesh axis {auto[0]!r} in "
         f"out_sharding=, jax.sharding.reshard or the like), which needs Explicit axes, but the mesh "
         f"{_shape(mesh)} {how}. Pass a mesh of Explicit axes instead: mesh={_make_mesh(names, sizes)} "
         f"(from jax.sharding import AxisType)")
 
 
 @contextlib.contextmanager
-def explained_mesh_errors(mesh: Mesh, given: Any) -> Iterator[None]:
+def explained_mesh_errors(mesh: Mesh, given: Any, who: str = "parallelize") -> Iterator[None]:
     """Inside, JAX's refusal of the step's mesh axes (`explain`) is raised as an error naming ``mesh``."""
     try:
         yield
     except (ValueError, RuntimeError) as e:
-        better = explain(e, mesh, given)
+        better = explain(e, mesh, given, who)
         if better is None:
             raise
         raise better from e

@@ -30,6 +30,7 @@ from ..trace.microbatch import collect_pipelines
 from ..trace.nnx_scopes import StepScopes
 from ..trace.step_context import traced_in_context
 from ..trace.taskspec import current_global_mesh
+from .mesh_errors import explained_mesh_errors
 from .runtime import Runtime
 from .stacked import from_parts, part_shardings, to_parts, union_for
 
@@ -94,6 +95,11 @@ def _moved(x: Any, s: Any) -> Any:
     if isinstance(x, jax.ShapeDtypeStruct):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
     return jax.device_put(x, s)
+
+
+def _committed(x: Any) -> bool:
+    """Whether ``x`` is an array committed to its devices (`jax.device_put` with a sharding, a step's result)."""
+    return isinstance(x, jax.Array) and x.committed
 
 
 def _sharding_key(x: Any) -> Any:
@@ -201,8 +207,11 @@ class MJitFunction:
                 closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(*avals)
             return scopes.named(closed, jax.tree.unflatten(tree, avals), f"mjit({self.__name__})"), out_shape, pipelines
 
-        # pmap-style collectives bound to one device, a bare PartitionSpec's mesh in context, as parallelize does
-        fun, (closed, out_shape, pipelines) = traced_in_context(trace, self.fun, f"mjit({self.__name__})")
+        # pmap-style collectives bound to one device, a bare PartitionSpec's mesh in context, as parallelize does;
+        # JAX's refusal of the code's mesh axes explained by the mesh traced on (None given: the default one)
+        given = self._mesh if self._mesh is not None else current_global_mesh()
+        with explained_mesh_errors(placement.mesh, given, f"mjit({self.__name__})"):
+            fun, (closed, out_shape, pipelines) = traced_in_context(trace, self.fun, f"mjit({self.__name__})")
         out_tree = jax.tree.structure(out_shape)
         plan = make_plan(closed, placement, pipelines)
         donated_leaves = self._donated_leaves(args)
@@ -260,9 +269,13 @@ class MJitFunction:
             outs = self._resolve(out_shape, self.out_shardings, placement, "out_shardings")
         options = {} if outs is None else {"out_shardings": outs}
         jitted = jax.jit(body, donate_argnums=tuple(donated), **options)
+        # an argument not committed to devices (made by jnp, a numpy array) goes where the step runs, as
+        # jax.jit under jax.set_mesh puts it: else JAX compiles for its one device and the step's constraints
+        # over the mesh's axes fall on that device alone
+        replicated = NamedSharding(placement.mesh, PartitionSpec())
 
         def call(flat: list) -> list:
-            return jax.tree.leaves(jitted(*flat))
+            return jax.tree.leaves(jitted(*(x if _committed(x) else jax.device_put(x, replicated) for x in flat)))
 
         return _Compiled(plan, call, out_tree, spmd=True, jitted=jitted)
 
