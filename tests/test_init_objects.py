@@ -99,7 +99,7 @@ def _build(pipelined: bool):
     return (init, get_batch, step), built
 
 
-@pytest.mark.parametrize("pipelined", [False, True], ids=["spmd", "pipeline"])
+@pytest.mark.parametrize("pipelined", [pytest.param(False, marks=pytest.mark.slow), True], ids=["spmd", "pipeline"])
 def test_a_train_state_built_inside_init_params_initialises_and_trains_like_one_device(pipelined):
     parts, (step_fn, init_fn, batch_fn) = _build(pipelined)
     state, batch = init_fn(), batch_fn()

@@ -359,6 +359,7 @@ def minigpt_reference() -> tuple[list[float], tuple]:
 MINIGPT_MESH = ((4, 2), ("batch", "model"))  # Explicit axes (jax.make_mesh's default), as the page's mesh
 
 
+@pytest.mark.slow  # 8 s; the two-stage pipeline of the same model meets one device in the default suite
 @pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 def test_minigpt_tutorial_spmd_equals_one_device(minigpt_reference):
     built = parallelize(functional_step(minigpt_page()["train_step"]), init_params=minigpt_objects,

@@ -457,6 +457,7 @@ def _lr_column(out: Path) -> list[float]:
     return [json.loads(line)["lr"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # one of the longest checks (7 s): the default suite's time
 def test_a_longer_run_continues_the_learning_rate_schedule(tmp_path, capsys):
     """N steps, then resumed with train.steps=2N: the LR of every step (and the loss) is that of one
     2N-step run with optimizer.decay_steps=N, not a schedule stretched to 2N; a resume that changes an
