@@ -574,11 +574,11 @@ def test_a_failed_saves_directory_is_removed_though_a_straggling_writer_still_ad
     def straggler():
         n = 0
         while time.monotonic() < stop:
-            os.makedirs(tmp / "state" / str(n % 7), exist_ok=True)
             try:
+                os.makedirs(tmp / "state" / str(n % 7), exist_ok=True)
                 (tmp / "state" / str(n % 7) / f"{n}").write_bytes(b"x")
-            except FileNotFoundError:  # removed between the two calls: a writer's write fails so, and it goes on
-                pass
+            except OSError:  # its directory removed under it, between or during the two calls: a writer's
+                pass  # write fails so, and it goes on
             n += 1
 
     writer = threading.Thread(target=straggler)
