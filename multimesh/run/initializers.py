@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+from jax.tree_util import PyTreeDef
 
 from ..core.given_shardings import moved_onto
 from ..core.meshes import mesh_context
@@ -37,8 +38,8 @@ class ShardedInitializer:
         functools.update_wrapper(self, make)  # its name, module and docstring are the user's function's
         self.make = make
         self.shardings = shardings
-        flat, self._treedef = jax.tree.flatten(shardings)
-        self._n_leaves = len(flat)
+        flat, treedef = jax.tree.flatten(shardings)
+        self._treedef: PyTreeDef = treedef  # the public name: mypy sees no type behind jax's own alias
         groups: dict[frozenset, list[int]] = {}
         for i, s in enumerate(flat):
             groups.setdefault(frozenset(s.device_set), []).append(i)
@@ -68,7 +69,7 @@ class ShardedInitializer:
         return run
 
     def __call__(self) -> Any:
-        out: list[Any] = [None] * self._n_leaves
+        out: list[Any] = [None] * self._treedef.num_leaves
         for idx, run in self._parts:
             for i, x in zip(idx, run()):
                 out[i] = x
@@ -81,7 +82,7 @@ class ShardedInitializer:
         return lowered[0] if len(lowered) == 1 else lowered
 
     def __repr__(self) -> str:
-        return (f"ShardedInitializer({_origin(self.make)}, {self._n_leaves} arrays on "
+        return (f"ShardedInitializer({_origin(self.make)}, {self._treedef.num_leaves} arrays on "
                 f"{len(self._parts)} device group(s))")
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
+from jax.tree_util import PyTreeDef
 
 from ..core.layout import Layout
 from ..core.meshes import no_mesh_context
@@ -70,10 +71,9 @@ class MPMDFunction(Parallelized):
         self._out_tree = out_tree
         # One target per output leaf (None: not a parameter's mirror). Up to the outputs' own leaves: a
         # None inside them (an NNX module's unset attribute) is an empty node, not an output.
-        out_tree_def = jax.tree.structure(out_abstract)
-        # jax's PyTreeDef aliases the type of jaxlib._jax, which has no stubs: mypy knows none of its methods
-        self._out_targets = out_tree_def.flatten_up_to(  # type: ignore[attr-defined]
-            self._mirror.shardings_for(out_abstract))
+        # annotated with the public name: mypy sees no type behind jax's own alias (jaxlib has no stubs)
+        out_tree_def: PyTreeDef = jax.tree.structure(out_abstract)
+        self._out_targets = out_tree_def.flatten_up_to(self._mirror.shardings_for(out_abstract))
 
     @property
     def stats(self):
@@ -131,6 +131,5 @@ def _readable_here_and_everywhere(x: jax.Array) -> bool:
     """Every process holds a whole copy of ``x`` already."""
     if not x.is_fully_replicated:
         return False
-    # jax's Device aliases the type of jaxlib._jax, which has no stubs: mypy knows none of its attributes
-    holders = {d.process_index for d in x.sharding.device_set}  # type: ignore[attr-defined]
-    return holders == set(range(jax.process_count()))
+    devices: set[jax.Device] = x.sharding.device_set  # the public name: jaxlib has no stubs behind jax's alias
+    return {d.process_index for d in devices} == set(range(jax.process_count()))

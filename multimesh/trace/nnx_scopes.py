@@ -52,6 +52,7 @@ import numpy as np
 from flax import nnx
 from flax.nnx import graphlib
 from jax.extend.core import ClosedJaxpr
+from jax.tree_util import PyTreeDef
 
 from .implicit import match_name, registered_tasks
 from .input_paths import SEPARATOR, leaf_paths
@@ -181,14 +182,14 @@ class _Tracing:
 def _pytree_twins(original: Any, copy: Any) -> bool:
     """Whether ``copy`` has ``original``'s pytree structure and leaves of its shapes or of its shapes less
     one axis (`_Tracing._twin_path`)."""
+    tree: PyTreeDef  # the public name: mypy sees no type behind jax's own alias (jaxlib has no stubs)
+    copy_tree: PyTreeDef
     try:
         leaves, tree = jax.tree.flatten(original)
         copy_leaves, copy_tree = jax.tree.flatten(copy)
     except Exception:  # not a pytree JAX can flatten
         return False
-    # jax's PyTreeDef aliases the type of jaxlib._jax, which has no stubs: mypy knows none of its methods
-    return tree == copy_tree and all(  # type: ignore[operator]
-        _sliced_or_same(np.shape(a), np.shape(b)) for a, b in zip(leaves, copy_leaves))
+    return tree == copy_tree and all(_sliced_or_same(np.shape(a), np.shape(b)) for a, b in zip(leaves, copy_leaves))
 
 
 def _sliced_or_same(shape: tuple, copy_shape: tuple) -> bool:
