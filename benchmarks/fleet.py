@@ -229,15 +229,17 @@ def predict(run: PublishedRun, estimates: tuple, profile, compile_seconds: float
     from multimesh.estimate.timing import program_time
 
     profile = get_profile(profile)
-    parts = []
+    times = []
     for e in estimates:
         (program,) = e.programs  # an SPMD step: one program
-        t = program_time(program, profile, "bfloat16")
-        parts.append((t.compute, t.memory, t.communication, e.peak_bytes, t.kernels or 0.0, t.overlapped))
+        times.append(program_time(program, profile, "bfloat16"))
+    kernel_wise = all(t.kernels is not None for t in times)
+    parts = [(t.compute, t.memory, t.communication, e.peak_bytes, t.kernels if kernel_wise else 0.0, t.overlapped)
+             for t, e in zip(times, estimates)]
     extra = run.num_layers - 1
     *at_depth, kernels, overlapped = [a + extra * (b - a) for a, b in zip(*parts)]
     return Prediction(run, profile.name, *at_depth, compile_seconds=compile_seconds,
-                      kernels=kernels if t.kernels is not None else None, overlapped=overlapped)
+                      kernels=kernels if kernel_wise else None, overlapped=overlapped)
 
 
 def achievable_profile(name: str):

@@ -174,17 +174,10 @@ _PRODUCTS = ("dot", "convolution")
 
 def _holding_products(module: Module) -> set[str]:
     """The computations that compute a matrix product, themselves or through any computation they call."""
-    direct = {name for name, body in module.computations.items() if any(i.opcode in _PRODUCTS for i in body)}
-    holding: set[str] = set()
-    for name in module.computations:
-        stack, seen = [name], set()
-        while stack:
-            c = stack.pop()
-            if c in direct:
-                holding.add(name)
-                break
-            seen.add(c)
-            stack.extend(callee for callee, _, _ in module.calls.get(c, ()) if callee not in seen)
+    holding = {name for name, body in module.computations.items() if any(i.opcode in _PRODUCTS for i in body)}
+    while callers := {name for name, calls in module.calls.items()
+                      if name not in holding and any(callee in holding for callee, _, _ in calls)}:
+        holding |= callers
     return holding
 
 
