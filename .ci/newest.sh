@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The range's newest end on the day: .venv-newest, multimesh with the newest versions pyproject.toml allows
+# (no lock, every package upgraded), and the default suite on it, unless that set is exactly the lock's (then
+# the default suite on the lock, .ci/test.sh, has run it already). Arguments are passed on to pytest.
+# A passing set becomes the lock with: bash .ci/lock.sh .venv-newest
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${MULTIMESH_PYTHON:-python3.12}
+[ -x .venv-newest/bin/python ] || "$PY" -m venv .venv-newest
+.venv-newest/bin/python -m pip install -q --upgrade pip
+.venv-newest/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[test]"
+newest=$(.venv-newest/bin/python -m pip freeze --exclude-editable | grep -v -e '^#' -e '^-e ' -e '^multimesh[= @]' | LC_ALL=C sort -f)
+locked=$(grep -v '^#' requirements/lock.txt | grep -v -e '^pip==' -e '^setuptools==' -e '^wheel==' | LC_ALL=C sort -f)
+if [ "$newest" = "$locked" ]; then
+  echo "newest versions: the same set as requirements/lock.txt; its suite ran on the lock (.ci/test.sh): not run again"
+  exit 0
+fi
+echo "newest versions, where they differ from requirements/lock.txt:"
+diff <(echo "$locked") <(echo "$newest") | sed -n 's/^< /  lock:   /p; s/^> /  newest: /p' || true
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$PWD/.jax_cache}
+exec .venv-newest/bin/python -m pytest -q -n 2 -p no:cacheprovider "$@"
