@@ -7,6 +7,12 @@ CPU devices (``JAX_PLATFORMS=cpu``). There the config's train step is built
 and compiled from abstract inputs (nothing is allocated) and its
 :class:`multimesh.estimate.Estimate` printed: memory per device and, with a
 profile, the predicted step time and MFU on that hardware.
+
+XLA's compiler may crash on a program (a signal, in C++), ending that
+process with no word. The parent names what the child was compiling when it
+died and the signal (`multimesh.autolayout.compile_journal`); a candidate of
+``layout.mesh=auto``'s search is set aside, listed unpriced, and the search
+runs again without it.
 """
 
 from __future__ import annotations
@@ -15,12 +21,15 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+from multimesh.autolayout.compile_journal import JOURNAL_ENV, CompileJournal, Crash, compiling, signal_name
 from trainers.config import Config
 
-__all__ = ["SIMULATED", "estimate_config", "model_flops_of", "needs_other_devices", "print_estimate",
+__all__ = ["SIMULATED", "crash_message", "estimate_config", "model_flops_of", "needs_other_devices", "print_estimate",
            "replan_on_simulated_devices", "simulated_env"]
 
 #: Set in the process that plans on simulated devices, to the device count it was started with.
@@ -51,9 +60,37 @@ def needs_other_devices(num_devices: int) -> bool:
 
 
 def replan_on_simulated_devices(argv: Sequence[str], num_devices: int) -> int:
-    """``multimesh-train ARGV`` again, in a process with ``num_devices`` simulated CPU devices; its exit status."""
+    """``multimesh-train ARGV`` again, in a process with ``num_devices`` simulated CPU devices; its exit status
+    (128 + the signal where it died by one, after saying what it was compiling). A layout search whose
+    candidate's compile killed it runs again, that candidate set aside."""
     cmd = [sys.executable, "-m", "trainers", *argv]
-    return subprocess.run(cmd, env=simulated_env(num_devices, os.environ), check=False).returncode
+    with tempfile.TemporaryDirectory(prefix="multimesh-compile-journal-") as tmp:
+        journal = CompileJournal(Path(tmp))
+        env = {**simulated_env(num_devices, os.environ), JOURNAL_ENV: tmp}
+        while True:
+            status = subprocess.run(cmd, env=env, check=False).returncode
+            if status >= 0:
+                return status
+            crash = journal.interrupted(-status)
+            print(crash_message(crash, -status, num_devices), file=sys.stderr, flush=True)
+            if crash is None or not crash.candidate:
+                return 128 - status
+
+
+def crash_message(crash: Crash | None, signal_number: int, num_devices: int) -> str:
+    """What to say when the process planning on ``num_devices`` simulated devices died by ``signal_number``
+    (``crash``: what it was compiling)."""
+    where = f"the planning process ({num_devices} simulated CPU devices)"
+    if crash is None:
+        return (f"multimesh-train: {where} was killed by {signal_name(signal_number)}, not while compiling a "
+                f"program (out of memory? see dmesg); exit status {128 + signal_number}")
+    if crash.candidate:
+        return (f"multimesh-train: compiling the layout {crash.what} killed XLA's compiler ({crash.signal}) in "
+                f"{where}: it is listed unpriced, and the search runs again without it")
+    return (f"multimesh-train: compiling {crash.what} killed XLA's compiler ({crash.signal}) in {where}. Try "
+            f"another layout (layout.mesh=..., or layout.mesh=auto: a search sets such layouts aside), the "
+            f"versions multimesh is tested on (pip install -c requirements/lock.txt), or report it to XLA with "
+            f"the program: XLA_FLAGS=--xla_dump_to=DIR")
 
 
 def model_flops_of(cfg: Config) -> float:
@@ -80,11 +117,14 @@ def estimate_config(cfg: Config, profile: Any = None, devices: Sequence[Any] | N
     ``profile`` (a name or `HardwareProfile`; None: memory and work only), each matrix product at the peak of
     the dtype it runs in, read from the program (``dtype``: all at that one's), with the model's flops for
     MFU (`model_flops_of`). Nothing is allocated."""
+    from trainers.layout import build_layout
     from trainers.step import program_for
 
     program = program_for(cfg, devices)
     flops = model_flops_of(cfg) if profile is not None else None
-    return program.step.estimate(profile=profile, dtype=dtype, model_flops=flops)
+    what = f"{cfg.name}'s train step, {build_layout(cfg.layout, devices).describe()}"
+    with compiling(what, candidate=False):
+        return program.step.estimate(profile=profile, dtype=dtype, model_flops=flops)
 
 
 def print_estimate(cfg: Config, profile: str | None) -> None:

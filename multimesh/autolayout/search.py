@@ -15,6 +15,11 @@ and estimated (`multimesh.estimate`): their peak memory per device against
 the limit, and their predicted step time on the profile. With ``time_top=k``
 the ``k`` best-predicted are then built for real and timed (`timing`), and
 ranked first, by their measured step.
+
+A candidate whose compile kills the process (XLA's compiler crashing) ends
+the search with it; run under a parent that reads a `compile_journal`, the
+search runs again, and a layout recorded as crashed is not compiled but
+listed unpriced, with the signal (``multimesh-train --plan --num-devices N``).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from .checks import (
     pipeline_misfit,
     shapes_of,
 )
+from .compile_journal import CompileJournal, Crash, compiling
 from .layouts import AXES, RULE_SETS, ParallelLayout, enumerate_layouts
 from .model_axes import AxisTypes, axes_made_explicit, model_axes
 from .table import search_table
@@ -55,6 +61,8 @@ __all__ = ["Candidate", "LayoutSearch", "LayoutSearchError", "NoLayoutFitsError"
 
 #: Reasons a candidate is rejected that say it is no valid layout for the step (not that it is too big).
 _INVALID = "invalid: "
+#: The reason of a candidate whose compile killed a process before (`compile_journal`): valid, not priced.
+_UNPRICED = "unpriced: "
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +179,11 @@ def _nothing_fits(search: LayoutSearch) -> LayoutSearchError:
     why = "; ".join(f"{', '.join(ls)}: {r}" for r, ls in reasons.items())
 
     def invalid(arg: Callable[[str], str]) -> str:
+        if all(r.startswith(_UNPRICED) for r in reasons):
+            advice = ("XLA's compiler crashed on every layout it compiled: try another JAX (the versions of "
+                      "multimesh's requirements/lock.txt are tested), or report the crash to XLA with the program "
+                      "(XLA_FLAGS=--xla_dump_to=DIR)")
+            return f"auto_layout: no layout of {search.num_devices} devices could be priced: {why}. {advice}"
         if all(r.startswith("cannot be built") for r in reasons):  # the step's own error, on every mesh alike
             advice = "No layout could be built; the step's error above says what to change"
         else:
@@ -316,11 +329,13 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
     kwargs = dict(init_params=init_params, get_input_batch=get_input_batch, explicit_axes=explicit, own_rules=own,
                   **parallelize_kwargs)
     candidates: list[Candidate] = []
+    journal = CompileJournal.from_env()
+    crashed = {} if journal is None else journal.crashes()  # recorded by the parent of an earlier run
     names: LeafNames | None = None  # what the step's arrays call their dimensions, once one layout is built
     layouts.sort(key=lambda layout: layout.rules != "standard")  # each mesh's standard rules before its others
     with _progress(len(layouts), progress) as bar:
         for layout in layouts:
-            candidate = _pruned(layout, candidates)
+            candidate = _pruned(layout, candidates) or _crashed(layout, crashed)
             if candidate is None:
                 candidate, names = _try(layout, step, pool, pipeline, limit, profile, kwargs, batch_shapes, names,
                                         axes, {"dtype": dtype, "model_flops": model_flops})
@@ -343,21 +358,25 @@ def _timed(ranked: list[Candidate], top: int, steps: int, progress: bool | None,
     timed = {}
     with _progress(len(chosen), progress, "timing") as bar:
         for c in chosen:
-            timed[c.layout] = dataclasses.replace(c, measured=time_layout(functools.partial(build, c.layout), steps))
+            with compiling(c.layout.describe(), candidate=True):
+                measured = time_layout(functools.partial(build, c.layout), steps)
+            timed[c.layout] = dataclasses.replace(c, measured=measured)
             bar.update(1)
     return sorted((timed.get(c.layout, c) for c in ranked), key=_rank)
 
 
 def _rank(c: Candidate) -> tuple:
-    """Timed by measured time, then fitting by predicted time, then too big by peak, then invalid; ties by
-    description."""
+    """Timed by measured time, then fitting by predicted time, then too big by peak, then unpriced, then
+    invalid; ties by description."""
     if c.measured is not None:
         return (-1, c.measured, c.peak_bytes, c.layout.describe())
     if c.rejected is None:
         return (0, c.time, c.peak_bytes, c.layout.describe())
+    if (c.rejected or "").startswith(_UNPRICED):
+        return (2, 0, 0.0, c.layout.describe())
     if c.valid:
         return (1, c.peak_bytes or 0, 0.0, c.layout.describe())
-    return (2, 0, 0.0, c.layout.describe())
+    return (3, 0, 0.0, c.layout.describe())
 
 
 #: A layout whose standard-rules twin fits and is predicted this many times the best fitting one or more is not
@@ -380,6 +399,15 @@ def _pruned(layout: ParallelLayout, done: Sequence[Candidate]) -> Candidate | No
                                               f"{_predicted(c) / min(fitting):.2f}x the best, and these rules save "
                                               f"memory, not time")
     return None
+
+
+def _crashed(layout: ParallelLayout, crashed: Mapping[str, Crash]) -> Candidate | None:
+    """``layout`` listed unpriced, uncompiled, where compiling it killed a process before; else None."""
+    crash = crashed.get(layout.describe())
+    if crash is None:
+        return None
+    return Candidate(layout, rejected=f"{_UNPRICED}compiling it killed XLA's compiler ({crash.signal}) in an "
+                                      f"earlier run of this search")
 
 
 def _predicted(c: Candidate) -> float:
@@ -445,7 +473,8 @@ def _estimated(layout: ParallelLayout, step_fn: Any, limit: int, profile: Hardwa
         return Candidate(layout, peak_bytes=most,
                          rejected=_over(limit, device, most, " for parameters, optimizer state and batch alone"))
     try:
-        est = step_fn.estimate(profile=profile, **pricing)
+        with compiling(layout.describe(), candidate=True):
+            est = step_fn.estimate(profile=profile, **pricing)
     except (ValueError, NotImplementedError) as e:  # a layout the estimate cannot compile; the others still rank
         return Candidate(layout, rejected=f"{_INVALID}cannot be estimated: {type(e).__name__}: {e}")
     over = est.overflow(limit)
