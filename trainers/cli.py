@@ -69,6 +69,10 @@ def _train_parser() -> argparse.ArgumentParser:
                    help="print where every parameter and batch array lives (sharding.txt; a pipeline: on which "
                         "stage) before training starts")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or messages; only the summary")
+    p.add_argument("--platform", choices=("any", "cpu", "gpu", "tpu"), default=None,
+                   help="refuse to train unless JAX runs on this platform (default: $MULTIMESH_PLATFORM, else "
+                        "$JAX_PLATFORMS where it names one, else any): a GPU node without CUDA JAX stops with "
+                        "how to install it instead of training on CPU")
     multi = p.add_argument_group(
         "several processes",
         "one command per process, all with the same config and train.out_dir; on CPU each\n"
@@ -223,6 +227,13 @@ def _train(argv: Sequence[str]) -> int:
         _start_processes(launch, cfg, opts.startup_timeout, opts.run_id)
     except (StartupError, DisagreementError) as e:
         print(f"multimesh-train: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    from trainers.platform_check import PlatformError, asked_platform, check_platform
+
+    try:
+        check_platform(*asked_platform(opts.platform))
+    except PlatformError as e:
+        print(f"multimesh-train: {e}", file=sys.stderr)
         return 2
     from trainers.nonfinite import EXIT_CODE as NONFINITE_EXIT
     from trainers.nonfinite import NonFiniteError
