@@ -75,6 +75,19 @@ def _search():
                        rule_sets=("standard",), progress=False)
 
 
+def test_without_a_journal_a_crash_in_a_compile_still_says_so_on_the_real_standard_error():
+    """The estimate's compile sends descriptor 2 to a temporary file; a fatal signal there is still reported."""
+    code = ("import os, tempfile\nfrom multimesh.autolayout.compile_journal import compiling\n"
+            "from multimesh.estimate.compiler_log import _stderr_to\n"
+            "with compiling('data=8', candidate=True), tempfile.TemporaryFile() as log, _stderr_to(log):\n"
+            "    os.kill(os.getpid(), 8)  # SIGFPE, as XLA's compiler raised it\n")
+    env = {k: v for k, v in os.environ.items() if k not in (JOURNAL_ENV, CRASH_ENV)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == -signal.SIGFPE
+    assert "Fatal Python error: Floating point exception" in done.stderr
+
+
 def test_a_layout_recorded_as_crashed_is_not_compiled_and_listed_unpriced(tmp_path, monkeypatch):
     monkeypatch.delenv(JOURNAL_ENV, raising=False)
     best = _search().best.describe()

@@ -12,6 +12,12 @@ the search again: `auto_layout` does not compile a layout recorded as
 crashed, and its table shows it unpriced, with the signal
 (``multimesh-train --plan --num-devices N`` does this).
 
+Without a journal, a crash still says something: for the compile,
+Python's `faulthandler` (where nothing enabled it before) writes the fatal
+signal and the Python stack to the process's standard error, which the
+estimate's compile otherwise sends to a temporary file
+(`multimesh.estimate.compiler_log`).
+
 `CRASH_ENV` is a test hook: a process about to compile what it names kills
 itself with SIGFPE, as XLA's CPU compiler did on some layouts.
 """
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import json
 import os
 import signal
@@ -101,10 +108,29 @@ class CompileJournal:
 def compiling(what: str, candidate: bool) -> Iterator[None]:
     """The block compiles ``what``: noted in this process's journal (`JOURNAL_ENV`), if a parent reads one."""
     journal = CompileJournal.from_env()
-    with contextlib.nullcontext() if journal is None else journal.compiling(what, candidate):
+    with _fatal_signals_reported(), contextlib.nullcontext() if journal is None else journal.compiling(what, candidate):
         if os.environ.get(CRASH_ENV) == what:
             os.kill(os.getpid(), signal.SIGFPE)  # the test hook: die as a crashing compiler does
         yield
+
+
+@contextlib.contextmanager
+def _fatal_signals_reported() -> Iterator[None]:
+    """`faulthandler` on this process's standard error for the block, unless something enabled it already."""
+    if faulthandler.is_enabled():
+        yield
+        return
+    try:
+        stderr = os.fdopen(os.dup(2), "w")
+    except OSError:  # no standard error
+        yield
+        return
+    faulthandler.enable(file=stderr)
+    try:
+        yield
+    finally:
+        faulthandler.disable()
+        stderr.close()
 
 
 def _write_json(path: Path, value: object) -> None:
