@@ -6,7 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${MULTIMESH_PYTHON:-python3.12}
-[ -x .venv-newest/bin/python ] || "$PY" -m venv .venv-newest
+# a fresh venv when pyproject.toml changes: nothing left over from another set of requirements
+stamp=.venv-newest/.made-for-$(sha1sum pyproject.toml | cut -c1-12)
+[ -f "$stamp" ] || { rm -rf .venv-newest && "$PY" -m venv .venv-newest && touch "$stamp"; }
 .venv-newest/bin/python -m pip install -q --upgrade pip
 .venv-newest/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[test]"
 newest=$(.venv-newest/bin/python -m pip freeze --exclude-editable | grep -v -e '^#' -e '^-e ' -e '^multimesh[= @]' | LC_ALL=C sort -f)
