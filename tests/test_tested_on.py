@@ -43,3 +43,11 @@ def test_the_lock_pins_every_dependency_within_pyproject_ranges():
         assert name in pins, f"requirements/lock.txt pins no {req.name}: bash .ci/lock.sh"
         assert req.specifier.contains(pins[name]), f"the lock's {name}=={pins[name]} is outside {dep!r}"
     assert "multimesh" not in pins
+
+
+def test_the_accelerator_extras_pull_jax_own_wheels_within_the_range():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    jax_range = next(Requirement(d).specifier for d in project["dependencies"] if Requirement(d).name == "jax")
+    for extra in ("cuda12", "cuda13", "tpu"):
+        [dep] = [Requirement(d) for d in project["optional-dependencies"][extra]]
+        assert (dep.name, dep.extras, dep.specifier) == ("jax", {extra}, jax_range), dep
