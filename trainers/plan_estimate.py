@@ -71,9 +71,10 @@ def replan_on_simulated_devices(argv: Sequence[str], num_devices: int) -> int:
             status = subprocess.run(cmd, env=env, check=False).returncode
             if status >= 0:
                 return status
+            known = journal.crashes()
             crash = journal.interrupted(-status)
             print(crash_message(crash, -status, num_devices), file=sys.stderr, flush=True)
-            if crash is None or not crash.candidate:
+            if crash is None or not crash.candidate or crash.what in known:  # known: set aside, yet it crashed
                 return 128 - status
 
 
