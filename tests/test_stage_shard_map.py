@@ -65,6 +65,23 @@ def rms_norm(h: jax.Array) -> jax.Array:
     return h * jax.lax.rsqrt(total / WIDTH + 1e-6)
 
 
+@jax.jit
+def _sum_of_squares(h: jax.Array) -> jax.Array:
+    return jnp.sum(h * h, axis=-1, keepdims=True)
+
+
+def rms_norm_calling_a_jit(h: jax.Array) -> jax.Array:
+    """`rms_norm` with its sum in a jit of its own (as ``jnp`` functions often are)."""
+    return h * jax.lax.rsqrt(jax.lax.psum(_sum_of_squares(h), "z") / WIDTH + 1e-6)
+
+
+#: forms whose body, or what is around the shard_map, holds a call of its own
+FORMS["jit in the body"] = lambda f, mesh, spec: jax.shard_map(rms_norm_calling_a_jit, mesh=mesh, in_specs=spec,
+                                                               out_specs=spec)
+FORMS["remat around"] = lambda f, mesh, spec: jax.checkpoint(jax.shard_map(f, mesh=mesh, in_specs=spec,
+                                                                           out_specs=spec))
+
+
 def forward(params: dict, x: jax.Array, mesh: Mesh, form: str, scopes: bool, spec: P = SPEC) -> jax.Array:
     explicit = mesh.axis_types[0] == AxisType.Explicit
     for i, layer in enumerate(params["layers"]):
@@ -147,7 +164,8 @@ def pipelined(axis_type: AxisType, form: str, by: str, spec: P = SPEC,
     return losses, state, {i: set(m.devices.flat) for i, m in enumerate(stage_meshes(mesh))}
 
 
-CASES = [(t, form, by) for t in (AxisType.Explicit, AxisType.Auto) for form in FORMS for by in ("scope", "params")]
+CASES = [(t, form, by) for t in (AxisType.Explicit, AxisType.Auto) for form in list(FORMS)[:3]
+         for by in ("scope", "params")]
 
 
 @pytest.mark.parametrize("axis_type,form,by", CASES, ids=[f"{t.name}-{f}-{b}" for t, f, b in CASES])
@@ -159,6 +177,25 @@ def test_shard_map_in_a_stage_equals_one_device(axis_type, form, by):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
     for i, layer in enumerate(state["params"]["layers"]):   # each layer's weights on its stage's devices
         assert layer["w"].sharding.device_set == devices[i]
+
+
+#: a remat's body is traced again by interpret.bind_equation(mesh_in_context=True), which reads the equation
+#: context's abstract mesh as jax 0.12.0 keeps it (jax 0.12.1 no longer does: an AttributeError)
+_REMAT_ON_NEW_JAX = pytest.mark.xfail(raises=AttributeError, strict=False,
+                                      reason="JaxprEqnContext.cur_abstract_mesh is gone in jax 0.12.1")
+NESTED = [pytest.param(t, form, id=f"{t.name}-{form}", marks=[_REMAT_ON_NEW_JAX] if form == "remat around" else [])
+          for t in (AxisType.Explicit, AxisType.Auto) for form in ("jit in the body", "remat around")]
+
+
+@pytest.mark.parametrize("axis_type,form", NESTED)
+def test_calls_inside_and_around_the_shard_map(axis_type, form):
+    """Stages by ``params=``: a jit inside the body (inlined where the body moves onto a submesh of another
+    shape), a ``jax.checkpoint`` around the shard_map (its body traced again on the stage)."""
+    want_losses, want = reference(axis_type, form)
+    losses, state, _ = pipelined(axis_type, form, "params")
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("by", ["scope", "params"])

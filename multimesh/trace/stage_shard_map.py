@@ -159,7 +159,18 @@ def _body_here(jaxpr: Any, ins: list) -> list:
     return interpret(jaxpr, (), ins, _bind_here)
 
 
+#: Calls whose body is inlined in a shard_map's body moved onto another mesh (its types were the old mesh's):
+#: primitive -> the parameter holding the body. The program is differentiated already: a custom rule's body
+#: is all that runs.
+_INLINED = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "checkpoint": "jaxpr",
+            "remat": "jaxpr", "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr"}
+
+
 def _bind_here(eqn: Any, ins: list) -> list:
+    body = eqn.params.get(_INLINED.get(eqn.primitive.name, ""))
+    if body is not None:
+        inner = getattr(body, "jaxpr", body)
+        return interpret(inner, getattr(body, "consts", ()), ins, _bind_here)
     mesh = jax.sharding.get_abstract_mesh()
     with equation_context(eqn), abstract_mesh_context(mesh):
         outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
