@@ -11,9 +11,12 @@ its specs unchanged, its ``psum`` over the stage's own ``z`` group.
 Every form: Explicit or Auto mesh axes; ``jax.shard_map(mesh=<the mesh>)``,
 ``jax.experimental.shard_map.shard_map(f, mesh, ...)`` or
 ``multimesh.jax.shard_map(mesh=None)``; stages chosen by named scope or by
-``register_task(params=...)``. Each is a 1F1B pipeline compared with the same
-step on one device (a 1x1x1 mesh): losses, parameters and optimizer state
-after three steps. Then the bad inputs: a stage lacking an axis the specs name.
+``register_task(params=...)``; a jit inside the body, a ``jax.checkpoint``
+around it; a Flax NNX model by attribute path. Each is a 1F1B pipeline compared
+with the same step on one device (a 1x1x1 mesh): losses, parameters and
+optimizer state after three steps. Then the bad inputs: a stage lacking an
+axis the specs name; an axis of another size on a stage known only after
+tracing.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -227,3 +231,67 @@ def test_an_axis_of_another_size_on_a_stage_chosen_by_params_is_refused():
     stage where it has size 1; the error says so and names the ways that work."""
     with pytest.raises(ValueError, match=r"shard_map of 'rms_norm'.*'x': 2 -> 1.*Choose the stages by scope"):
         pipelined(AxisType.Auto, "jax.shard_map", "params", P("x", "z"))
+
+
+# ----------------------------------------------------------------- Flax NNX: stages by attribute path
+class NnxLayer(nnx.Module):
+    def __init__(self, mesh: Mesh, rngs: nnx.Rngs):
+        self.mesh = mesh
+        self.w = nnx.Linear(WIDTH, WIDTH, use_bias=False, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(jax.shard_map(rms_norm, mesh=self.mesh, in_specs=SPEC, out_specs=SPEC)(self.w(x)))
+
+
+class NnxNet(nnx.Module):
+    """layers.0, layers.1: no scope of its own; multimesh names its submodules by attribute path."""
+
+    def __init__(self, mesh: Mesh, rngs: nnx.Rngs):
+        self.layers = nnx.List([NnxLayer(mesh, rngs) for _ in range(2)])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def nnx_program(mesh: Mesh, microbatches: int | None) -> tuple[Callable, Callable]:
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: NnxNet(mesh, nnx.Rngs(0))), nnx.Param)
+
+    def init():
+        params = nnx.state(NnxNet(mesh, nnx.Rngs(0)), nnx.Param)
+        return {"params": params, "opt": TX.init(params)}
+
+    def loss(params, batch):
+        return jnp.sum(nnx.merge(graphdef, params)(batch["x"]) ** 2) / BATCH
+
+    def step(state, batch):
+        fn = loss if microbatches is None else microbatch(loss, 0, BATCH // microbatches, argnum=1, schedule="1f1b")
+        value, grads = jax.value_and_grad(fn)(state["params"], batch)
+        updates, opt = TX.update(grads, state["opt"], state["params"])
+        return value, {"params": optax.apply_updates(state["params"], updates), "opt": opt}
+    return init, step
+
+
+def test_shard_map_in_nnx_stages_by_attribute_path_equals_one_device():
+    one = model_mesh(AxisType.Auto, (1, 1, 1))
+    init, step = nnx_program(one, None)
+    state, batch = jax.device_put((init(), get_batch()), jax.devices()[0])
+    run, want_losses = jax.jit(step), []
+    for _ in range(STEPS):
+        value, state = run(state, batch)
+        want_losses.append(float(value))
+    mesh = model_mesh(AxisType.Auto)
+    stages = stage_meshes(mesh)
+    init, step = nnx_program(mesh, BATCH // MICRO)
+    with register_task(r"layers\.0", mesh=stages[0]), register_task(r"layers\.1", mesh=stages[1]):
+        step_fn, init_fn, batch_fn = parallelize(step, init_params=init, get_input_batch=get_batch, mesh=mesh)
+    got, batch, losses = init_fn(), batch_fn(), []
+    for _ in range(STEPS):
+        value, got = step_fn(got, batch)
+        losses.append(float(value))
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(jax.device_get(got)), jax.tree.leaves(jax.device_get(state))):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    for i in range(2):
+        assert got["params"]["layers"][i]["w"]["kernel"][...].sharding.device_set == set(stages[i].devices.flat)
