@@ -202,6 +202,23 @@ def test_calls_inside_and_around_the_shard_map(axis_type, form):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
 
 
+LACKING = [(AxisType.Explicit, "experimental", "params"), (AxisType.Explicit, "jax.shard_map", "scope"),
+           (AxisType.Auto, "experimental", "scope"), (AxisType.Auto, "jax.shard_map", "params")]
+
+
+@pytest.mark.parametrize("axis_type,form,by", LACKING, ids=[f"{t.name}-{f}-{b}" for t, f, b in LACKING])
+def test_a_stage_without_an_axis_no_spec_names_equals_one_device(axis_type, form, by):
+    """Stages of axes ``y, z`` only, the specs naming those: the shard_map is manual over the stage's axes
+    (the experimental form names every axis of the model's mesh manual), and the result is one device's."""
+    mesh = model_mesh(axis_type)
+    stages = [Mesh(mesh.devices[i], ("y", "z"), axis_types=mesh.axis_types[1:]) for i in range(2)]
+    want_losses, want = reference(axis_type, form)
+    losses, state, _ = pipelined(axis_type, form, by, SPEC, stages)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("by", ["scope", "params"])
 def test_a_stage_lacking_an_axis_the_specs_name_is_refused(by):
     """Stages of axes ``y, z`` only: specs naming ``x`` are refused, naming the function, the stage and the

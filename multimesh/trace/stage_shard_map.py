@@ -118,8 +118,9 @@ def _route(given: Any, axis_names: Any, in_specs: Any, out_specs: Any, function:
     stage = _target(given)
     if stage is None or stage.mesh == given:
         return given, axis_names
-    what = _what(function, scope_stack() or None)
-    _check_axes(what, _spec_axes((in_specs, out_specs)) | set(axis_names or ()), given, stage)
+    _check_axes(_what(function, scope_stack() or None), _spec_axes((in_specs, out_specs)), given, stage)
+    if axis_names:   # manual over those of its axes the stage has (an axis no spec names may be gone)
+        axis_names = frozenset(axis_names) & set(stage.mesh.axis_names)
     return stage.mesh, axis_names
 
 
