@@ -9,8 +9,9 @@ devices split the mesh along ``x``: each stage's submesh is ``{'x': 1, 'y': 2,
 its specs unchanged, its ``psum`` over the stage's own ``z`` group.
 
 Every form: Explicit or Auto mesh axes; ``jax.shard_map(mesh=<the mesh>)``,
-``jax.experimental.shard_map.shard_map(f, mesh, ...)`` or
-``multimesh.jax.shard_map(mesh=None)``; stages chosen by named scope or by
+``jax.experimental.shard_map.shard_map(f, mesh, ...)``,
+``multimesh.jax.shard_map(mesh=None)`` or ``jax.shard_map`` with no mesh (JAX's
+context mesh, ``jax.set_mesh`` on one device); stages chosen by named scope or by
 ``register_task(params=...)``; a jit inside the body, a ``jax.checkpoint``
 around it; a Flax NNX model by attribute path. Each is a 1F1B pipeline compared
 with the same step on one device (a 1x1x1 mesh): losses, parameters and
@@ -56,6 +57,7 @@ FORMS: dict[str, Callable] = {
     "jax.shard_map": lambda f, mesh, spec: jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec),
     "experimental": lambda f, mesh, spec: _experimental_shard_map(f, mesh, spec, spec),
     "multimesh": lambda f, mesh, spec: mmj.shard_map(f, in_specs=spec, out_specs=spec),
+    "mesh=None": lambda f, mesh, spec: jax.shard_map(f, in_specs=spec, out_specs=spec),   # JAX's context mesh
 }
 
 
@@ -168,7 +170,7 @@ def pipelined(axis_type: AxisType, form: str, by: str, spec: P = SPEC,
     return losses, state, {i: set(m.devices.flat) for i, m in enumerate(stage_meshes(mesh))}
 
 
-CASES = [(t, form, by) for t in (AxisType.Explicit, AxisType.Auto) for form in list(FORMS)[:3]
+CASES = [(t, form, by) for t in (AxisType.Explicit, AxisType.Auto) for form in list(FORMS)[:4]
          for by in ("scope", "params")]
 
 

@@ -94,17 +94,17 @@ def _target(given: Any) -> Placement | None:
     JAX's context mesh, where there is one (Explicit axes), is the one the call must be on: in a pipeline's
     trace on its stages' abstract mesh, that stage's submesh; in the first trace on the whole mesh, the step's
     own mesh (a stage's submesh given there, e.g. by multimesh's `shard_map` inside a registered scope, moves
-    there when its program is compiled). Without one (Auto axes) it is the submesh of the scope being traced.
+    there when its program is compiled). Without one (Auto axes) it is the submesh of the scope being traced,
+    and for a call given no mesh either, else the placement's (where JAX's context mesh would be).
     """
     context = jax.sharding.get_abstract_mesh()
     if not context.empty and context.manual_axes:
         return None   # inside another shard_map
     placement = current_placement()
     in_scope = placement_in_scope() if placement is None or placement.defer else placement
-    if context.empty:
-        if in_scope is None or given is None or given == in_scope.mesh:
-            return None
-        return in_scope
+    if context.empty:   # no mesh given either: the placement's, as JAX's context would have given it
+        where = in_scope if given is not None or in_scope is not None else placement
+        return None if where is None or given == where.mesh else where
     if given is None or given.abstract_mesh == context:
         return None
     for candidate in (in_scope, placement):
