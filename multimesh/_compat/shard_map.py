@@ -1,4 +1,4 @@
-"""JAX's ``shard_map`` internals used by multimesh (tested: jax 0.12.1).
+"""JAX's ``shard_map`` internals used by multimesh (tested: jax 0.12.1 and 0.12.0; 0.11.0 has the same).
 
 A model may call ``jax.shard_map`` with its own mesh; inside a pipeline stage multimesh runs it on the stage's
 submesh instead (`multimesh.trace.stage_shard_map`). That needs the ``shard_map`` equation's parameters, which
@@ -41,7 +41,8 @@ def shard_map_call(eqn: JaxprEqn) -> ShardMapCall | None:
     """The call of a ``shard_map`` equation (None for any other equation).
 
     Its parameters (``mesh``, ``in_specs``, ``out_specs``, ``newly_manual_axes``, ``jaxpr``) are JAX's
-    internals. Public replacement: none (``jax.extend`` does not describe the primitive). Tested on jax 0.12.1.
+    internals. Public replacement: none (``jax.extend`` does not describe the primitive). Tested on jax 0.12.1
+    and 0.12.0.
     """
     if eqn.primitive.name != "shard_map":
         return None
@@ -54,7 +55,7 @@ def shard_map_call(eqn: JaxprEqn) -> ShardMapCall | None:
 def shard_map_moved(eqn: JaxprEqn, mesh: Any, manual_axes: frozenset[str]) -> JaxprEqn:
     """``eqn`` (a ``shard_map``) on ``mesh``, manual over ``manual_axes``; its specs and body unchanged.
 
-    Public replacement: none (see `shard_map_call`). Tested on jax 0.12.1.
+    Public replacement: none (see `shard_map_call`). Tested on jax 0.12.1 and 0.12.0.
     """
     return eqn.replace(params={**eqn.params, "mesh": mesh, "newly_manual_axes": frozenset(manual_axes)})
 
@@ -73,7 +74,7 @@ def set_shard_map_router(route: Router | None) -> None:
     JAX looks up ``jax._src.shard_map._shmap_checks`` each time a shard-mapped function is called, also for one
     decorated before the route was set; the mapped function is its caller's ``f``. Public replacement: none
     (``jax.shard_map`` takes its mesh from its caller, or from the context, which inside a pipeline stage's
-    trace is the stage's and so refuses the model's own mesh). Tested on jax 0.12.1.
+    trace is the stage's and so refuses the model's own mesh). Tested on jax 0.12.1 and 0.12.0.
     """
     with _LOCK:
         if route is None:
@@ -94,7 +95,7 @@ def shard_map_rebound(eqn: JaxprEqn, ins: list, mesh: Any, manual_axes: frozense
     again as ``body(jaxpr, inputs) -> outputs`` on that mesh's manual abstract mesh (the body's equations keep
     the mesh they were traced under in their context, so they cannot be bound as they are).
 
-    Public replacement: none (see `shard_map_call`). Tested on jax 0.12.1.
+    Public replacement: none (see `shard_map_call`). Tested on jax 0.12.1 and 0.12.0.
     """
     params = eqn.params
     jaxpr, out_specs = params["jaxpr"], params["out_specs"]
@@ -113,6 +114,6 @@ def equation_context(eqn: JaxprEqn) -> Any:
     """A context manager putting ``eqn``'s context in force (``eqn.ctx.manager``: the configuration it was
     traced under, its abstract mesh included), to bind its primitive as the equation does.
 
-    Public replacement: none (``jax.extend.core.JaxprEqn`` does not describe ``ctx``). Tested on jax 0.12.1.
+    Public replacement: none (``jax.extend.core.JaxprEqn`` does not describe ``ctx``). Tested on jax 0.12.1 and 0.12.0.
     """
     return eqn.ctx.manager
