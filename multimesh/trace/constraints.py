@@ -17,6 +17,7 @@ from .implicit import placement_in_scope
 from .interpret import bind_equation
 from .knobs import current_knobs
 from .nested import rebind_nested
+from .stage_shard_map import on_another_mesh, onto_stage
 
 __all__ = ["constrain_hint", "logical_spec_to_mesh", "resolve_deferred", "shard_map", "with_sharding_constraint"]
 
@@ -169,7 +170,8 @@ def resolve_deferred(eqn: Any, ins: list) -> list:
 
     A constraint the user's code made to a `NamedSharding` on other devices than the submesh running it
     (the whole mesh, in a pipeline stage, also a bare spec resolved on it; another stage, for a body JAX
-    traced once for two tasks) keeps its spec, resolved on that submesh by its rules. Constraints inside
+    traced once for two tasks) keeps its spec, resolved on that submesh by its rules; a `shard_map` on
+    another mesh runs on that submesh (`stage_shard_map.onto_stage`). Constraints inside
     nested jaxprs (a remat's body, a scan's) are resolved alike (`nested.rebind_nested`).
     """
     if eqn.primitive is logical_constraint_p:
@@ -179,14 +181,18 @@ def resolve_deferred(eqn: Any, ins: list) -> list:
         return [with_sharding_constraint(ins[0], PartitionSpec(*eqn.params["spec"]))]
     if eqn.primitive.name == "sharding_constraint" and _on_other_devices(eqn.params.get("sharding")):
         return [with_sharding_constraint(ins[0], eqn.params["sharding"].spec)]
+    if on_another_mesh(eqn):  # a shard_map over the model's own mesh: on the running submesh
+        return onto_stage(eqn, ins)
     nested = rebind_nested(eqn, ins, resolve_deferred, _to_resolve)
     return nested if nested is not None else bind_equation(eqn, ins)
 
 
 def _to_resolve(eqn: Any) -> bool:
-    """A constraint `resolve_deferred` changes: deferred, or on other devices than the running submesh."""
+    """An equation `resolve_deferred` changes: a constraint deferred or on other devices than the running
+    submesh, a shard_map on another mesh."""
     return eqn.primitive is logical_constraint_p or (
-        eqn.primitive.name == "sharding_constraint" and _on_other_devices(eqn.params.get("sharding")))
+        eqn.primitive.name == "sharding_constraint" and _on_other_devices(eqn.params.get("sharding"))) or (
+        on_another_mesh(eqn))
 
 
 def _on_other_devices(sharding: Any) -> bool:

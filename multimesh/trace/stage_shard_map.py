@@ -1,0 +1,219 @@
+"""A `shard_map` the model calls with its own mesh, run on the pipeline stage's submesh.
+
+Model code computes parts of a layer per device with ``jax.shard_map(f,
+mesh=<its mesh>, in_specs=..., out_specs=...)``: an MoE layer's experts, with
+a ``psum`` over its ``expert`` axis. In a pipeline each stage runs on a
+submesh, in a program JAX compiles for the submesh's devices only, and a
+`shard_map` over the whole mesh cannot run there. As a sharding constraint
+does, such a `shard_map` runs on the submesh of the stage that runs it: its
+``in_specs`` and ``out_specs`` keep their axes, now the submesh's (a stage
+that splits the mesh along ``x`` keeps ``x`` with size 1), and a collective
+inside keeps its meaning on the stage's devices (a ``psum`` over ``expert``
+sums over the stage's expert group). An axis the specs name that the stage
+lacks is an error naming the function, the stage and the axis.
+
+Two places move it:
+
+* while a step is traced (`routing_stage_shard_maps`, in force with any
+  placement), for a `shard_map` whose stage is known then: inside a scope
+  `register_task` matches (a named scope, an NNX path) on a mesh of Auto
+  axes, and on the stage's abstract mesh on which a pipeline of Explicit
+  axes is traced again (`run.parallelize._retrace_on_stages`), where JAX
+  would refuse a mesh other than the one in context. The function is traced
+  on the stage's submesh, so its shapes are the stage's;
+* where a segment's program is compiled (`onto_stage`, a rule of
+  `constraints.resolve_deferred`): an equation traced on another mesh (the
+  whole mesh, for stages chosen by ``register_task(params=...)``, which are
+  known only once the step is traced; or another stage's) is bound on the
+  submesh, its body as traced. There the axes its specs name must have the
+  same sizes on both meshes (the body's shapes are per device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from .._compat.shard_map import (
+    ShardMapCall,
+    equation_context,
+    set_shard_map_router,
+    shard_map_call,
+    shard_map_moved,
+    shard_map_rebound,
+)
+from ..core.meshes import abstract_mesh_context
+from ..core.placement import Placement, current_placement, while_placed
+from .implicit import placement_in_scope
+from .interpret import bind_equation, interpret
+from .scopes import scope_stack
+
+__all__ = ["StageAxisError", "on_another_mesh", "onto_stage", "routing_stage_shard_maps"]
+
+
+class StageAxisError(ValueError):
+    """A `shard_map` inside a pipeline stage names a mesh axis the stage's submesh lacks (or has at another
+    size where the body's shapes depend on it)."""
+
+
+def _spec_axes(specs: Any) -> set[str]:
+    """The mesh axes a tree of `PartitionSpec`s names."""
+    leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+    return {a for s in leaves if isinstance(s, PartitionSpec) for entry in s if entry is not None
+            for a in (entry if isinstance(entry, tuple) else (entry,)) if isinstance(a, str)}
+
+
+def _what(function: Any, scope: str | None) -> str:
+    name = function if isinstance(function, str) else getattr(function, "__name__", None) or "<function>"
+    return f"shard_map of {name!r}" + (f" (scope {scope!r})" if scope else "")
+
+
+def _check_axes(what: str, axes: set[str], given: Any, stage: Placement) -> None:
+    """Refuse an axis the specs (or ``axis_names``) name that the stage's submesh lacks."""
+    missing = sorted(axes - set(stage.mesh.axis_names))
+    if not missing:
+        return
+    sizes = dict(given.shape) if given is not None and not given.empty else {}
+    shown = ", ".join(f"{a!r}" + (f" (size {sizes[a]} on its own mesh)" if a in sizes else "") for a in missing)
+    raise StageAxisError(
+        f"{what} names mesh ax{'is' if len(missing) == 1 else 'es'} {shown} in its in_specs/out_specs, which "
+        f"the stage {stage.describe()} lacks. Inside a pipeline stage a shard_map runs on the stage's submesh "
+        f"with its specs unchanged: give the stage's submesh the model's axis names (where stages split the "
+        f"mesh along an axis, keep it with size 1: Task(mesh_slice={{{missing[0]!r}: i}}) or a Mesh of the "
+        f"model's axes), or write the specs with the stage's axes {dict(stage.mesh.shape)}")
+
+
+def _target(given: Any) -> Placement | None:
+    """The placement whose submesh a call given mesh ``given`` runs on while traced here; None: as given.
+
+    JAX's context mesh, where there is one (Explicit axes), is the one the call must be on: in a pipeline's
+    trace on its stages' abstract mesh, that stage's submesh; in the first trace on the whole mesh, the step's
+    own mesh (a stage's submesh given there, e.g. by multimesh's `shard_map` inside a registered scope, moves
+    there when its program is compiled). Without one (Auto axes) it is the submesh of the scope being traced,
+    and for a call given no mesh either, else the placement's (where JAX's context mesh would be).
+    """
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.manual_axes:
+        return None   # inside another shard_map
+    placement = current_placement()
+    in_scope = placement_in_scope() if placement is None or placement.defer else placement
+    if context.empty:   # no mesh given either: the placement's, as JAX's context would have given it
+        where = in_scope if given is not None or in_scope is not None else placement
+        return None if where is None or given == where.mesh else where
+    if given is None or given.abstract_mesh == context:
+        return None
+    for candidate in (in_scope, placement):
+        if candidate is not None and candidate.mesh.abstract_mesh == context:
+            return candidate
+    return None
+
+
+def _route(given: Any, axis_names: Any, in_specs: Any, out_specs: Any, function: Callable | None) -> tuple:
+    """`set_shard_map_router`'s route: the call on the submesh `_target` names, its specs checked there."""
+    stage = _target(given)
+    if stage is None or stage.mesh == given:
+        return given, axis_names
+    _check_axes(_what(function, scope_stack() or None), _spec_axes((in_specs, out_specs)), given, stage)
+    if axis_names:   # manual over those of its axes the stage has (an axis no spec names may be gone)
+        axis_names = frozenset(axis_names) & set(stage.mesh.axis_names)
+    return stage.mesh, axis_names
+
+
+def on_another_mesh(eqn: Any) -> bool:
+    """Whether ``eqn`` is a `shard_map` on another mesh than the submesh of the placement in force."""
+    call = shard_map_call(eqn)
+    placement = current_placement()
+    return call is not None and placement is not None and _elsewhere(call.mesh, placement.mesh)
+
+
+def _elsewhere(mesh: Any, here: Any) -> bool:
+    """Whether ``mesh`` is another than ``here``: a concrete mesh another concrete mesh; an abstract mesh (or
+    any mesh compared with one) of another shape, axis names or types."""
+    if isinstance(mesh, Mesh) and isinstance(here, Mesh):
+        return mesh != here
+    return getattr(mesh, "abstract_mesh", mesh) != getattr(here, "abstract_mesh", here)
+
+
+def onto_stage(eqn: Any, ins: list) -> list:
+    """``eqn``, a `shard_map` on another mesh, bound on the submesh of the placement in force (see the module
+    docstring): its specs and body unchanged, made manual over the same axes that the submesh has."""
+    call = shard_map_call(eqn)
+    stage = current_placement()
+    assert call is not None and stage is not None
+    what = _what(call.function, None)
+    named = _spec_axes((call.in_specs, call.out_specs))
+    _check_axes(what, named, call.mesh, stage)
+    _check_sizes(what, call, named, stage)
+    manual = call.manual_axes & set(stage.mesh.axis_names)
+    if not _elsewhere(call.mesh, stage.mesh.abstract_mesh):   # same shape: the body's types hold there
+        return bind_equation(shard_map_moved(eqn, stage.mesh, manual), ins)
+    return shard_map_rebound(eqn, ins, stage.mesh, manual, _body_here)
+
+
+def _body_here(jaxpr: Any, ins: list) -> list:
+    """A shard_map's body evaluated on the manual mesh in context (each equation in its own context but that)."""
+    return interpret(jaxpr, (), ins, _bind_here)
+
+
+#: Calls whose body is inlined in a shard_map's body moved onto another mesh (its types were the old mesh's):
+#: primitive -> the parameter holding the body. The program is differentiated already: a custom rule's body
+#: is all that runs.
+_INLINED = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "checkpoint": "jaxpr",
+            "remat": "jaxpr", "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr"}
+
+
+def _bind_here(eqn: Any, ins: list) -> list:
+    body = eqn.params.get(_INLINED.get(eqn.primitive.name, ""))
+    if body is not None:
+        inner = getattr(body, "jaxpr", body)
+        return interpret(inner, getattr(body, "consts", ()), ins, _bind_here)
+    mesh = jax.sharding.get_abstract_mesh()
+    with equation_context(eqn), abstract_mesh_context(mesh):
+        outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _check_sizes(what: str, call: ShardMapCall, named: set[str], stage: Placement) -> None:
+    """The body was traced with each device's part of its inputs: an axis the specs name must split them as
+    much on the stage as on the mesh it was traced on."""
+    sizes, here = dict(call.mesh.shape), dict(stage.mesh.shape)
+    differ = sorted(a for a in named if sizes.get(a) != here[a])
+    if differ:
+        shown = ", ".join(f"{a!r}: {sizes.get(a)} -> {here[a]}" for a in differ)
+        raise StageAxisError(
+            f"{what}, traced on the mesh {sizes}, runs on the stage {stage.describe()}, whose axes its specs name "
+            f"have other sizes ({shown}): its body was traced for each device's part on the first, and stages "
+            f"chosen by register_task(params=...) are known only after tracing. Choose the stages by scope "
+            f"(register_task of a named scope or module around the shard_map), which traces it on the stage, use "
+            f"a mesh of Explicit axes (the pipeline is traced again on its stages' mesh), or keep these axes' "
+            f"sizes on every stage")
+
+
+_DEPTH = 0
+_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def routing_stage_shard_maps() -> Iterator[None]:
+    """A `shard_map` called while the block runs goes to the stage its trace is on (nested blocks share one
+    routing)."""
+    global _DEPTH
+    with _LOCK:
+        if _DEPTH == 0:
+            set_shard_map_router(_route)
+        _DEPTH += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _DEPTH -= 1
+            if _DEPTH == 0:
+                set_shard_map_router(None)
+
+
+while_placed(routing_stage_shard_maps)
