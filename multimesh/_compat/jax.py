@@ -1,4 +1,5 @@
-"""JAX and jaxlib internals used by multimesh (tested: the suite on jax/jaxlib 0.12.0, its smoke subset on 0.11.0).
+"""JAX and jaxlib internals used by multimesh (tested: the suite on jax/jaxlib 0.12.1 and 0.12.0, its smoke
+subset on 0.11.0).
 
 Each function names the public API that would replace it. What jax 0.13 is known to change here is in
 ``README.md`` beside this module.
@@ -6,22 +7,27 @@ Each function names the public API that would replace it. What jax 0.13 is known
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Sequence
 from typing import Any
 
+from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import distributed as _distributed
 from jax._src import mesh as _mesh
 from jax._src import source_info_util as _source_info
 from jax._src.interpreters import partial_eval as _pe
-from jax.extend.core import Jaxpr
-from jax.sharding import Mesh, NamedSharding
+from jax.extend.core import Jaxpr, JaxprEqn
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 __all__ = [
     "batched_copy",
     "concrete_mesh_in_context",
     "convert_constvars_jaxpr",
     "coordination_client",
+    "equation_abstract_mesh",
+    "equation_context",
     "is_name_scope",
     "legacy_mesh_in_context",
     "name_scope",
@@ -64,6 +70,39 @@ def coordination_client() -> Any:
     exchanges arrays only, through a compiled program). Tested on jax 0.12.0.
     """
     return _distributed.global_state.client
+
+
+def equation_context(eqn: JaxprEqn) -> contextlib.AbstractContextManager:
+    """The settings ``eqn`` was traced under (abstract mesh, compute type, PRNG partitioning, XLA metadata...),
+    in force inside ``with``: to bind its primitive again as the equation did (``eqn.ctx.manager``).
+
+    Public replacement: none (``jax.extend.core.JaxprEqn`` carries ``ctx``, a ``jax._src.core.JaxprEqnContext``
+    whose fields are not part of the API). Tested on jax 0.12.1 and 0.12.0.
+    """
+    return eqn.ctx.manager
+
+
+#: jax 0.11.0 to 0.12.0: an equation's context has one field per setting (``cur_abstract_mesh``...); from
+#: 0.12.1 it holds the values of the settings registered for it, in the order of ``jaxpr_eqn_ctx_names()``.
+_CONTEXT_HAS_FIELDS = hasattr(_core.JaxprEqnContext, "cur_abstract_mesh")
+
+
+@functools.cache
+def _abstract_mesh_slot() -> int:
+    return _config.jaxpr_eqn_ctx_names().index("abstract_mesh_context_manager")
+
+
+def equation_abstract_mesh(eqn: JaxprEqn) -> AbstractMesh:
+    """The abstract mesh that was in context where ``eqn`` was traced (an empty one where none was).
+
+    Read as ``eqn.ctx.cur_abstract_mesh`` on jax 0.11.0 to 0.12.0 (checked in their sources, run on 0.12.0),
+    from ``eqn.ctx.configs`` at the slot ``jaxpr_eqn_ctx_names()`` gives ``abstract_mesh_context_manager``
+    from 0.12.1 (run on 0.12.1). Public replacement: ``jax.sharding.get_abstract_mesh()`` inside
+    `equation_context` (the same mesh, for the cost of entering every setting of the equation).
+    """
+    if _CONTEXT_HAS_FIELDS:
+        return eqn.ctx.cur_abstract_mesh
+    return eqn.ctx.configs[_abstract_mesh_slot()]
 
 
 def convert_constvars_jaxpr(jaxpr: Jaxpr) -> Jaxpr:
