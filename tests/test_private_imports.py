@@ -234,7 +234,8 @@ def test_each_kind_of_private_use_is_found(tmp_path, source, found):
 
 @pytest.mark.parametrize("source", [
     "import jax\njax.__version__\n",
-    "class A:\n    def __init__(self):\n        self._x = 1\n    def f(self):\n        return self._x + getattr(self, '_x')\n",
+    "class A:\n    def __init__(self):\n        self._x = 1\n    def f(self):\n"
+    "        return self._x + getattr(self, '_x')\n",
     "class A:\n    def _f(self):\n        return 1\nclass B(A):\n    def _f(self):\n        return super()._f()\n",
     "class A:\n    @classmethod\n    def f(cls):\n        return cls._g()\n",
     "def f(presence):\n    return presence._watch\n",  # listed in OWN_SHARED
