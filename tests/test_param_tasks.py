@@ -84,14 +84,19 @@ def test_pipeline_by_parameter_paths_equals_one_device():
     assert step_fn.plan.schedule.num_stages == 2 and step_fn.plan.schedule.num_microbatches == 4
     one = jax.sharding.SingleDeviceSharding(devices[0])
     ref_step, ref_state = jax.jit(make_step()), jax.device_put(jax.jit(init)(), one)
+    same_step, same_state = jax.jit(make_step(4)), ref_state   # the same 4 microbatches, on one device
     ref_batch = jax.device_put(get_batch(), one)
     state, batch = init_fn(), batch_fn()
     for _ in range(STEPS):
         value, state = step_fn(state, batch)
         want, ref_state = ref_step(ref_state, ref_batch)
+        _, same_state = same_step(same_state, ref_batch)
         np.testing.assert_allclose(float(value), float(want), rtol=1e-5)
-        for a, b in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(jax.device_get(ref_state))):
-            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+        # the whole batch sums its rows in another order than 4 microbatches: a few ulps apart (the momentum
+        # reaches ~35, where float32's ulp is 4e-6); the same microbatches on one device agree to rounding
+        for a, b, c in zip(*(jax.tree.leaves(jax.device_get(s)) for s in (state, ref_state, same_state))):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(a, c, rtol=1e-6, atol=1e-6)
     first, second = set(devices[:4]), set(devices[4:])
     for tree in (state["params"], state["opt"][0].trace):
         for i, layer in enumerate(tree["layers"]):

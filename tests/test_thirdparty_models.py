@@ -53,6 +53,7 @@ import pytest
 from helpers import guide_cells
 from jax.sharding import AxisType, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
+from vendored import import_or_skip
 
 from multimesh.checkpoint import CheckpointManager, abstract_target
 from multimesh.jax import build_mesh, microbatch, parallelize, register_task
@@ -70,13 +71,21 @@ TX = optax.adam(1e-2)
 # ----------------------------------------------------------------- importing the vendored code
 def _load_file(name: str, path: Path) -> types.ModuleType:
     """A single-file module imported under a unique name (two vendored files are ``models.py``,
-    and the repository has a ``models`` package of its own)."""
+    and the repository has a ``models`` package of its own); a skip saying why if it does not import."""
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
+        import_or_skip(f"tests/{path.relative_to(THIRDPARTY.parent)}", lambda: _exec_file(name, path))
     return sys.modules[name]
+
+
+def _exec_file(name: str, path: Path) -> None:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]  # no half-imported module for the next test
+        raise
 
 
 def _import_flat(folder: Path, names: Sequence[str]) -> dict[str, types.ModuleType]:
@@ -91,7 +100,7 @@ def _import_flat(folder: Path, names: Sequence[str]) -> dict[str, types.ModuleTy
     sys.modules.update(stub)
     sys.path.insert(0, str(folder))
     try:
-        return {n: importlib.import_module(n) for n in names}
+        return import_or_skip(f"tests/thirdparty/{folder.name}", lambda: {n: importlib.import_module(n) for n in names})
     finally:
         sys.path.remove(str(folder))
         for n in (*names, *stub):
@@ -103,7 +112,8 @@ def _import_flat(folder: Path, names: Sequence[str]) -> dict[str, types.ModuleTy
 def _nanodo() -> types.ModuleType:
     sys.path.insert(0, str(THIRDPARTY / "nanodo"))
     try:
-        return importlib.import_module("nanodo.model")  # it imports `from nanodo import fsdp`
+        return import_or_skip("tests/thirdparty/nanodo",  # it imports `from nanodo import fsdp`
+                              lambda: importlib.import_module("nanodo.model"))
     finally:
         sys.path.remove(str(THIRDPARTY / "nanodo"))
 
@@ -366,7 +376,9 @@ def flax_on_pjit() -> Model:
         sys.modules[module.__name__] = module
         with contextlib.redirect_stdout(None):       # the cells print the mesh
             for cell in cells:
-                exec(compile(cell, str(page), "exec"), module.__dict__)
+                import_or_skip("tests/thirdparty/flax_on_pjit/flax_on_pjit.md",
+                               lambda: exec(compile(cell, str(page), "exec"), module.__dict__),  # noqa: B023
+                               errors=(ImportError,))
         if one_device:
             module.mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
         return module.__dict__

@@ -48,6 +48,7 @@ from flax import nnx
 from helpers import guide_cells
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from vendored import import_or_skip
 
 from multimesh.checkpoint import CheckpointManager
 from multimesh.jax import build_mesh, parallelize, register_task
@@ -71,7 +72,8 @@ def run_cells(page: Path, *markers: str, cut: str | None = None, fence: str = "`
         for cell in guide_cells(page, *markers, fence=fence):
             if cut is not None and cut in cell:
                 cell = cell[:cell.index(cut)]
-            exec(compile(cell, str(page), "exec"), namespace)
+            import_or_skip(f"tests/thirdparty/flax_nnx_guides/{page.name}",
+                           lambda: exec(compile(cell, str(page), "exec"), namespace), errors=(ImportError,))  # noqa: B023
             if "auto_mesh = jax.make_mesh" in cell:  # the page means an Auto mesh, as it says
                 namespace["auto_mesh"] = jax.make_mesh((2, 4), ("data", "model"), axis_types=AUTO)
     return namespace
@@ -402,7 +404,8 @@ def scan_mlp_objects() -> tuple:
     """The example's ``ScanMLP`` (the file run as it is: it builds and calls one at its own sizes) of 4 layers,
     and an optimizer."""
     with contextlib.redirect_stdout(None):
-        scan_mlp = runpy.run_path(str(SCAN_OVER_LAYERS))["ScanMLP"]
+        scan_mlp = import_or_skip(f"tests/thirdparty/flax_nnx_guides/{SCAN_OVER_LAYERS.name}",
+                                  lambda: runpy.run_path(str(SCAN_OVER_LAYERS)))["ScanMLP"]
     model = scan_mlp(WIDTH, n_layers=LAYERS, rngs=nnx.Rngs(0))
     return model, nnx.Optimizer(model, optax.sgd(0.05, 0.9), wrt=nnx.Param)
 

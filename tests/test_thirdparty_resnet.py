@@ -24,6 +24,7 @@ import pytest
 from flax.training import train_state
 from jax import lax
 from jax.sharding import PartitionSpec as P
+from vendored import import_or_skip
 
 from multimesh.jax import build_mesh, microbatch, parallelize, register_task
 
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.devices(8)
 _spec = importlib.util.spec_from_file_location(
     "thirdparty_flax_resnet_models", Path(__file__).resolve().parent / "thirdparty" / "flax_resnet" / "models.py")
 models = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(models)
+import_or_skip("tests/thirdparty/flax_resnet/models.py", lambda: _spec.loader.exec_module(models))
 
 BATCH, SIZE, CLASSES, STEPS = 16, 16, 10, 3
 #: ResNet-10-like: two stages of one basic block, 8 filters (the second stage strided, with a projection)

@@ -63,6 +63,7 @@ from jax.core import ShapedArray
 from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal, Var
 
+from .._compat.jax import equation_context
 from ..core.jaxprs import subjaxprs
 from ..trace.implicit import Registration, names_in, registered_tasks, scope_names, split_for
 from ..trace.task import Placement
@@ -311,7 +312,7 @@ def _parts(x: Any, how: SplitArray) -> list:
 
 def _bind(eqn: JaxprEqn, ins: Sequence[Any], **changed: Any) -> list:
     params = eqn.primitive.get_bind_params({**eqn.params, **changed})
-    with eqn.ctx.manager:
+    with equation_context(eqn):
         outs = eqn.primitive.bind(*ins, **params)
     return list(outs) if eqn.primitive.multiple_results else [outs]
 

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 from jax.extend.core import Jaxpr, JaxprEqn, Literal
 
+from .._compat.jax import equation_abstract_mesh, equation_context
 from ..core.meshes import abstract_mesh_context
 
 __all__ = ["bind_equation", "interpret"]
@@ -32,8 +33,8 @@ def bind_equation(eqn: JaxprEqn, inputs: Sequence[Any], mesh_in_context: bool = 
     were re-traced (a pipeline stage's segment of a step traced on the whole mesh).
     """
     mesh = jax.sharding.get_abstract_mesh()
-    keep = mesh_in_context and mesh != eqn.ctx.cur_abstract_mesh
-    with eqn.ctx.manager, (abstract_mesh_context(mesh) if keep else contextlib.nullcontext()):
+    keep = mesh_in_context and mesh != equation_abstract_mesh(eqn)
+    with equation_context(eqn), (abstract_mesh_context(mesh) if keep else contextlib.nullcontext()):
         outs = eqn.primitive.bind(*inputs, **eqn.primitive.get_bind_params(eqn.params))
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
