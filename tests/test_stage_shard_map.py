@@ -185,11 +185,7 @@ def test_shard_map_in_a_stage_equals_one_device(axis_type, form, by):
         assert layer["w"].sharding.device_set == devices[i]
 
 
-#: a remat's body is traced again by interpret.bind_equation(mesh_in_context=True), which reads the equation
-#: context's abstract mesh as jax 0.12.0 keeps it (jax 0.12.1 no longer does: an AttributeError)
-_REMAT_ON_NEW_JAX = pytest.mark.xfail(raises=AttributeError, strict=False,
-                                      reason="JaxprEqnContext.cur_abstract_mesh is gone in jax 0.12.1")
-NESTED = [pytest.param(t, form, id=f"{t.name}-{form}", marks=[_REMAT_ON_NEW_JAX] if form == "remat around" else [])
+NESTED = [pytest.param(t, form, id=f"{t.name}-{form}")
           for t in (AxisType.Explicit, AxisType.Auto) for form in ("jit in the body", "remat around")]
 
 
