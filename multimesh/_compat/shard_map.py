@@ -18,7 +18,7 @@ from jax._src import flattree as _ft
 from jax._src import shard_map as _shard_map
 from jax.extend.core import JaxprEqn
 
-__all__ = ["ShardMapCall", "equation_context", "set_shard_map_router", "shard_map_call", "shard_map_moved",
+__all__ = ["ShardMapCall", "set_shard_map_router", "shard_map_call", "shard_map_moved",
            "shard_map_rebound"]
 
 #: JAX's own check of a call's mesh, as imported.
@@ -107,13 +107,3 @@ def shard_map_rebound(eqn: JaxprEqn, ins: list, mesh: Any, manual_axes: frozense
                                        check_vma=params["check_vma"], newly_manual_axes=frozenset(manual_axes),
                                        debug_info=jaxpr.debug_info)
     return list(outs)
-
-
-
-def equation_context(eqn: JaxprEqn) -> Any:
-    """A context manager putting ``eqn``'s context in force (``eqn.ctx.manager``: the configuration it was
-    traced under, its abstract mesh included), to bind its primitive as the equation does.
-
-    Public replacement: none (``jax.extend.core.JaxprEqn`` does not describe ``ctx``). Tested on jax 0.12.1 and 0.12.0.
-    """
-    return eqn.ctx.manager

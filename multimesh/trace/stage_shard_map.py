@@ -39,9 +39,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
+from .._compat.jax import equation_context
 from .._compat.shard_map import (
     ShardMapCall,
-    equation_context,
     set_shard_map_router,
     shard_map_call,
     shard_map_moved,
