@@ -275,6 +275,8 @@ def resolution(
     if isinstance(spec, PartitionSpec):
         spec = tuple(spec)
     spec = tuple(spec)
+    if shape is not None and len(spec) > len(shape) and _shards_nothing(spec):
+        spec = spec[: len(shape)]  # (None,) on a scalar (an optimizer's step count): replicated, as asked
     if shape is not None and len(spec) > len(shape):
         raise RuleError(
             f"logical spec {spec} of rank {len(spec)} is longer than the rank {len(shape)} "
@@ -358,7 +360,10 @@ def resolution(
 def check_physical(
     spec: PartitionSpec, axis_sizes: Mapping[str, int], shape: Sequence[int] | None, *, path: str | None = None
 ) -> PartitionSpec:
-    """Validate a `PartitionSpec` of mesh axes against a mesh and an array shape."""
+    """Validate a `PartitionSpec` of mesh axes against a mesh and an array shape (one that shards nothing,
+    e.g. ``P(None)`` matching every path and a scalar among them, is replicated whatever its length)."""
+    if shape is not None and len(spec) > len(shape) and _shards_nothing(tuple(spec)):
+        spec = PartitionSpec(*tuple(spec)[: len(shape)])
     if shape is not None and len(spec) > len(shape):
         raise RuleError(
             f"PartitionSpec {spec} is longer than the rank {len(shape)} of the array{_where(path)} "
@@ -390,6 +395,11 @@ def check_physical(
                     f"is not divisible by mesh axes {axes} (total size {factor}) in {spec}"
                 )
     return spec
+
+
+def _shards_nothing(spec: tuple) -> bool:
+    """Whether every dimension of ``spec`` is None (replicated)."""
+    return all(entry is None for entry in spec)
 
 
 @dataclass(frozen=True)
