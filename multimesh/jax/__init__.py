@@ -9,7 +9,7 @@ from .._version import __version__
 from ..autolayout import LayoutSearch, ParallelLayout, auto_layout, parallelize, stage_task
 from ..core.meshes import build_mesh, place_mesh, slice_mesh
 from ..core.report import ShardingReport
-from ..core.rules import PathRules, RuleError, Rules, named_rules, resolve, standard_rules
+from ..core.rules import PathRules, RuleError, Rules, RuleWarning, named_rules, resolve, standard_rules
 from ..estimate import Estimate, HardwareProfile, estimate
 from ..run.checks import DonatedArrayError, StepInputError
 from ..run.initializers import ShardedInitializer
@@ -72,6 +72,7 @@ __all__ = [
     "OneFOneB",
     "PathRules",
     "RuleError",
+    "RuleWarning",
     "Rules",
     "Schedule",
     "ShardedFunction",
