@@ -67,8 +67,9 @@ def _connect(client: socket.socket, upstream: tuple[str, int]) -> None:
 
 
 def _copy(source: socket.socket, target: socket.socket, closed: threading.Event | None) -> None:
-    """Copy ``source`` to ``target`` until ``source`` closes. The client closing (``closed`` given): the
-    service is told. The service closing: the client is not (see the module's docstring)."""
+    """Copy ``source`` to ``target`` until either closes. The client closing (``closed`` given): the
+    service is told. The service closing, or failing to take what the client sends: the client is not
+    (see the module's docstring)."""
     while True:
         try:
             data = source.recv(1 << 16)
@@ -79,7 +80,7 @@ def _copy(source: socket.socket, target: socket.socket, closed: threading.Event 
         try:
             target.sendall(data)
         except OSError:
-            break
+            return  # the service is gone (client -> service) or the client is (service -> client)
     if closed is None:
         return
     closed.set()
