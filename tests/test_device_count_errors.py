@@ -29,3 +29,15 @@ def test_a_mesh_too_large_for_its_stages_suggests_the_largest_that_fits():
     with pytest.raises(ConfigError, match=r"whose product is at most 2 per pipeline stage, e\.g\. "
                                           r"layout.mesh='\{data: 2\}'"):
         check_devices({"data": 4}, 2, 4)
+
+
+def test_plan_profile_is_the_layout_search_s_profile(capsys):
+    """``multimesh-train tiny layout.mesh=auto --plan --profile h100-sxm``: the search takes the flag's profile
+    (it used to ask for layout.profile, the flag given); an unknown one names the flag."""
+    from trainers.cli import main
+
+    assert main(["tiny", "layout.mesh=auto", "--plan", "--profile", "h100-sxm", "--print-config"]) == 0
+    assert "profile: h100-sxm" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        main(["tiny", "layout.mesh=auto", "--plan", "--profile", "h999", "--print-config"])
+    assert stop.value.code == 2 and "--profile h999" in capsys.readouterr().err
