@@ -178,10 +178,17 @@ def test_a_checkpoint_of_two_processes_restores_in_one_and_back(tmp_path):
     check(reports, 2)
 
 
+def _worker_env() -> dict[str, str]:
+    """This environment for a worker, without the caller's XLA flags, importing this checkout's multimesh."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return env
+
+
 def _kill_mid_run(victim: int) -> tuple[subprocess.Popen, str, float]:
     """Run a long 2-process pipeline, SIGKILL process ``victim`` after its 5th step; the survivor, its
     stderr and how long it took to exit after the kill."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+    env = _worker_env()
     env["MP_STEPS"] = "1000000"
     port = free_port()
     procs = [subprocess.Popen([sys.executable, str(WORKER), "one_stage_per_process", str(i), "2", str(port), "2"],
@@ -235,8 +242,7 @@ def test_killing_the_coordinator_while_the_other_waits_in_jax_ends_it_with_proce
     ProcessLostError naming process 0 within the presence grace, every try. (JAX's client, connected to
     the coordination service directly, aborts it from C++ within a second of the service's socket
     closing.)"""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env = _worker_env()
     worker = WORKER.with_name("mp_waiting_worker.py")
     for attempt in range(3):
         port = free_port()
@@ -255,6 +261,56 @@ def test_killing_the_coordinator_while_the_other_waits_in_jax_ends_it_with_proce
                 p.wait()
         assert procs[1].returncode == 1 and seconds < 20, (attempt, procs[1].returncode, seconds, err[-3000:])
         assert "ProcessLostError" in err and "process 0 (the coordinator) stopped" in err, (attempt, err[-3000:])
+        assert not JAX_ABORT.search(err), (attempt, err[-3000:])
+
+
+#: the trainer's pipeline config, small (as tests/test_launchers.py runs it), saving every 2 steps, no end
+TRAINER_PIPELINE = ["-m", "trainers", "pipeline", "model.d_model=32", "model.max_len=32", "data.seq_len=32",
+                    "data.batch_size=8", "data.max_bytes=200000", "train.eval_batches=2", "train.log_every=1",
+                    "train.steps=100000", "train.checkpoint_every=2", "-q"]
+
+
+def _trainer_reached(out: Path, moment: str) -> bool:
+    """Whether process 0's run in ``out`` reached ``moment``: "start" (it wrote its first file), "step" (a
+    metrics line), "save" (a checkpoint step being written)."""
+    if moment == "start":
+        return out.is_dir() and any(out.iterdir())
+    if moment == "step":
+        return (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count("\n") >= 1
+    return (out / "checkpoints").is_dir() and any(p.name[0].isdigit() or p.name.startswith(".")
+                                                   for p in (out / "checkpoints").iterdir())
+
+
+@pytest.mark.slow  # a minute a try: two trainer processes start, compile and train
+@pytest.mark.parametrize("moment", ["start", "step", "save"])
+def test_killing_process_0_of_the_trainer_ends_process_1_with_process_lost_error(tmp_path, moment):
+    """``multimesh-train pipeline`` on 2 processes, process 0 killed (SIGKILL) during start-up (after JAX
+    joined), at a step or during a save: process 1 exits 1 with ProcessLostError naming process 0, twice
+    in a row, never by JAX's C++ abort (status 134, "detected fatal errors")."""
+    for attempt in range(2):
+        out, port = tmp_path / f"run{attempt}", free_port()
+        procs = [subprocess.Popen([sys.executable, *TRAINER_PIPELINE, f"train.out_dir={out}", "--coordinator",
+                                   f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)], cwd=REPO,
+                                  env=_worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                 for i in range(2)]
+        try:
+            deadline = time.monotonic() + 300
+            while not _trainer_reached(out, moment):
+                assert time.monotonic() < deadline and procs[0].poll() is None, (moment, procs[0].poll())
+                time.sleep(0.02)
+            if moment == "start":
+                time.sleep(1.0)  # JAX's start-up, compiling
+            procs[0].kill()
+            killed = time.monotonic()
+            _, err = procs[1].communicate(timeout=120)
+            seconds = time.monotonic() - killed
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        assert procs[1].returncode == 1 and seconds < 30, (attempt, procs[1].returncode, seconds, err[-3000:])
+        assert "ProcessLostError" in err and "process 0 (the coordinator)" in err, (attempt, err[-3000:])
         assert not JAX_ABORT.search(err), (attempt, err[-3000:])
 
 
@@ -292,7 +348,7 @@ def test_a_save_that_loses_a_process_names_it_and_keeps_nothing(tmp_path, checks
     save of step 1 fails in an exchange (the checksums' gather, or Orbax's own barrier without checksums)
     with a `ProcessLostError` naming process 1, or, blocked in that exchange, is stopped by presence with
     the same error; within the heartbeat timeout, never by JAX's abort, and step 0 is all there is."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+    env = _worker_env()
     port, worker = free_port(), WORKER.with_name("mp_lost_save_worker.py")
     procs = [subprocess.Popen([sys.executable, str(worker), str(i), str(port), str(tmp_path / "ck"), str(int(checksums))],
                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -325,7 +381,7 @@ def test_a_process_killed_during_a_save_ends_the_other_with_process_lost_error(t
     """Process 1 is killed (SIGKILL) while both save step 1: process 0 ends with multimesh's
     `ProcessLostError` naming process 1, every try, within the heartbeat timeout; never by JAX's abort
     ("another task died", SIGABRT), which its coordination service would deliver at that timeout."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
+    env = _worker_env()
     worker = WORKER.with_name("mp_lost_save_worker.py")
     for attempt in range(3):
         port, directory = free_port(), tmp_path / f"ck{attempt}"
