@@ -50,7 +50,7 @@ from ..trace.knobs import (
     only_fuse_loop_tasks,
 )
 from ..trace.lifecycle import custom_partitioning, shutdown
-from ..trace.microbatch import microbatch
+from ..trace.microbatch import MicrobatchMeanWarning, microbatch
 from ..trace.task import ignore_transforms, task
 from ..trace.taskspec import Task, TaskMesh, slice_global_mesh
 
@@ -68,6 +68,7 @@ __all__ = [
     "MJitFunction",
     "MPMDFunction",
     "MatchedName",
+    "MicrobatchMeanWarning",
     "MultiMesh",
     "OneFOneB",
     "PathRules",
