@@ -52,6 +52,7 @@ from ._version import __version__
 from .core import presence
 from .core.processes import ProcessLostError, exception_chain, heartbeat_timeout, lost_process_error
 from .startup.agreement import DisagreementError, agree, source_digest
+from .startup.coordinator_relay import relay_to
 from .startup.gloo_notices import drop_gloo_notices
 from .startup.launch import Launch, resolve_launch
 from .startup.rollcall import StartupError, roll_call, split_address
@@ -134,7 +135,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     drop_gloo_notices()  # its "[Gloo] Rank r is connected to n peer ranks" lines, from every process, on stdout
     jax.config.update("jax_cross_host_transfer_socket_address", transfer_address or _free_address(host, port))
-    jax.distributed.initialize(coordinator_address, num_processes=num_processes, process_id=process_id,
+    # the others reach process 0's coordination service through a relay that never closes JAX's side:
+    # process 0's death is then presence's ProcessLostError, not JAX's abort (`startup.coordinator_relay`)
+    client_address = coordinator_address if process_id == 0 else relay_to(coordinator_address)
+    jax.distributed.initialize(client_address, num_processes=num_processes, process_id=process_id,
                                local_device_ids=launch.local_device_ids,
                                initialization_timeout=initialization_timeout,
                                heartbeat_timeout_seconds=heartbeat_timeout_seconds)

@@ -274,10 +274,8 @@ def check_mpmd_against_reference(step: Callable, init: Callable[[], Any], batch:
         loss, grads, state = fn(state, b)
         ref_loss, ref_grads, ref_state = ref(ref_state, ref_b)
         np.testing.assert_allclose(loss, ref_loss, rtol=RTOL)
-        for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=grad_rtol, atol=ATOL)
-    for a, r in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(r, np.float32), rtol=grad_rtol, atol=ATOL)
+        assert_trees_close(grads, ref_grads, rtol=grad_rtol, what="gradients")
+    assert_trees_close(state, ref_state, rtol=grad_rtol, what="state", as_float32=True)
     return fn, state
 
 
@@ -320,15 +318,17 @@ def train_steps(step_fn: Callable, init_fn: Callable, batch_fn: Callable, steps:
 # ----------------------------------------------------------------------------
 
 
-def assert_trees_close(got: Any, want: Any, *, rtol: float = RTOL, atol: float = ATOL, what: str = "") -> None:
-    """Same structure (boxes included), every leaf close."""
+def assert_trees_close(got: Any, want: Any, *, rtol: float = RTOL, atol: float = ATOL, what: str = "",
+                       as_float32: bool = False) -> None:
+    """Same structure (boxes included), every leaf close (compared in float32 with ``as_float32``: a
+    bfloat16 leaf against its float32 reference)."""
     assert jax.tree.structure(got) == jax.tree.structure(want), (
         f"{what}: structures differ:\n{jax.tree.structure(got)}\n{jax.tree.structure(want)}"
     )
-    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
-        np.testing.assert_allclose(
-            np.asarray(g), np.asarray(w), rtol=rtol, atol=atol, err_msg=f"{what} {jax.tree_util.keystr(path)}"
-        )
+    dtype = np.float32 if as_float32 else None
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g, dtype), np.asarray(w, dtype), rtol=rtol, atol=atol,
+                                   err_msg=f"{what} {jax.tree_util.keystr(path)}")
 
 
 def _key(k: Any) -> str:

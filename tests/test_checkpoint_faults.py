@@ -494,6 +494,36 @@ def test_a_save_is_reported_only_once_its_own_step_is_committed(tmp_path, other)
     mgr.close()
 
 
+def test_poll_never_waits_for_a_save_in_flight_and_raises_its_failure_at_the_first_call_after(tmp_path,
+                                                                                               monkeypatch):
+    """`poll` while Orbax still writes: the step, at once (it never waits for the save); the first `poll`
+    once the write has failed: its `CheckpointSaveError` (not None first, nor only at the next save)."""
+    import errno
+
+    mgr = CheckpointManager(str(tmp_path / "ck"))
+    orbax = mgr._mgr
+    writing = threading.Event()
+    writing.set()
+    failed = OSError(errno.ENOSPC, "No space left on device")
+    mgr.save(1, {"w": jax.numpy.arange(8.0)})  # Orbax's own save waits for the one before: patched after it
+    monkeypatch.setattr(orbax, "is_saving_in_progress", writing.is_set)
+    real_wait = orbax.wait_until_finished
+
+    def wait_until_finished():
+        assert not writing.is_set(), "poll waited for a save still in flight"
+        real_wait()
+        raise failed
+
+    monkeypatch.setattr(orbax, "wait_until_finished", wait_until_finished)
+    assert [mgr.poll() for _ in range(3)] == [1, 1, 1]
+    writing.clear()  # the write has ended, with an error
+    with pytest.raises(CheckpointSaveError, match=r"could not save checkpoint step 1 .*No space left on device"):
+        mgr.poll()
+    assert mgr.poll() is None  # reported once
+    monkeypatch.undo()
+    mgr.close()
+
+
 # --------------------------------------------------------------- full disk
 _FULL_DISK_CHILD = textwrap.dedent("""
     import json, os, sys, time

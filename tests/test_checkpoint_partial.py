@@ -211,3 +211,20 @@ def test_nnx_model_of_a_saved_model_and_optimizer(tmp_path):
         assert isinstance(restored, nnx.Linear)
         assert np.array_equal(np.asarray(restored.kernel[...]), np.asarray(model.kernel[...]))
         assert np.array_equal(np.asarray(restored.bias[...]), np.asarray(model.bias[...]))
+
+
+def test_a_mismatch_of_many_leaves_is_summarised_with_the_hint_first():
+    """Another optimizer's state against the saved one (a hundred leaves differ): the counts and the hint
+    come first, naming the subtree they all lie under; a dozen lines of differences, then how many more."""
+    from multimesh.checkpoint import CheckpointMismatchError
+
+    missing = [f"opt/0/mu/layers_{i}/kernel [8, 8] float32" for i in range(60)]
+    unexpected = [f"opt/0/trace/layers_{i}/kernel [8, 8] float32 (nearest saved: opt/0/mu/layers_{i}/kernel)"
+                  for i in range(50)]
+    lines = str(CheckpointMismatchError(7, "/ck", missing, unexpected, [])).splitlines()
+    assert lines[0] == ("restore target does not match checkpoint step 7 in /ck: 60 saved leaf(s) missing from the "
+                        "target, 50 target leaf(s) not in the checkpoint."), lines[0]
+    assert lines[1].startswith("All of them lie under 'opt': the state that saved it had another 'opt'"), lines[1]
+    assert "path='params'" in lines[1] and "partial=True" in lines[1]
+    assert len(lines) <= 16 and lines[-1] == "  ... and 98 more (all in the error's missing, unexpected and mismatched)"
+    assert lines[2] == f"  missing from target (saved in checkpoint): {missing[0]}"

@@ -38,3 +38,23 @@ def test_register_task_takes_matcher():
             register_task(devices=[0])
     finally:
         clear_tasks()
+
+
+def test_a_rule_for_an_axis_the_mesh_lacks_warns_until_an_array_uses_it():
+    """MultiMesh's microbatch test gives rules ``("model", "y")`` on a mesh with only ``x``, and no array
+    names ``model``: a warning naming the rule, and the step runs; an array that names ``model`` is a
+    RuleError naming the rule and the array."""
+    from multimesh.jax import RuleError, RuleWarning, parallelize
+
+    x = np.arange(32, dtype=np.float32).reshape(16, 2)
+    loss = microbatch(lambda w, b: jnp.sum(b @ w), 0, 4, argnum=1)
+    rules = [("batch", "x"), ("model", "y")]
+    with MultiMesh(axis_sizes=(8,), axis_names=("x",)), pytest.warns(RuleWarning, match=r"rule \('model', 'y'\) "
+                                                                   r"names mesh axis 'y'.*\{'x': 8\}"):
+        step, init = parallelize(loss, init_params=lambda: jnp.ones((2, 3)), initial_batch=x, rules=rules)
+        out = step(init(), x)
+    np.testing.assert_allclose(out, np.sum(x @ np.ones((2, 3), np.float32)), rtol=1e-6)
+    with MultiMesh(axis_sizes=(8,), axis_names=("x",)), pytest.raises(RuleError, match=r"rule \('model', 'y'\) "
+                                                                      r"names mesh axis 'y'.*names 'model'"):
+        parallelize(loss, init_params=lambda: jnp.ones((2, 3)), initial_batch=x, rules=rules,
+                    param_rules=[("", ("model", None))])

@@ -152,6 +152,30 @@ def test_physical_spec_longer_than_rank():
                     param_rules={"w": P("data", None, "model")})
 
 
+@pytest.mark.parametrize("spec", [P(None), P(None, None), (None,)], ids=["P(None)", "P(None,None)", "(None,)"])
+def test_a_spec_sharding_nothing_replicates_a_scalar(spec):
+    """``param_rules=[(".*", P(None))]`` reaches an optimizer's step count (a scalar): a spec that shards
+    nothing means replicated, whatever its length; the matrix keeps its (replicated) spec."""
+    def init():
+        params = {"w": jnp.ones((16, 8))}
+        return {"params": params, "opt": optax.adam(1e-3).init(params)}
+
+    step, init_fn = parallelize(lambda s, b: jnp.sum(b["x"] @ s["params"]["w"]), init_params=init,
+                                   initial_batch={"x": np.ones((8, 16), np.float32)}, mesh=MESH,
+                                   rules=[("batch", "data")], param_rules=[(r".*", spec)])
+    shardings = leaves_by_path(step.param_shardings)
+    assert shardings["opt/0/count"].spec == P() and shardings["opt/0/count"].is_fully_replicated
+    assert shardings["params/w"].is_fully_replicated
+    assert step(init_fn(), {"x": np.ones((8, 16), np.float32)}).shape == ()
+
+
+def test_a_spec_sharding_a_scalar_says_what_fits():
+    with pytest.raises(RuleError, match=r"P\('data',\) is longer than the rank 0 .*'n'.*e\.g\. \(\)"):
+        parallelize(lambda p, b: jnp.sum(b["x"]) * p["n"], init_params=lambda: {"n": jnp.ones(())},
+                    initial_batch={"x": np.ones((8, 16), np.float32)}, mesh=MESH, rules=[("batch", "data")],
+                    param_rules=[("n", P("data"))])
+
+
 def test_malformed_rule():
     with pytest.raises(RuleError, match=r"rule #1 .*must be a pair"):
         _build(mesh=MESH, rules=[("batch", "data"), ("mlp",)])

@@ -196,6 +196,63 @@ def test_an_indexed_job_without_a_coordinator_says_what_to_set(launched):
         find_launch()
 
 
+HALF_SET = [
+    ("mpirun", "OMPI_COMM_WORLD_LOCAL_RANK", r"OMPI_COMM_WORLD_LOCAL_RANK is not set.*mpirun"),
+    ("mpirun", "OMPI_COMM_WORLD_SIZE", r"OMPI_COMM_WORLD_SIZE is not set.*mpirun"),
+    ("mpirun", "OMPI_COMM_WORLD_RANK", r"OMPI_COMM_WORLD_RANK is not set.*mpirun"),
+    ("srun", "SLURM_LOCALID", r"SLURM_LOCALID is not set.*srun"),
+    ("srun", "SLURM_PROCID", r"SLURM_PROCID is not set.*srun"),
+    ("srun", "SLURM_NTASKS", r"SLURM_NTASKS is not set.*srun"),
+    ("srun", "SLURM_STEP_NODELIST", r"SLURM_STEP_NODELIST is not set.*srun"),
+    ("job", "MULTIMESH_NUM_PROCESSES", 
+     r"JOB_COMPLETION_INDEX='1'.*no process count: MULTIMESH_NUM_PROCESSES is not set"),
+]
+
+
+@pytest.mark.parametrize("launcher, missing, message", HALF_SET, ids=[f"{b[0]}-{b[1]}" for b in HALF_SET])
+def test_a_launcher_variable_missing_is_named(launched, launcher, missing, message):
+    """A launcher's variables half set (one of those JAX reads missing) are a StartupError naming the one
+    missing, not a bare KeyError, nor a run that goes on as one process."""
+    variables = {"srun": srun_variables(1, 2, job_id=99, node="localhost"), "mpirun": mpirun_variables(1, 2),
+                 "job": indexed_job_variables(1, 2, "localhost:1234")}[launcher]
+    del variables[missing]
+    launched(variables)
+    with pytest.raises(StartupError, match=message):
+        find_launch()
+
+
+def test_a_slurm_allocation_outside_a_job_step_is_one_process(launched):
+    """A batch script or an salloc shell (no job step's variables) runs one process, as before."""
+    variables = srun_variables(0, 2, job_id=99, node="localhost")
+    launched({k: v for k, v in variables.items() if not k.startswith(("SLURM_STEP", "SLURM_LOCALID"))})
+    assert find_launch() is None
+
+
+@pytest.mark.parametrize("drop", [("OMPI_COMM_WORLD_LOCAL_RANK",), tuple(k for k in mpirun_variables(0, 1)
+                                                                         if k.startswith("OMPI_"))])
+def test_pmix_variables_without_open_mpi_s_name_what_is_missing_and_mpi4py(launched, drop):
+    """Open MPI 5's mpirun (PMIx, no ORTE address) with OMPI_COMM_WORLD_LOCAL_RANK missing: JAX detects no
+    launcher; the error names the PMIx variables seen, the one missing, and mpi4py."""
+    variables = {k: v for k, v in mpirun_variables(1, 2).items() if k not in drop and k != "OMPI_MCA_orte_hnp_uri"}
+    launched(variables | {"PMIX_NAMESPACE": "prterun-node1-4242@1"})
+    with pytest.raises(StartupError, match=r"PMIX_NAMESPACE='prterun-node1-4242@1'.*PMIX_RANK='1'.*"
+                                           r"OMPI_COMM_WORLD_LOCAL_RANK.*not set.*mpi4py") as raised:
+        find_launch()
+    assert "cluster_detection_method='mpi4py'" in str(raised.value)
+
+
+def test_the_trainer_names_a_missing_launcher_variable(launched, capsys):
+    from trainers.cli import main
+
+    variables = mpirun_variables(1, 2)
+    del variables["OMPI_COMM_WORLD_LOCAL_RANK"]
+    launched(variables)
+    with pytest.raises(SystemExit) as stop:
+        main(["pipeline", "train.steps=1"])
+    assert stop.value.code == 2
+    assert "StartupError: OMPI_COMM_WORLD_LOCAL_RANK is not set" in capsys.readouterr().err
+
+
 def test_a_value_given_with_no_launcher_to_fill_the_others_in(launched):
     with pytest.raises(StartupError, match=r"coordinator_address and num_processes not given.*process_id \(argument\)"):
         find_launch(process_id=1)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import check_mpmd_against_reference
+from helpers import assert_trees_close, check_mpmd_against_reference
 from jax.sharding import PartitionSpec as P
 
 from multimesh.schedules import get_schedule
@@ -258,8 +258,7 @@ def test_heterogeneous_stages_glue_mixed_dtypes_and_donation():
         loss_v, _, state = fn(state, b)
         ref_loss, _, ref_state = ref(ref_state, ref_b)
         np.testing.assert_allclose(loss_v, ref_loss, rtol=1e-5)
-    for a, r in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-6)
+    assert_trees_close(state, ref_state, rtol=1e-5, atol=1e-6, what="state")
     assert all(x.is_deleted() for x in old), "donate=True: the old state's buffers are reused"
     assert state["p"]["s0"]["a"].sharding.device_set == set(small.devices.flat)
     assert state["p"]["s1"]["b"].sharding.device_set == set(large.devices.flat)
@@ -498,8 +497,7 @@ def _step_pair(model):
             ref_loss, ref_state = ref_step(ref_state, batch)
             loss, state = step(state, batch)
             np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    for a, r in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=2e-5, atol=1e-6)
+    assert_trees_close(state.params, ref_state.params, rtol=2e-5, atol=1e-6, what="params")
     return step, nn.unbox(state.params)["params"]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import warnings
 from typing import ClassVar
 
 import flax.linen as nn
@@ -31,6 +32,7 @@ from multimesh.core.rules import (
     Resolution,
     RuleError,
     Rules,
+    RuleWarning,
     check_physical,
     identity_rules,
     named_rules,
@@ -422,22 +424,31 @@ class TestErrors:
     @pytest.mark.parametrize("strict", [False, True])
     def test_unknown_mesh_axis_in_rule(self, strict):
         rules = Rules([("batch", "data"), ("mlp", "tensor")], strict=strict)
+        if not strict:  # unused: no error (strict: any rule the mesh cannot apply)
+            assert resolve(("batch",), rules, DOC_MESH, (8,)) == P("data")
         with pytest.raises(RuleError, match=r"'tensor'") as ei:
-            resolve(("batch",), rules, DOC_MESH, (8,))
+            resolve(("batch",) if strict else ("mlp",), rules, DOC_MESH, (8,))
         msg = str(ei.value)
         for axis in DOC_MESH:
             assert axis in msg  # the mesh's axes are listed
 
-    def test_unknown_mesh_axis_even_if_rule_unused_or_spec_none(self):
-        with pytest.raises(RuleError, match="'nope'"):
-            resolve(None, [("zz", "nope")], DOC_MESH)
-        with pytest.raises(RuleError, match="'nope'"):
-            resolve(("a",), [("a", "data"), ("zz", ("fsdp", "nope"))], DOC_MESH)
+    def test_unknown_mesh_axis_in_an_unused_rule_is_no_error(self):
+        """MultiMesh accepts a rule for an axis the mesh lacks while no array names its logical name; an
+        array that does is refused, naming the rule and the array."""
+        assert resolve(None, [("zz", "nope")], DOC_MESH) == P()
+        assert resolve(("a",), [("a", "data"), ("zz", ("fsdp", "nope"))], DOC_MESH) == P("data")
+        with pytest.raises(RuleError, match=r"rule \('zz', \('fsdp', 'nope'\)\) names mesh axis 'nope'.*"
+                                            r"array of 'w' \(spec \('zz',\)\) names 'zz'"):
+            resolve(("zz",), [("a", "data"), ("zz", ("fsdp", "nope"))], DOC_MESH, path="w")
 
     def test_check_mesh_directly(self):
-        Rules(DOC_RULES).check_mesh(DOC_MESH)
-        with pytest.raises(RuleError, match=r"'model'.*'data'"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            Rules(DOC_RULES).check_mesh(DOC_MESH)
+        with pytest.warns(RuleWarning, match=r"'model'.*'data'"):
             Rules(DOC_RULES).check_mesh({"data": 2, "fsdp": 2})
+        with pytest.raises(RuleError, match=r"'model'.*'data'"):
+            Rules(DOC_RULES).require_mesh({"data": 2, "fsdp": 2})
 
     def test_spec_longer_than_rank(self):
         with pytest.raises(RuleError) as ei:
@@ -1040,12 +1051,14 @@ class TestPlacement:
         assert isinstance(sh, NamedSharding) and sh.mesh is mesh and sh.spec == P(("data", "model"), None)
         assert s.axis_sizes == {"data": 4, "model": 2}
 
-    def test_unknown_axis_in_rule_raises(self):
+    def test_unknown_axis_in_rule_warns(self):
         mesh = make_mesh((4, 2), ("data", "model"))
-        with pytest.raises(RuleError, match=r"'tensor'.*'data'"):
+        with pytest.warns(RuleWarning, match=r"'tensor'.*'data'"):
             Placement(mesh, Rules([("mlp", "tensor")]))
-        with pytest.raises(RuleError, match="'pipe'"):
-            Placement(mesh, [("layers", ("data", "pipe"))])
+        with pytest.warns(RuleWarning, match="'pipe'"):
+            placement = Placement(mesh, [("layers", ("data", "pipe"))])
+        with pytest.raises(RuleError, match="'pipe'.*'layers'"):
+            placement.rules.resolve(("layers",), placement.axis_sizes, (8,))
 
     def test_physical(self):
         mesh = make_mesh((4, 2), ("data", "model"))

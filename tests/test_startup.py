@@ -157,6 +157,10 @@ def test_differences_name_each_key_and_the_processes():
                        2: {"optimizer.lr": 0.001}})
     assert got == ["optimizer.lr: 0.001 on processes [0, 2], 0.01 on process 1",
                    'steps: 4 on processes [0, 1], "<unset>" on process 2']
+    # a key only a non-zero process has (process 0 lacks it) is named too
+    got = differences({0: {"lr": 0.1}, 1: {"lr": 0.1, "seed": 3}, 2: {"lr": 0.1}})
+    assert got == ['seed: "<unset>" on processes [0, 2], 3 on process 1']
+    assert differences({0: {"lr": 0.1}, 1: {"lr": 0.1}}) == []
 
 
 def test_source_digest_of_a_namespace_package_names_it(tmp_path, monkeypatch):

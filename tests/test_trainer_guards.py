@@ -121,6 +121,21 @@ def test_nonfinite_stops_at_the_first_bad_step_and_saves_nothing_nonfinite(tmp_p
             assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
 
 
+def test_nonfinite_parameters_stop_the_run_though_loss_and_gradient_are_finite(tmp_path, capsys):
+    """``optimizer.lr=inf``: the first update makes the parameters non-finite while that step's loss and
+    gradient norm, computed before it, are finite. The run stops at step 1, on the parameters alone (a
+    check of the loss and gradient only would go on to step 2), and saves nothing."""
+    args = ["tiny", *GUARDED, "optimizer.lr=inf", "optimizer.warmup_steps=0", "train.steps=2", "train.log_every=1",
+            "train.checkpoint_every=1", f"train.out_dir={tmp_path}", "-q"]
+    assert main(args) == 3
+    err = capsys.readouterr().err
+    assert "non-finite values at step 1 (" in err and "parameter value(s) NaN or infinite after the update" in err, err
+    assert "loss" not in err.split("non-finite values at step 1 (")[1].split(")")[0], err  # the parameters alone
+    assert "no checkpoint had been saved yet" in err and not _committed_steps(tmp_path)
+    (first,) = _strict_lines(tmp_path / "metrics.jsonl")  # step 1 logged; its loss and gradient finite
+    assert first["step"] == 1 and np.isfinite(first["loss"]) and np.isfinite(first["grad_norm"]), first
+
+
 def test_warn_goes_on_writes_strict_json_and_its_checkpoint_warns_on_restore(diverged_with_warn):
     result, caught = diverged_with_warn
     assert result.step == 10 and len(caught) == 1 and "non-finite values at step" in str(caught[0].message)

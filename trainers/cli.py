@@ -207,6 +207,9 @@ def _train(argv: Sequence[str]) -> int:
     _setup_devices(num_processes)
     from trainers.config import ConfigError, load_config
 
+    if opts.plan and opts.profile is not None and not any(o.startswith("layout.profile=") for o in overrides):
+        _check_profile_flag(opts.profile)
+        overrides = [*overrides, f"layout.profile={opts.profile}"]  # --profile is the layout's (a search needs one)
     try:
         cfg = load_config(config_name, overrides)
     except ConfigError as e:
@@ -264,6 +267,16 @@ def _train(argv: Sequence[str]) -> int:
     return 0
 
 
+def _check_profile_flag(name: str) -> None:
+    """Exits 2 naming ``--profile`` when ``name`` is no known hardware profile."""
+    from multimesh.estimate import UnknownProfileError, get_profile
+
+    try:
+        get_profile(name)
+    except UnknownProfileError as e:
+        _usage_error(f"--profile {name}: {e}")
+
+
 def _plan_and_estimate(opts: argparse.Namespace, argv: Sequence[str], cfg, num_processes: int) -> int:
     """``--plan``, then with ``--num-devices``, ``--profile`` or ``layout.profile`` the train step's estimate
     on those devices; ``--num-devices N`` other than the devices here re-runs the command with N simulated
@@ -275,12 +288,7 @@ def _plan_and_estimate(opts: argparse.Namespace, argv: Sequence[str], cfg, num_p
             _usage_error(f"--num-devices plans on simulated devices in one process: drop --num-processes "
                          f"{num_processes} (and --coordinator, --process-id)")
     if opts.profile is not None:
-        from multimesh.estimate import UnknownProfileError, get_profile
-
-        try:
-            get_profile(opts.profile)
-        except UnknownProfileError as e:
-            _usage_error(f"--profile {opts.profile}: {e}")
+        _check_profile_flag(opts.profile)
         if cfg.layout.profile and cfg.layout.profile.lower() != opts.profile.lower():
             print(f"(--profile {opts.profile} replaces layout.profile={cfg.layout.profile})")
         cfg = cfg.replace(layout={"profile": opts.profile})

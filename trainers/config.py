@@ -241,7 +241,7 @@ class LayoutConfig:
             if self.rules not in RULE_SETS:
                 raise ValueError(f"rules={self.rules!r}: a named rule set must be one of {list(RULE_SETS)}")
         else:
-            Rules(self.rules).check_mesh(self.mesh)  # a RuleError (a ValueError) names the rule and axis
+            Rules(self.rules).require_mesh(self.mesh)  # a RuleError (a ValueError) names the rule and axis
 
     def _check_auto(self) -> None:
         if self.mesh != "auto":

@@ -94,6 +94,14 @@ def check_devices(mesh: Mapping[str, int], stages: int | None, available: int, p
     shape = f"layout.mesh={mesh_text(mesh)}" + (f" x layout.pipeline.stages={stages}" if stages else "")
     if need > available:
         most = available // (stages or 1)
+        if most < 1:  # fewer devices than stages: no layout.mesh helps, only fewer stages or more devices
+            fix = (f"give at most layout.pipeline.stages={available} (one device per stage; a pipeline needs "
+                   f"2 stages at least)" if available >= 2 else
+                   "drop the pipeline (layout.pipeline=null, e.g. the tiny config) to train on one device")
+            raise ConfigError(
+                f"{shape} needs {need} devices, but this run has {available}: fewer than the {stages} pipeline "
+                f"stages; {fix}, or run on more devices ({more_devices.format(need=need)})"
+            )
         per = " per pipeline stage" if stages else ""
         raise ConfigError(
             f"{shape} needs {need} devices, but this run has {available}; give layout.mesh sizes whose product "

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from multimesh.autolayout.compile_journal import JOURNAL_ENV, CompileJournal, Crash, compiling, signal_name
-from trainers.config import Config
+from trainers.config import Config, ConfigError
 
 __all__ = ["SIMULATED", "crash_message", "estimate_config", "model_flops_of", "needs_other_devices", "print_estimate",
            "replan_on_simulated_devices", "simulated_env"]
@@ -139,4 +139,28 @@ def print_estimate(cfg: Config, profile: str | None) -> None:
           f"devices, or layout.mesh=auto to search layouts of all {n})") if used < n else ""
     priced = f", priced as {profile}" if profile else " (no --profile: memory and work only)"
     print(f"\nestimate of {cfg.name}'s train step on {where}{of}{priced}:")
-    print(estimate_config(cfg, profile))
+    estimate = estimate_config(cfg, profile)
+    print(estimate)
+    print(_against_memory_limit(estimate))
+
+
+def _against_memory_limit(estimate: Any) -> str:
+    """Whether the estimate's peak per device fits ``MULTIMESH_MEMORY_LIMIT`` where it is set (it then
+    stands for each device's memory, the profile's included), else that it could be set."""
+    from multimesh.core.fmt import format_bytes
+    from multimesh.estimate.memory import LIMIT_VARIABLE, parse_bytes
+
+    text = os.environ.get(LIMIT_VARIABLE)
+    if not text:
+        return f"(set {LIMIT_VARIABLE}, e.g. {LIMIT_VARIABLE}=16GiB, to check the peak against a memory per device)"
+    try:
+        limit = parse_bytes(text)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    over = estimate.overflow(limit)
+    if not over:
+        return f"{LIMIT_VARIABLE}={text!r}: the peak per device fits in {format_bytes(limit)}"
+    worst = max(over.values())
+    return (f"{LIMIT_VARIABLE}={text!r}: the peak per device does NOT fit in {format_bytes(limit)}: devices "
+            f"{sorted(over)} are over by up to {format_bytes(worst)} (a smaller layout.mesh per device, more "
+            f"devices, or layout.mesh=auto with layout.memory_limit)")

@@ -62,18 +62,43 @@ class CheckpointMismatchError(ValueError):
         self.missing = tuple(missing)
         self.unexpected = tuple(unexpected)
         self.mismatched = tuple(mismatched)
-        lines = [f"restore target does not match checkpoint step {step} in {directory}:"]
-        for p in self.missing:
-            lines.append(f"  missing from target (saved in checkpoint): {p}")
-        for p in self.unexpected:
-            lines.append(f"  unexpected in target (not in checkpoint): {p}")
-        for p, what, saved, target in self.mismatched:
-            lines.append(f"  {what} mismatch at {p}: saved {saved}, target {target}")
-        if self.missing:
-            lines.append("To restore only part of the saved state (the parameters without the optimizer "
-                         "state...), pass partial=True with a target holding just those leaves, or "
-                         "path='params' with a target for that subtree.")
+        counts = [f"{len(v)} {what}" for v, what in ((self.missing, "saved leaf(s) missing from the target"),
+                                                       (self.unexpected, "target leaf(s) not in the checkpoint"),
+                                                       (self.mismatched, "leaf(s) of another shape, dtype or "
+                                                                         "sharding")) if v]
+        lines = [f"restore target does not match checkpoint step {step} in {directory}: {', '.join(counts)}."]
+        if self.missing or self.unexpected:
+            under = _common_top({_path_of(x) for x in (*self.missing, *self.unexpected)})
+            where = (f"All of them lie under {under!r}: the state that saved it had another {under!r} (another "
+                     f"optimizer or model setting?); restore with that setting, or restore " if under else
+                     "To restore ")
+            lines.append(f"{where}only part of the saved state (the parameters without the optimizer state...): "
+                         f"pass partial=True with a target holding just those leaves, or path='params' with a "
+                         f"target for that subtree.")
+        shown = [*(f"  missing from target (saved in checkpoint): {p}" for p in self.missing),
+                 *(f"  unexpected in target (not in checkpoint): {p}" for p in self.unexpected),
+                 *(f"  {what} mismatch at {p}: saved {saved}, target {target}"
+                   for p, what, saved, target in self.mismatched)]
+        lines += shown[:_SHOWN]
+        if len(shown) > _SHOWN:
+            lines.append(f"  ... and {len(shown) - _SHOWN} more (all in the error's missing, unexpected and "
+                         f"mismatched)")
         super().__init__("\n".join(lines))
+
+
+#: differences a CheckpointMismatchError lists one per line; it counts the rest
+_SHOWN = 12
+
+
+def _path_of(entry: str) -> str:
+    """The leaf path an entry of a difference list starts with (``"opt/0/mu/w [4, 4] float32 ..."``)."""
+    return entry.split(" ", 1)[0]
+
+
+def _common_top(paths: set[str]) -> str | None:
+    """The first key every path starts with (``opt`` for ``opt/0/mu/w`` and ``opt/1/count``), None if none."""
+    tops = {p.split("/", 1)[0] for p in paths}
+    return tops.pop() if len(tops) == 1 and len(paths) > 1 else None
 
 
 class CheckpointSaveError(OSError):

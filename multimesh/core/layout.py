@@ -132,7 +132,7 @@ def derive_layout(
                 if ann.source != "path rule":
                     raise
                 raise RuleError(f"{e} (a PartitionSpec in param_rules names mesh axes; give a tuple of logical "
-                                f"names, e.g. {tuple(given)}, to have the rules resolve them)") from None
+                                f"names, e.g. {tuple(given)[: len(shape)]}, to have the rules resolve them)") from None
         else:
             if isinstance(given, PartitionSpec):
                 raise TypeError(f"the {label}'s annotation ({ann.source}) says logical names, so it must be a "

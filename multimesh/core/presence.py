@@ -86,9 +86,8 @@ class Presence:
                 f"crashed; see its log)")
 
     def _stop(self) -> None:
-        """Still running ``grace`` seconds after a process was lost: end now, before JAX's abort."""
-        if self.closing:
-            return
+        """Still running ``grace`` seconds after a process was lost: end now, before JAX's abort. Also while
+        exiting: JAX's shutdown would wait for the lost process (and, where it was process 0, for ever)."""
         print(f"multimesh: ProcessLostError: process {self.me} of {self.n} stops: {self.message()}; it did not "
               f"stop by itself within {self.grace:g} s (waiting for the lost process)", file=sys.stderr, flush=True)
         sys.stdout.flush()

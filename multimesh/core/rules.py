@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
@@ -67,6 +68,7 @@ __all__ = [
     "PathRules",
     "Resolution",
     "RuleError",
+    "RuleWarning",
     "Rules",
     "as_axes",
     "named_rules",
@@ -82,6 +84,10 @@ LogicalSpec = Sequence[LogicalDim]
 
 class RuleError(ValueError):
     """A logical spec cannot be resolved with the given rules and mesh."""
+
+
+class RuleWarning(UserWarning):
+    """A rule that cannot apply on this mesh (it names a mesh axis the mesh lacks), used by no array yet."""
 
 
 def as_axes(axes: MeshAxes) -> tuple[str, ...]:
@@ -172,15 +178,26 @@ class Rules:
     def mesh_axes(self) -> frozenset[str]:
         return frozenset(a for _, axes in self.rules for a in as_axes(axes))
 
+    def unknown_axes(self, axis_sizes: Mapping[str, int]) -> list[tuple[tuple[str, MeshAxes], str]]:
+        """``(rule, mesh axis)`` for each rule naming a mesh axis that the mesh does not have."""
+        return [((name, axes), a) for name, axes in self.rules for a in as_axes(axes) if a not in axis_sizes]
+
     def check_mesh(self, axis_sizes: Mapping[str, int]) -> None:
-        """Raise if a rule names a mesh axis that the mesh does not have."""
-        for name, axes in self.rules:
-            unknown = [a for a in as_axes(axes) if a not in axis_sizes]
-            if unknown:
-                raise RuleError(
-                    f"rule ({name!r}, {axes!r}) names mesh axis {unknown[0]!r}, but the mesh has "
-                    f"axes {dict(axis_sizes)}; fix the rule or build the mesh with that axis"
-                )
+        """Warn (`RuleWarning`) about each rule naming a mesh axis that the mesh does not have: harmless
+        while no array uses the rule's logical name (as in MultiMesh), a `RuleError` once one does."""
+        for (name, axes), axis in self.unknown_axes(axis_sizes):
+            warnings.warn(RuleWarning(
+                f"rule ({name!r}, {axes!r}) names mesh axis {axis!r}, but the mesh has axes {dict(axis_sizes)}: "
+                f"an array whose spec names {name!r} is refused; fix the rule or build the mesh with that axis "
+                f"if one is meant to"), stacklevel=2)
+
+    def require_mesh(self, axis_sizes: Mapping[str, int]) -> None:
+        """Raise if a rule names a mesh axis that the mesh does not have, used or not."""
+        for (name, axes), axis in self.unknown_axes(axis_sizes):
+            raise RuleError(
+                f"rule ({name!r}, {axes!r}) names mesh axis {axis!r}, but the mesh has "
+                f"axes {dict(axis_sizes)}; fix the rule or build the mesh with that axis"
+            )
 
     def resolve(
         self,
@@ -269,12 +286,15 @@ def resolution(
     """
     rules = Rules(rules) if not isinstance(rules, Rules) else rules
     strict = rules.strict if strict is None else strict
-    rules.check_mesh(axis_sizes)
+    if strict:
+        rules.require_mesh(axis_sizes)
     if spec is None:
         return Resolution(PartitionSpec())
     if isinstance(spec, PartitionSpec):
         spec = tuple(spec)
     spec = tuple(spec)
+    if shape is not None and len(spec) > len(shape) and _shards_nothing(spec):
+        spec = spec[: len(shape)]  # (None,) on a scalar (an optimizer's step count): replicated, as asked
     if shape is not None and len(spec) > len(shape):
         raise RuleError(
             f"logical spec {spec} of rank {len(spec)} is longer than the rank {len(shape)} "
@@ -321,6 +341,13 @@ def resolution(
             closed.add((dim, name))
             continue
         axes_t = as_axes(axes)
+        missing = [a for a in axes_t if a not in axis_sizes]
+        if missing:
+            raise RuleError(
+                f"rule ({name!r}, {axes!r}) names mesh axis {missing[0]!r}, but the mesh has axes "
+                f"{dict(axis_sizes)}, and the array{_where(path)} (spec {spec}) names {name!r}; fix the rule "
+                f"or build the mesh with that axis"
+            )
         if used.intersection(axes_t):
             continue
         wanted[dim].extend(a for a in axes_t if a not in wanted[dim])
@@ -358,7 +385,10 @@ def resolution(
 def check_physical(
     spec: PartitionSpec, axis_sizes: Mapping[str, int], shape: Sequence[int] | None, *, path: str | None = None
 ) -> PartitionSpec:
-    """Validate a `PartitionSpec` of mesh axes against a mesh and an array shape."""
+    """Validate a `PartitionSpec` of mesh axes against a mesh and an array shape (one that shards nothing,
+    e.g. ``P(None)`` matching every path and a scalar among them, is replicated whatever its length)."""
+    if shape is not None and len(spec) > len(shape) and _shards_nothing(tuple(spec)):
+        spec = PartitionSpec(*tuple(spec)[: len(shape)])
     if shape is not None and len(spec) > len(shape):
         raise RuleError(
             f"PartitionSpec {spec} is longer than the rank {len(shape)} of the array{_where(path)} "
@@ -390,6 +420,11 @@ def check_physical(
                     f"is not divisible by mesh axes {axes} (total size {factor}) in {spec}"
                 )
     return spec
+
+
+def _shards_nothing(spec: tuple) -> bool:
+    """Whether every dimension of ``spec`` is None (replicated)."""
+    return all(entry is None for entry in spec)
 
 
 @dataclass(frozen=True)

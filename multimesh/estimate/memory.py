@@ -63,9 +63,11 @@ class MemoryLimit:
 def parse_bytes(text: str) -> int:
     """``"10GiB"``, ``"512 MB"``, ``"1073741824"`` as bytes; a `ValueError` naming the variable otherwise."""
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", text)
-    if m is None or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-        raise ValueError(f"{LIMIT_VARIABLE}={text!r}: give the memory in bytes, or with a unit (10GiB, 512MB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    size = 0 if m is None or m.group(2).lower() not in _UNITS else int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if size < 1:  # nothing, or less than one byte once the unit is applied ("0.5 B")
+        raise ValueError(f"{LIMIT_VARIABLE}={text!r}: give the memory in bytes (at least 1), or with a unit "
+                         f"(10GiB, 512MB)")
+    return size
 
 
 def memory_limit(devices: Sequence[Any] | None = None) -> MemoryLimit:

@@ -9,7 +9,7 @@ from .._version import __version__
 from ..autolayout import LayoutSearch, ParallelLayout, auto_layout, parallelize, stage_task
 from ..core.meshes import build_mesh, place_mesh, slice_mesh
 from ..core.report import ShardingReport
-from ..core.rules import PathRules, RuleError, Rules, named_rules, resolve, standard_rules
+from ..core.rules import PathRules, RuleError, Rules, RuleWarning, named_rules, resolve, standard_rules
 from ..estimate import Estimate, HardwareProfile, estimate
 from ..run.checks import DonatedArrayError, StepInputError
 from ..run.initializers import ShardedInitializer
@@ -50,7 +50,7 @@ from ..trace.knobs import (
     only_fuse_loop_tasks,
 )
 from ..trace.lifecycle import custom_partitioning, shutdown
-from ..trace.microbatch import microbatch
+from ..trace.microbatch import MicrobatchMeanWarning, microbatch
 from ..trace.task import ignore_transforms, task
 from ..trace.taskspec import Task, TaskMesh, slice_global_mesh
 
@@ -68,10 +68,12 @@ __all__ = [
     "MJitFunction",
     "MPMDFunction",
     "MatchedName",
+    "MicrobatchMeanWarning",
     "MultiMesh",
     "OneFOneB",
     "PathRules",
     "RuleError",
+    "RuleWarning",
     "Rules",
     "Schedule",
     "ShardedFunction",

@@ -29,6 +29,7 @@ from ..trace.implicit import names_in, registered_tasks
 from ..trace.linen_constraints import flax_context_rules
 from ..trace.microbatch import collect_pipelines
 from ..trace.nnx_scopes import StepScopes
+from ..trace.pattern_alternatives import unmatched_alternatives
 from ..trace.step_context import traced_in_context
 from ..trace.taskspec import current_global_mesh, use_global_mesh
 from .advice import mesh_axes_of, warn_everything_replicated, warn_replicated_batch
@@ -143,6 +144,8 @@ def parallelize_on_mesh(
                                                          path_rules, batch_spec)
     if plan is not None and plan.placements == [placement] and registered_tasks():
         _unmatched_registrations(plan, strict)
+    elif plan is not None and registered_tasks():
+        _unmatched_alternatives(plan)
     if plan is not None and plan.placements != [placement]:
         # The state's scalars (an optimizer's count, a metric's total, an nnx.Rngs' key) live together on the
         # last stage, not each on the stage that reads it first: the caller combines them after the step
@@ -276,6 +279,20 @@ def _unmatched_registrations(plan: Plan, strict: bool) -> None:
     if strict:
         raise ValueError(message)
     warnings.warn(message, stacklevel=3)
+
+
+def _unmatched_alternatives(plan: Plan) -> None:
+    """Warn about each alternative of a registered pattern that matches no scope of the step (a typo in one
+    part of ``stem|block\\.[01]`` leaves that part off the stage), naming the closest scope names."""
+    seen = [n for n in names_in(plan.jaxpr) if not n.startswith("microbatch_")]
+    for reg in registered_tasks():
+        if reg.params:
+            continue
+        for part, closest in unmatched_alternatives(reg.pattern.pattern, seen):
+            near = f"; the closest scope names are {', '.join(map(repr, closest))}" if closest else ""
+            warnings.warn(f"parallelize: alternative {part!r} of {reg.call} matches no Flax module or "
+                          f"jax.named_scope of the step (its other alternatives do), so what it was meant to "
+                          f"place runs elsewhere{near}", stacklevel=3)
 
 
 def _input_placement(plan: Plan | None, placement: Placement, offset: int) -> Callable[[int], Placement]:

@@ -90,6 +90,8 @@ def resolve_launch(coordinator_address: str | None = None, num_processes: int | 
                             timeout, sources)
             if found is not None:
                 launcher, coordinator_address, num_processes, process_id, local_device_ids = found
+            else:
+                _check_no_launcher_half_set(env, coordinator_address, num_processes)
     if coordinator_address is None and num_processes is None and process_id is None:
         return None
     _check_complete(coordinator_address, num_processes, process_id, sources)
@@ -161,6 +163,12 @@ def _slurm_present(env: Mapping[str, str]) -> bool:
                                   "SLURM_LOCALID"))
 
 
+#: what JAX's SLURM detection reads, all set by srun in each task of a job step
+SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+#: variables srun sets only in a job step's tasks (a batch script or an salloc shell has none of them)
+SLURM_STEP_MARKERS = ("SLURM_STEP_NODELIST", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE")
+
+
 def _check_slurm(env: Mapping[str, str]) -> None:
     count = _int(env, "SLURM_NTASKS", 1)
     _int(env, "SLURM_PROCID", 0, count - 1, f"the process ids of the SLURM_NTASKS={count} tasks")
@@ -186,7 +194,12 @@ def _ompi_present(env: Mapping[str, str]) -> bool:
     return "OMPI_MCA_orte_hnp_uri" in env
 
 
+#: what JAX's Open MPI detection reads besides the launcher's address (OMPI_MCA_orte_hnp_uri, Open MPI 4)
+OMPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
+
+
 def _check_ompi(env: Mapping[str, str]) -> None:
+    _require(env, OMPI_VARIABLES, "Open MPI's mpirun (OMPI_MCA_orte_hnp_uri is set)")
     count = _int(env, "OMPI_COMM_WORLD_SIZE", 1)
     _int(env, "OMPI_COMM_WORLD_RANK", 0, count - 1, f"the ranks of the OMPI_COMM_WORLD_SIZE={count} processes")
     _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0, count - 1, f"the OMPI_COMM_WORLD_SIZE={count} processes")
@@ -215,6 +228,43 @@ _LAUNCHERS = {
     "Mpi4pyCluster": _Launcher("MPI (mpi4py)", "rank 0's host name", "MPI_COMM_WORLD's size",
                                "MPI_COMM_WORLD's rank"),
 }
+
+
+def _require(env: Mapping[str, str], names: Sequence[str], launcher: str) -> None:
+    """A `StartupError` naming those of ``names`` that are not set, where ``launcher`` set the others."""
+    missing = [n for n in names if n not in env]
+    if missing:
+        seen = ", ".join(f"{n}={env[n]!r}" for n in names if n in env)
+        raise StartupError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set, though "
+                           f"{launcher} started this process ({seen or 'none of the others'}): JAX reads "
+                           f"{', '.join(names)} for its place; set {'it' if len(missing) == 1 else 'them'} as "
+                           f"the launcher does, or give coordinator_address, num_processes and process_id (the "
+                           f"trainer: --coordinator, --num-processes, --process-id)")
+
+
+def _check_no_launcher_half_set(env: Mapping[str, str], coordinator_address: str | None,
+                                num_processes: int | None) -> None:
+    """JAX found no launcher: a `StartupError` where a launcher's variables are there, but not all of them
+    (else the run would go on as one process, or say only that no launcher was found)."""
+    step = [n for n in SLURM_STEP_MARKERS if n in env]
+    if step and "SLURM_JOB_ID" in env:
+        _require(env, SLURM_VARIABLES, f"srun (in a job step: {', '.join(step)} set)")
+    pmix = [n for n in env if n.startswith("PMIX_")]
+    if pmix:
+        seen = ", ".join(f"{n}={env[n]!r}" for n in sorted(pmix)[:4] + [n for n in OMPI_VARIABLES if n in env])
+        missing = " and ".join(n for n in OMPI_VARIABLES if n not in env)
+        raise StartupError(f"a PMIx launcher (Open MPI 5's mpirun or prterun) started this process ({seen}), but "
+                           f"{missing} {'is' if ' and ' not in missing else 'are'} not set, so JAX detects no "
+                           f"Open MPI run; JAX reads an Open MPI 5 or PMIx run's place through mpi4py: install "
+                           f"mpi4py and pass cluster_detection_method='mpi4py', or give coordinator_address, "
+                           f"num_processes and process_id (the trainer: --coordinator, --num-processes, "
+                           f"--process-id)")
+    if "JOB_COMPLETION_INDEX" in env and num_processes is None and coordinator_address is not None:
+        raise StartupError(f"a Kubernetes indexed Job's pod (JOB_COMPLETION_INDEX={env['JOB_COMPLETION_INDEX']!r}) "
+                           f"with a coordinator ({coordinator_address!r}) but no process count: "
+                           f"{INDEXED_JOB_COUNT} is not set; set it in the pod template to the "
+                           f"Job's parallelism (its number of pods), or give num_processes (the trainer: "
+                           f"--num-processes)")
 
 
 # -- a Kubernetes indexed Job, by its variables -----------------------------------------------------------
@@ -247,7 +297,10 @@ def _from_indexed_job(env: Mapping[str, str], coordinator_address: str | None, n
 
 def _int(env: Mapping[str, str], name: str, low: int, high: int | None = None, what: str = "") -> int:
     """Variable ``name`` as an integer in ``low .. high``; else a `StartupError` naming it and its value."""
-    text = env[name]
+    text = env.get(name)
+    if text is None:
+        raise StartupError(f"{name} is not set" + (f" ({what})" if what else "")
+                           + ": the launcher's variables are incomplete")
     try:
         value = int(text.strip())
     except ValueError:

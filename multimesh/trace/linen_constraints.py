@@ -85,7 +85,7 @@ def flax_context_rules(mesh: Any) -> Rules | None:
         return None
     rules = Rules(in_context)
     try:
-        rules.check_mesh(dict(mesh.shape))
+        rules.require_mesh(dict(mesh.shape))
     except RuleError as e:
         raise RuleError(f"{e} (the rule comes from Flax's nn.logical_axis_rules / axis_rules context, which "
                         f"parallelize uses when given no rules=; pass rules= to choose others)") from None

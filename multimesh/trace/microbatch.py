@@ -21,6 +21,7 @@ import contextlib
 import contextvars
 import functools
 import itertools
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,11 +31,12 @@ import numpy as np
 
 from ..schedules import KNOWN_SCHEDULES, Schedule, get_schedule
 from .constraints import with_sharding_constraint
+from .microbatch_mean import mean_divisors, per_microbatch_mean_outputs
 from .pipeline_choice import chosen_pipeline
 from .scopes import microbatch_body, scope_stack
 from .task import transforms_ignored
 
-__all__ = ["Pipeline", "collect_pipelines", "microbatch"]
+__all__ = ["MicrobatchMeanWarning", "Pipeline", "collect_pipelines", "microbatch"]
 
 
 @dataclass(frozen=True)
@@ -147,8 +149,9 @@ def microbatch(
     custom_schedule: Any = None,
     *,
     num_microbatches: int | None = None,
+    reduce: str = "sum",
 ) -> Callable:
-    """``fun`` run on microbatches of argument ``argnum``, its results summed.
+    """``fun`` run on microbatches of argument ``argnum``, its results summed (or averaged: ``reduce="mean"``).
 
     ``microbatch(loss, 0, 4)`` splits dimension 0 into microbatches of *size*
     4 (as MultiMesh's third argument); ``microbatch(loss, 0,
@@ -157,7 +160,10 @@ def microbatch(
     Args:
       fun: any function; its results (a pytree) are summed over microbatches,
         so a loss must be normalised by the *global* batch for the sum to be
-        the mean.
+        the mean (as in MultiMesh). A result that plainly is a mean over the
+        microbatch (divided by its size, e.g. ``jnp.mean``) is a
+        `MicrobatchMeanWarning`: it and its gradient come out ``n`` times the
+        mean; pass ``reduce="mean"``.
       dim: the dimension of every leaf of argument ``argnum`` to split.
       size: the microbatch size along ``dim`` (not their number); it must divide the dimension.
       num_microbatches: instead of ``size``, how many microbatches to split
@@ -182,6 +188,9 @@ def microbatch(
         for argument ``argnum``: constrained before it is sliced (MultiMesh's).
       custom_schedule: MultiMesh's per-mesh lists of task names; not supported
         (pass a `Schedule` as ``schedule`` instead).
+      reduce: ``"sum"`` (default, MultiMesh's) adds the microbatches' results;
+        ``"mean"`` averages them (their floating-point leaves; gradients
+        follow), for a ``fun`` that returns a mean over its microbatch.
 
     Raises:
       ValueError: a size that does not divide the batch, or an unknown schedule.
@@ -202,6 +211,9 @@ def microbatch(
             "microbatch(custom_schedule=...) is not supported: a schedule here is a Schedule object over "
             "(stage, microbatch, F/B/W) actions; subclass multimesh.jax.Schedule (or pick one of "
             f"{', '.join(KNOWN_SCHEDULES)}) and pass it as schedule= (see MIGRATING.md)")
+    if reduce not in ("sum", "mean"):
+        raise ValueError(f"microbatch: reduce must be 'sum' (add the microbatches' results, as MultiMesh does) or "
+                         f"'mean' (average them), got {reduce!r}")
     if unrolling is not None and (not isinstance(unrolling, (int, np.integer)) or unrolling < 1):
         raise ValueError(f"microbatch: unrolling must be a positive integer, got {unrolling!r}")
     if schedule is None:
@@ -245,6 +257,8 @@ def microbatch(
             collector.append(Pipeline(name, n, mb_schedule, mb_stages, mb_interleave, next(_CALLS)))
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
             body = _traced_once(fun, args, argnum, n)
+            if reduce == "sum" and n > 1:
+                _warn_if_a_mean(body, leaves, treedef, dim, mb_size, n, name)
         else:  # called eagerly: run fun per microbatch (a jit made for this call would compile every call)
             body = lambda mb: fun(*args[:argnum % len(args)], mb, *args[argnum % len(args) + 1:])
         results: list[Any] = [None] * n
@@ -258,9 +272,38 @@ def microbatch(
         for i, r in enumerate(results[1:], 1):
             with jax.named_scope(f"microbatch_{i}"):  # the sum is part of microbatch i's work
                 total = jax.tree.map(jax.numpy.add, total, r)
+        if reduce == "mean":
+            with jax.named_scope(f"microbatch_{n - 1}"):
+                total = jax.tree.map(lambda x: x / n if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact) else x,
+                                     total)
         return total
 
     return wrapped
+
+
+class MicrobatchMeanWarning(UserWarning):
+    """A function under `microbatch` returns a mean over its microbatch, which `microbatch` sums."""
+
+
+def _warn_if_a_mean(body: Callable[[Any], Any], leaves: list, treedef: Any, dim: int, size: int, n: int,
+                    name: str) -> None:
+    """A `MicrobatchMeanWarning` where the body's scalar result is divided by the microbatch's size
+    (`microbatch_mean`); costs one trace of the body, which its first call then reuses."""
+    first = jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(tuple(size if k == dim % x.ndim else d
+                                                                    for k, d in enumerate(x.shape)), x.dtype)
+                                         for x in leaves])
+    try:
+        closed = jax.make_jaxpr(body)(first)
+    except Exception:  # noqa: BLE001 -- a body that traces only on its real inputs: nothing to say
+        return
+    shapes = [x.shape for x in leaves]  # a divisor that is also the global batch's (size * n) is that one
+    divisors = mean_divisors(shapes, dim, size) - mean_divisors(shapes, dim, size * n)
+    if per_microbatch_mean_outputs(closed, divisors):
+        warnings.warn(MicrobatchMeanWarning(
+            f"microbatch({name}): its result is divided by the microbatch's size ({size} along dimension {dim}, "
+            f"e.g. a jnp.mean), and microbatch sums the {n} microbatches' results, as MultiMesh does: the value "
+            f"and its gradient come out {n}x the mean over the batch. Pass reduce='mean' to average them, or "
+            f"divide by the global batch ({size * n}) instead"), stacklevel=4)
 
 
 def _traced_once(fun: Callable, args: tuple, argnum: int, n: int) -> Callable[[Any], Any]:
