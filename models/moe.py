@@ -5,8 +5,9 @@ Each token is sent to ``k`` of ``E`` SwiGLU experts (Mixtral / Qwen3-MoE routing
 1. **Route.** A float32 router gives each token a softmax over the experts; it picks the top ``k``
    and renormalises their probabilities into gates that sum to 1 (:func:`route`).
 2. **Balance.** The load-balancing loss (Switch Transformer / GShard) is
-   ``E * sum_e f_e * P_e``: ``f_e`` the share of the ``N * k`` assignments that went to expert ``e``,
-   ``P_e`` its mean router probability (:func:`load_balancing_loss`). It is 1 when the load is even.
+   ``E * sum_e f_e * P_e``: ``f_e`` the share of the assignments that went to expert ``e``,
+   ``P_e`` its mean router probability, computed per sequence and averaged over the batch
+   (:func:`load_balancing_loss`). It is 1 when the load is even.
    The layer sows it (``intermediates`` / ``nnx.Intermediate``, name ``moe_aux_loss``); the
    trainer adds ``moe_aux_loss_coef`` times its sum over layers to the loss (:func:`sown_aux_loss`).
 3. **Compute.** The token copies are sorted by expert and every expert's rows go through one
@@ -99,16 +100,20 @@ def route(x: Array, router: Array, k: int) -> tuple[Array, Array, Array]:
 
 
 def load_balancing_loss(probs: Array, expert_ids: Array) -> Array:
-    """``E * sum_e f_e * P_e`` over every token of ``probs`` [..., E] and ``expert_ids`` [..., k].
+    """``E * sum_e f_e * P_e`` of each sequence, averaged over the sequences.
 
-    ``f_e``: the share of the token-to-expert assignments that chose ``e`` (the ``f`` sum to 1);
-    ``P_e``: the mean router probability of ``e``. An even load gives 1.
+    ``probs`` [..., T, E] and ``expert_ids`` [..., T, k]: the router probabilities and choices of the
+    ``T`` tokens of each sequence (any leading axes: the batch). ``f_e``: the share of a sequence's
+    token-to-expert assignments that chose ``e`` (the ``f`` sum to 1); ``P_e``: its mean router
+    probability of ``e``. An even load gives 1. Per sequence (the balance DeepSeek-V3's sequence-wise
+    loss asks for; one sequence: the Switch Transformer's formula), a batch's loss is the mean of its
+    sequences', so it does not depend on how the batch is split into microbatches or over devices.
     """
-    e = probs.shape[-1]
-    counts = jnp.sum(jax.nn.one_hot(expert_ids.reshape(-1), e, dtype=jnp.float32), axis=0)
-    f = counts / expert_ids.size
-    mean_probs = jnp.mean(probs.reshape(-1, e), axis=0)
-    return e * jnp.sum(f * mean_probs)
+    e, tokens, k = probs.shape[-1], probs.shape[-2], expert_ids.shape[-1]
+    counts = jnp.sum(jax.nn.one_hot(expert_ids, e, dtype=jnp.float32), axis=(-3, -2))  # [..., E]
+    f = counts / (tokens * k)
+    mean_probs = jnp.mean(probs, axis=-2)
+    return jnp.mean(e * jnp.sum(f * mean_probs, axis=-1))
 
 
 # -- the experts ----------------------------------------------------------------------------------------------
