@@ -279,7 +279,8 @@ class MoeBlock(nn.Module):
 
 class NnxMoeBlock(nnx.Module):
     """The NNX twin of :class:`MoeBlock` (same parameters, names and logical axes); sows its
-    load-balancing loss as an ``nnx.Intermediate`` named ``moe_aux_loss``."""
+    load-balancing loss as an ``nnx.Intermediate`` named ``moe_aux_loss`` (inside ``nnx.capture``
+    where Flax has it)."""
 
     def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
         _check_top_k(cfg)
@@ -297,5 +298,8 @@ class NnxMoeBlock(nnx.Module):
 
     def __call__(self, x: Array) -> Array:
         y, aux = _forward(self.config, x, self.router[...], self.wi_0[...], self.wi_1[...], self.wo[...])
-        self.sow(nnx.Intermediate, AUX_LOSS_NAME, aux)
+        if hasattr(nnx, "capture"):  # Flax's new form: recorded inside nnx.capture only, else nothing is kept
+            self.sow(nnx.Intermediate, AUX_LOSS_NAME, aux, capture_noop=True)
+        else:
+            self.sow(nnx.Intermediate, AUX_LOSS_NAME, aux)
         return y

@@ -307,8 +307,12 @@ class FunctionalModel:
         """``(logits, intermediates)``: what the modules sowed (``nnx.Intermediate``, e.g. the MoE layers'
         ``moe_aux_loss``) as a pure dict, as Linen's ``apply(..., mutable=["intermediates"])`` gives it."""
         model = nnx.merge(self.graphdef, params)
-        logits = model(tokens)
-        return logits, nnx.to_pure_dict(nnx.pop(model, nnx.Intermediate))
+        if hasattr(nnx, "capture"):  # Flax's new form of collecting what was sown
+            logits, sown = nnx.capture(model, nnx.Intermediate)(tokens)
+        else:
+            logits = model(tokens)
+            sown = nnx.pop(model, nnx.Intermediate)
+        return logits, nnx.to_pure_dict(sown)
 
     def __repr__(self) -> str:
         return f"FunctionalModel(nnx Transformer, {self.config})"
