@@ -221,7 +221,8 @@ def moe_ffn(x: Array, expert_ids: Array, gates: Array, wi_0: Array, wi_1: Array,
                              f"{EXPERT_AXIS!r} in the rules (standard_rules does)")
         return experts_all_to_all(t, i, gg, w0, w1, w2)
 
-    rows, expert_w = P("batch", None), P(EXPERT_AXIS, None, None)
+    # tokens split like the batch, and over the expert axis where the rules leave the batch whole there
+    rows, expert_w = P(("batch", EXPERT_AXIS), None), P(EXPERT_AXIS, None, None)
     y = shard_map(body, in_specs=(rows, rows, rows, expert_w, expert_w, expert_w), out_specs=rows)(
         tokens, ids, g, wi_0, wi_1, wo)
     return y.reshape(*lead, d)

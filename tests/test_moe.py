@@ -157,7 +157,7 @@ def test_local_experts_sort_tokens_into_groups_and_back():
 # -- expert parallelism --------------------------------------------------------------------------------------
 
 
-def _parallel(block: MoeBlock, x: jax.Array, mesh: dict[str, int]):
+def _parallel(block: MoeBlock, x: jax.Array, mesh: dict[str, int], rules=None):
     """The layer's output and parameter gradients under parallelize on ``mesh`` (standard rules), the
     initialised parameters, and the compiled step's text."""
 
@@ -169,10 +169,13 @@ def _parallel(block: MoeBlock, x: jax.Array, mesh: dict[str, int]):
         (_, (y, aux)), grads = jax.value_and_grad(loss, has_aux=True)(params)
         return y, aux, grads
 
-    step, init = parallelize(fun, init_params=lambda: nn.meta.unbox(block.init(jax.random.key(0), x))["params"],
-                             initial_batch={"x": x}, mesh=mesh, rules=standard_rules(tuple(mesh)))
+    step, init = parallelize(fun, init_params=lambda: block.init(jax.random.key(0), x)["params"],
+                             initial_batch={"x": x}, mesh=mesh,
+                             rules=standard_rules(tuple(mesh)) if rules is None else rules)
     params = init()
-    return step(params, {"x": x}), params, step.lower(params, {"x": x}).compile().as_text()
+    y, aux, grads = step(params, {"x": x})
+    text = step.lower(params, {"x": x}).compile().as_text()
+    return (y, aux, nn.meta.unbox(grads)), nn.meta.unbox(params), text
 
 
 @pytest.mark.parametrize("mesh", [{"data": 2, "expert": 4}, {"fsdp": 2, "expert": 2, "data": 2},
@@ -194,6 +197,17 @@ def test_expert_parallel_layer_equals_the_dense_reference(layer, mesh):
         assert sorted(set(first_expert.values())) == list(range(0, E, E // ways))  # every expert somewhere
         if ways > 1:
             assert tuple(params[name].sharding.spec)[:1] == ("expert",)
+
+
+def test_tokens_the_rules_leave_whole_over_the_expert_axis_are_split_there(layer):
+    """Rules that split the experts but not the batch over ``expert``: inside the layer each device of the
+    axis takes its share of the (same) tokens, and the output is whole again after it."""
+    block, p = layer
+    x = _x((2, 4, D), 9)
+    (y, _, grads), params, text = _parallel(block, x, {"data": 2, "expert": 4}, rules=[("expert", "expert")])
+    assert "all-to-all" in text and {s.data.shape[0] for s in params["wo"].addressable_shards} == {E // 4}
+    _assert_close(y, dense_reference(p, x))
+    _assert_close(grads, jax.grad(lambda q: jnp.sum(jnp.sin(dense_reference(q, x))))(p), atol=1e-4)
 
 
 def test_an_expert_count_the_expert_axis_does_not_divide_is_refused_by_the_layer():
