@@ -305,6 +305,18 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def test_nnx_model_with_experts_trains_like_one_device(tmp_path):
+    """model.api=nnx on moe's data=2 x expert=4 (the NNX MoE layer sows inside nnx.capture; the same
+    all-to-all) against the NNX model on one device: losses, load-balancing losses and parameters."""
+    cfg = small("moe", tmp_path / "nnx", "train.steps=2", "model.num_layers=2", "model.api=nnx")
+    result, got = _run(cfg, 2)
+    one, want = _run(cfg.replace(layout=ONE_DEVICE, train={"out_dir": str(tmp_path / "one")}), 2)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    _assert_close(params_of(result), params_of(one), rtol=1e-4, atol=1e-6)
+    aux = [r["moe_aux_loss"] for r in _metrics(tmp_path / "nnx")]
+    np.testing.assert_allclose(aux, [r["moe_aux_loss"] for r in _metrics(tmp_path / "one")], rtol=1e-5)
+
+
 def test_pipeline_layout_trains_like_one_device(tmp_path):
     """moe_pipeline, 2 steps with 2 blocks (one per stage), each stage data=2 x expert=2."""
     cfg = small("moe_pipeline", tmp_path / "run", "train.steps=2", "model.num_layers=2",
