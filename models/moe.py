@@ -268,11 +268,14 @@ class MoeBlock(nn.Module):
         _check_top_k(cfg)
         e, d, f = cfg.num_experts, cfg.d_model, cfg.d_ff
         pd = cfg.params_dtype
-        router = self.param("router", nn.with_logical_partitioning(_router_init(), ROUTER_AXES), (d, e), pd)
-        init = _expert_kernel_init()
-        wi_0 = self.param("wi_0", nn.with_logical_partitioning(init, WI_AXES), (e, d, f), pd)
-        wi_1 = self.param("wi_1", nn.with_logical_partitioning(init, WI_AXES), (e, d, f), pd)
-        wo = self.param("wo", nn.with_logical_partitioning(init, WO_AXES), (e, f, d), pd)
+
+        def param(name: str, init: Any, axes: tuple, shape: tuple) -> Array:  # the array: Linen unboxes it
+            return self.param(name, nn.with_logical_partitioning(init, axes), shape, pd)  # type: ignore[return-value]
+
+        router = param("router", _router_init(), ROUTER_AXES, (d, e))
+        wi_0 = param("wi_0", _expert_kernel_init(), WI_AXES, (e, d, f))
+        wi_1 = param("wi_1", _expert_kernel_init(), WI_AXES, (e, d, f))
+        wo = param("wo", _expert_kernel_init(), WO_AXES, (e, f, d))
         y, aux = _forward(cfg, x, router, wi_0, wi_1, wo)
         self.sow("intermediates", AUX_LOSS_NAME, aux)
         return y

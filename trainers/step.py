@@ -49,6 +49,7 @@ def build_model(config: TransformerConfig) -> Model:
 
 def logits_and_aux_loss(model: Model, params: Any, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The model's logits for ``tokens`` and the sum of its MoE layers' load-balancing losses (0: none)."""
+    sown: Any
     if isinstance(model, FunctionalModel):
         logits, sown = model.apply_with_intermediates(params, tokens)
     else:
