@@ -204,7 +204,8 @@ def test_tokens_the_rules_leave_whole_over_the_expert_axis_are_split_there(layer
     axis takes its share of the (same) tokens, and the output is whole again after it."""
     block, p = layer
     x = _x((2, 4, D), 9)
-    (y, _, grads), params, text = _parallel(block, x, {"data": 2, "expert": 4}, rules=[("expert", "expert")])
+    with pytest.warns(UserWarning, match="no rule names the batch's logical name 'batch'"):
+        (y, _, grads), params, text = _parallel(block, x, {"data": 2, "expert": 4}, rules=[("expert", "expert")])
     assert "all-to-all" in text and {s.data.shape[0] for s in params["wo"].addressable_shards} == {E // 4}
     _assert_close(y, dense_reference(p, x))
     _assert_close(grads, jax.grad(lambda q: jnp.sum(jnp.sin(dense_reference(q, x))))(p), atol=1e-4)
