@@ -30,7 +30,7 @@ from models.moe import (
 from models.nnx_transformer import FunctionalModel, from_linen
 from models.transformer import Transformer, TransformerConfig
 from multimesh.checkpoint import CheckpointManager
-from multimesh.jax import parallelize, standard_rules
+from multimesh.jax import mesh_in_scope, parallelize, standard_rules
 from trainers.config import ConfigError, ConfigWarning, load_config
 from trainers.step import program_for
 from trainers.train import train
@@ -215,6 +215,19 @@ def test_an_expert_count_the_expert_axis_does_not_divide_is_refused_by_the_layer
     block = MoeBlock(TransformerConfig(d_model=D, num_heads=2, d_ff=F, num_experts=6, experts_per_token=2))
     with pytest.raises(ValueError, match=r"num_experts=6 is not divisible by the mesh's 'expert' axis of size 4"):
         _parallel(block, _x((8, 6, D)), {"data": 2, "expert": 4})
+
+
+def test_mesh_in_scope_is_none_on_one_device_and_the_step_mesh_while_parallelize_traces():
+    seen = []
+
+    def fun(p, b):
+        seen.append(mesh_in_scope())
+        return jnp.sum(p["w"] * b["x"])
+
+    assert mesh_in_scope() is None
+    parallelize(fun, init_params=lambda: {"w": jnp.ones(8)}, initial_batch={"x": jnp.ones(8)},
+                mesh={"data": 2, "expert": 4})
+    assert seen and all(dict(m.shape) == {"data": 2, "expert": 4} for m in seen)
 
 
 # -- bad input -----------------------------------------------------------------------------------------------
