@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .moe import NnxMoeBlock
 from .transformer import (
     ACT_EMBED,
     ACT_HEADS,
@@ -141,14 +142,15 @@ class MlpBlock(nnx.Module):
 
 
 class Block(nnx.Module):
-    """One pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """One pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; with ``moe`` the MLP is a
+    Mixture of Experts (:class:`models.moe.NnxMoeBlock`)."""
 
-    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, moe: bool = False):
         self.config = cfg
         self.attn_norm = RMSNorm(cfg, rngs)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg, rngs)
-        self.mlp = MlpBlock(cfg, rngs)
+        self.mlp: MlpBlock | NnxMoeBlock = NnxMoeBlock(cfg, rngs) if moe else MlpBlock(cfg, rngs)
 
     def __call__(self, x: Array, positions: Array | None = None) -> Array:
         x = x.astype(self.config.compute_dtype)
@@ -197,7 +199,7 @@ def _stacked_blocks(cfg: TransformerConfig, rngs: nnx.Rngs) -> Block:
     @nnx.split_rngs(splits=cfg.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make(rngs: nnx.Rngs) -> Block:
-        return Block(cfg, rngs)
+        return Block(cfg, rngs, moe=cfg.num_experts > 0)
 
     return make(rngs)
 
@@ -229,7 +231,7 @@ class Transformer(nnx.Module):
             self.layers = _stacked_blocks(config, rngs)
         else:
             for i in range(config.num_layers):
-                setattr(self, f"layers_{i}", Block(config, rngs))  # layers_0, ...: the Linen names
+                setattr(self, f"layers_{i}", Block(config, rngs, moe=config.is_moe_layer(i)))  # the Linen names
         self.head = Head(config, rngs)
 
     def block(self, i: int) -> Block:
@@ -300,6 +302,17 @@ class FunctionalModel:
 
     def apply(self, params: nnx.State, tokens: Array) -> Array:
         return nnx.merge(self.graphdef, params)(tokens)
+
+    def apply_with_intermediates(self, params: nnx.State, tokens: Array) -> tuple[Array, dict[str, Any]]:
+        """``(logits, intermediates)``: what the modules sowed (``nnx.Intermediate``, e.g. the MoE layers'
+        ``moe_aux_loss``) as a pure dict, as Linen's ``apply(..., mutable=["intermediates"])`` gives it."""
+        model = nnx.merge(self.graphdef, params)
+        if hasattr(nnx, "capture"):  # Flax's new form of collecting what was sown
+            logits, sown = nnx.capture(model, nnx.Intermediate)(tokens)
+        else:
+            logits = model(tokens)
+            sown = nnx.pop(model, nnx.Intermediate)
+        return logits, nnx.to_pure_dict(sown)
 
     def __repr__(self) -> str:
         return f"FunctionalModel(nnx Transformer, {self.config})"

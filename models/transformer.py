@@ -63,6 +63,8 @@ from jax.sharding import PartitionSpec as P
 
 from multimesh.jax import with_sharding_constraint
 
+from .moe import MoeBlock
+
 __all__ = [
     "TransformerConfig",
     "RMSNorm",
@@ -115,6 +117,11 @@ class TransformerConfig:
     implementation a trainer builds from the config: ``'linen'`` (this
     module's :class:`Transformer`) or ``'nnx'`` (:mod:`models.nnx_transformer`,
     the same model and parameter tree in Flax NNX).
+
+    Mixture of Experts (:mod:`models.moe`): ``num_experts > 0`` replaces the MLP of every
+    ``moe_every``-th block (blocks ``moe_every - 1``, ``2 * moe_every - 1``, ...) by ``num_experts``
+    SwiGLU experts of hidden size ``d_ff``, each token routed to ``experts_per_token`` of them;
+    ``moe_aux_loss_coef`` weighs their load-balancing loss in the training loss.
     """
 
     vocab_size: int = 256
@@ -133,6 +140,10 @@ class TransformerConfig:
     rope_base: float = 10_000.0
     norm_eps: float = 1e-6
     api: str = "linen"
+    num_experts: int = 0
+    experts_per_token: int = 2
+    moe_aux_loss_coef: float = 0.01
+    moe_every: int = 1
 
     def __post_init__(self) -> None:
         if self.api not in ("linen", "nnx"):
@@ -157,6 +168,7 @@ class TransformerConfig:
         for field in ("vocab_size", "num_layers", "d_model", "num_heads", "max_len"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"{field} must be positive, got {getattr(self, field)}")
+        self._check_experts()
         for field in ("dtype", "param_dtype"):  # validated early: JAX refuses others deep in a traceback
             name = getattr(self, field)
             try:
@@ -166,6 +178,24 @@ class TransformerConfig:
             if known not in FLOAT_DTYPES:
                 raise ValueError(f"{field}={name!r} is not a floating-point dtype this model runs in; use one of "
                                  f"{', '.join(map(repr, FLOAT_DTYPES))}")
+
+    def _check_experts(self) -> None:
+        if self.num_experts < 0:
+            raise ValueError(f"num_experts must be >= 0 (0: a dense MLP in every block), got {self.num_experts}")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(f"experts_per_token={self.experts_per_token} (the top-k) must be between 1 and "
+                             f"num_experts={self.num_experts}: a token cannot go to more experts than there are")
+        if self.moe_every < 1:
+            raise ValueError(f"moe_every must be >= 1 (1: MoE in every block), got {self.moe_every}")
+        if self.moe_aux_loss_coef < 0:
+            raise ValueError(f"moe_aux_loss_coef must be >= 0, got {self.moe_aux_loss_coef}")
+        if self.num_experts and self.scan_layers and self.moe_every != 1:
+            raise ValueError(f"scan_layers stacks identical blocks, so moe_every={self.moe_every} cannot alternate "
+                             f"MoE and dense blocks; use moe_every=1 or scan_layers=false")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block ``layer`` has a Mixture-of-Experts feed-forward (:mod:`models.moe`)."""
+        return self.num_experts > 0 and (layer + 1) % self.moe_every == 0
 
     @property
     def compute_dtype(self) -> jnp.dtype:
@@ -340,16 +370,19 @@ class MlpBlock(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """One pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``; with ``moe``
+    the MLP is a Mixture of Experts (:class:`models.moe.MoeBlock`)."""
 
     config: TransformerConfig
+    moe: bool = False
 
     @nn.compact
     def __call__(self, x: Array, positions: Array | None = None) -> Array:
         cfg = self.config
         x = x.astype(cfg.compute_dtype)
         x = x + Attention(cfg, name="attn")(RMSNorm(cfg, name="attn_norm")(x), positions)
-        x = x + MlpBlock(cfg, name="mlp")(RMSNorm(cfg, name="mlp_norm")(x))
+        mlp = MoeBlock(cfg, name="mlp") if self.moe else MlpBlock(cfg, name="mlp")
+        x = x + mlp(RMSNorm(cfg, name="mlp_norm")(x))
         return constrain(x, ACT_EMBED)
 
 
@@ -420,11 +453,12 @@ class Transformer(nn.Module):
         self.embed = Embed(cfg)
         if cfg.scan_layers:  # one module `layers`, every parameter stacked along a leading layer axis
             body = nn.remat(ScannedBlock) if cfg.remat else ScannedBlock
-            self.layers = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
-                                  length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})(cfg)
+            self.layers = nn.scan(body, variable_axes={"params": 0, "intermediates": 0}, split_rngs={"params": True},
+                                  length=cfg.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})(
+                cfg, moe=cfg.num_experts > 0)
         else:
             block_cls = nn.remat(Block) if cfg.remat else Block
-            self.layers = [block_cls(cfg) for _ in range(cfg.num_layers)]  # layers_0, layers_1, ...
+            self.layers = [block_cls(cfg, moe=cfg.is_moe_layer(i)) for i in range(cfg.num_layers)]  # layers_0, ...
         self.head = Head(cfg)
 
     def embed_tokens(self, tokens: Array) -> Array:

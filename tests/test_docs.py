@@ -98,7 +98,7 @@ def run_blocks(blocks: list[tuple[int, str]], name: str, tmp_path: Path) -> subp
 
 #: Pages whose code takes long (half a minute, or 6 to 10 s where it starts processes or trains): they run
 #: with the long checks (``-m slow``, in CI too), to keep the default suite under 15 minutes.
-LONG_PAGES = {"implicit-tasks.md", "your-model.md", "multiprocess.md", "pipelines.md", "trainer.md"}
+LONG_PAGES = {"implicit-tasks.md", "your-model.md", "multiprocess.md", "pipelines.md", "trainer.md", "moe.md"}
 
 
 @pytest.mark.parametrize("page", [pytest.param(p, marks=pytest.mark.slow) if p.name in LONG_PAGES else p

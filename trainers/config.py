@@ -24,6 +24,7 @@ import math
 import os
 import types
 import typing
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ import yaml
 from models.transformer import TransformerConfig
 from multimesh.core.rules import RULE_SETS, Rules, named_rules
 from trainers.data import DataConfig
-from trainers.errors import ConfigError
+from trainers.errors import ConfigError, ConfigWarning
 from trainers.fit import batch_shards, check_batch, check_data
 from trainers.mesh_axes import warn_unused_axes
 
@@ -650,6 +651,22 @@ def _check_data_keys(d: DataConfig) -> None:
                           f"(the default)")
 
 
+def _check_experts(m: TransformerConfig, mesh: Mapping[str, int]) -> None:
+    """The ``expert`` mesh axis (each device of it holds ``num_experts / size`` experts) against the model's."""
+    ways = mesh.get("expert", 1)
+    if ways == 1:
+        return
+    if not m.num_experts:
+        warnings.warn(f"layout.mesh has an expert axis of size {ways}, but the model has no experts "
+                      f"(model.num_experts=0): the axis only splits the batch, as a data axis would; set "
+                      f"model.num_experts, or name the axis data", ConfigWarning, stacklevel=4)
+    elif m.num_experts % ways:
+        raise ConfigError(f"model.num_experts={m.num_experts} is not divisible by the expert axis of layout.mesh "
+                          f"(size {ways}): each of its devices holds the same number of experts; make "
+                          f"model.num_experts a multiple of {ways}, or the expert axis a divisor of "
+                          f"{m.num_experts}")
+
+
 def _check_consistency(cfg: Config) -> None:
     """Cross-section checks that no single section can make."""
     m, d, lay = cfg.model, cfg.data, cfg.layout
@@ -684,6 +701,7 @@ def _check_consistency(cfg: Config) -> None:
     if lay.is_auto:  # the search rejects the meshes that do not split the batch; one window per device is
         check_data(d, 1)  # checked once one is chosen (trainers.layout_search)
         return
+    _check_experts(m, lay.mesh)
     check_batch(lay.mesh, lay.rule_pairs(), d.batch_size)
     check_data(d, batch_shards(lay.mesh, lay.rule_pairs())[1])
     if isinstance(lay.rules, str):  # a named set: the user's own rules name their axes themselves

@@ -14,7 +14,7 @@ from trainers.errors import ConfigWarning
 __all__ = ["STANDARD_AXES", "unused_axis_notes", "warn_unused_axes"]
 
 #: The mesh axes ``multimesh.jax.standard_rules`` maps logical names to.
-STANDARD_AXES = ("data", "fsdp", "tensor", "model", "stage")
+STANDARD_AXES = ("data", "fsdp", "expert", "tensor", "model", "stage")
 
 
 def _axes_used(rules: Iterable[tuple[str, Any]]) -> set[str]:

@@ -5,10 +5,14 @@ or the NNX one behind :class:`models.nnx_transformer.FunctionalModel` (both
 ``init(key, tokens)`` and ``apply(params, tokens)``; the NNX parameters are an
 ``nnx.State`` created by a ``rngs -> module`` factory, so sharded at birth).
 The train state is ``{"params": the model's parameters, "opt": optax state}``; the
-step returns ``({"loss", "grad_norm", "nonfinite_params"}, new_state)`` (the last: how many
-updated parameter values are NaN or infinite, see ``trainers.nonfinite``). The loss is the sum of the
-next-token cross-entropies divided by the *global* token count, so that it
-is the mean whether or not a pipeline splits the batch into microbatches.
+step returns ``({"loss", "grad_norm", "nonfinite_params", "moe_aux_loss"}, new_state)`` (the third:
+how many updated parameter values are NaN or infinite, see ``trainers.nonfinite``). The loss is the sum
+of the next-token cross-entropies divided by the *global* token count, so that it
+is the mean whether or not a pipeline splits the batch into microbatches. A Mixture-of-Experts model
+(``model.num_experts > 0``) also trains on ``model.moe_aux_loss_coef`` times its load-balancing loss
+(summed over its MoE layers, :mod:`models.moe`): ``moe_aux_loss`` reports it (0 for a dense model), and
+``loss`` stays the cross-entropy. Under microbatches each microbatch's load-balancing loss (a mean over
+its sequences) counts by its share of the tokens, so a pipeline trains on the whole batch's.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from models.moe import sown_aux_loss
 from models.nnx_transformer import FunctionalModel
 from models.transformer import Transformer, TransformerConfig, next_token_loss
 from trainers.config import Config
@@ -30,8 +35,8 @@ from trainers.layout import RunLayout, build_layout
 from trainers.nonfinite import count_nonfinite
 from trainers.optim import learning_rate_schedule, make_optimizer, schedule_length
 
-__all__ = ["Model", "Program", "TrainFunctions", "build_model", "build_program", "initializers", "loss_sum_over",
-           "train_functions"]
+__all__ = ["Model", "Program", "TrainFunctions", "build_model", "build_program", "initializers", "logits_and_aux_loss",
+           "loss_sum_over", "train_functions", "training_loss"]
 
 #: What ``model.api`` builds; both have ``init(key, tokens)`` and ``apply(params, tokens)``.
 Model = Transformer | FunctionalModel
@@ -42,11 +47,33 @@ def build_model(config: TransformerConfig) -> Model:
     return FunctionalModel(config) if config.api == "nnx" else Transformer(config)
 
 
+def logits_and_aux_loss(model: Model, params: Any, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The model's logits for ``tokens`` and the sum of its MoE layers' load-balancing losses (0: none)."""
+    sown: Any
+    if isinstance(model, FunctionalModel):
+        logits, sown = model.apply_with_intermediates(params, tokens)
+    else:
+        logits, sown = model.apply(params, tokens, mutable=["intermediates"])
+    return logits, sown_aux_loss(sown)
+
+
 def loss_sum_over(model: Model, params: Any, batch: dict, n_tokens: int) -> jax.Array:
     """Next-token cross-entropy summed over ``batch["tokens"]`` [B, T+1], divided by ``n_tokens``."""
     tokens = batch["tokens"]
     logits = model.apply(params, tokens[:, :-1])
     return next_token_loss(logits, tokens, reduction="sum") / n_tokens
+
+
+def training_loss(model: Model, aux_coef: float, params: Any, batch: dict,
+                  n_tokens: int) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """``(objective, parts)`` of ``batch``: the cross-entropy summed and divided by ``n_tokens`` plus
+    ``aux_coef`` times the load-balancing loss weighted by the batch's share of the ``n_tokens``; ``parts``
+    holds both terms, each as it is summed over microbatches (``loss``, ``moe_aux_loss``)."""
+    tokens = batch["tokens"]
+    logits, aux = logits_and_aux_loss(model, params, tokens[:, :-1])
+    ce = next_token_loss(logits, tokens, reduction="sum") / n_tokens
+    aux = aux * (tokens.shape[0] * (tokens.shape[1] - 1) / n_tokens)
+    return ce + aux_coef * aux, {"loss": ce, "moe_aux_loss": aux}
 
 
 def initializers(cfg: Config, model: Model, tx: optax.GradientTransformation) -> tuple[Callable, Callable]:
@@ -115,14 +142,14 @@ def train_functions(cfg: Config, loss_for_grad: Callable[[Callable, int], Callab
     tx = make_optimizer(cfg.optimizer, decay_steps)
 
     init_params, init_state = initializers(cfg, model, tx)
-    loss_fn = functools.partial(loss_sum_over, model, n_tokens=global_tokens)
-    grad_fn = jax.value_and_grad(loss_for_grad(loss_fn, cfg.data.batch_size))
+    loss_fn = functools.partial(training_loss, model, cfg.model.moe_aux_loss_coef, n_tokens=global_tokens)
+    grad_fn = jax.value_and_grad(loss_for_grad(loss_fn, cfg.data.batch_size), has_aux=True)
 
     def train_step(state, batch):
-        loss, grads = grad_fn(state["params"], batch)
+        (_, parts), grads = grad_fn(state["params"], batch)
         updates, opt = tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "nonfinite_params": count_nonfinite(params)}
+        metrics = {**parts, "grad_norm": optax.tree.norm(grads), "nonfinite_params": count_nonfinite(params)}
         return metrics, {"params": params, "opt": opt}
 
     def eval_step(params, batch):

@@ -6,8 +6,9 @@ layout and writes to ``config.out_dir``:
 * ``metrics.jsonl``: one line per logged step: ``step``, ``loss`` (mean train
   loss since the previous line), ``lr``, ``grad_norm``, ``tokens_per_s``,
   ``wall_time`` (seconds of training so far, set-up and compilation
-  included; a resumed run goes on from its checkpoint's line), and
-  ``val_loss`` when computed; the progress bar shows the same mean loss
+  included; a resumed run goes on from its checkpoint's line), for a
+  Mixture-of-Experts model ``moe_aux_loss`` (its load-balancing loss, 1 when
+  even), and ``val_loss`` when computed; the progress bar shows the same mean loss
   (``mean_loss``), and its rate and ETA leave out the first step's compilation;
 * ``loss.png``: the loss curves against the unigram baseline (at the end),
   titled with every layout the run used;
@@ -310,6 +311,7 @@ class _Loop:
         self._pending: list[tuple[int, Any]] = []
         self._window: list[float] = []
         self._grad_norm = float("nan")
+        self._aux_loss = float("nan")
         self._t0 = t_start - log.resumed_wall_time  # wall_time goes on from where the resumed run stopped
         self._warned_nonfinite = False
 
@@ -367,6 +369,7 @@ class _Loop:
             self.losses[step] = float(m["loss"])
             self._window.append(self.losses[step])
         self._grad_norm = float(fetched[-1]["grad_norm"])
+        self._aux_loss = float(fetched[-1]["moe_aux_loss"])
         self.clock.count(len(self._pending) * self.tokens_per_step)
         step = self._pending[-1][0]
         self._pending.clear()
@@ -417,6 +420,8 @@ class _Loop:
             "tokens_per_s": None if math.isnan(rate) else round(rate, 1),
             "wall_time": round(time.perf_counter() - self._t0, 3),
         }
+        if self.program.config.model.num_experts:  # the load-balancing loss of the last step synced (1: even)
+            record["moe_aux_loss"] = self._aux_loss
         if with_val:
             record["val_loss"] = self.val_loss
         self.log.write(record)

@@ -471,9 +471,11 @@ def identity_rules(axis_names: Iterable[str]) -> Rules:
 
 def standard_rules(axis_names: Iterable[str], *, strict: bool = False, sequence: bool = False) -> Rules:
     """Sensible rules for a transformer on a mesh with some of the axes
-    ``data``, ``fsdp``, ``tensor``/``model``, ``stage``.
+    ``data``, ``fsdp``, ``expert``, ``tensor``/``model``, ``stage``.
 
-    Batch goes over data and fsdp; parameters' ``embed`` over fsdp; the
+    Batch goes over data, fsdp and expert; parameters' ``embed`` over fsdp; a
+    Mixture of Experts' ``expert`` dimension over expert (each device of the axis
+    holds its share of the experts, and its own tokens elsewhere); the
     Megatron dimensions (``mlp``, ``heads``, ``kv_heads``, ``vocab``) over the
     tensor axis. Only axes the mesh has are named. These names, and
     ``length``, ``kv``, ``head_dim`` and ``norm`` (left whole), are the rules'
@@ -491,7 +493,9 @@ def standard_rules(axis_names: Iterable[str], *, strict: bool = False, sequence:
     wanted: list[tuple[str, MeshAxes]] = [
         ("batch", "data"),
         ("batch", "fsdp"),
+        ("batch", "expert"),
         ("embed", "fsdp"),
+        ("expert", "expert"),
         ("mlp", tensor),
         ("heads", tensor),
         ("kv_heads", tensor),

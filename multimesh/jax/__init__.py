@@ -51,6 +51,7 @@ from ..trace.knobs import (
 )
 from ..trace.lifecycle import custom_partitioning, shutdown
 from ..trace.microbatch import MicrobatchMeanWarning, microbatch
+from ..trace.scope_mesh import mesh_in_scope
 from ..trace.task import ignore_transforms, task
 from ..trace.taskspec import Task, TaskMesh, slice_global_mesh
 
@@ -100,6 +101,7 @@ __all__ = [
     "estimate",
     "get_schedule",
     "ignore_transforms",
+    "mesh_in_scope",
     "microbatch",
     "mjit",
     "named_rules",

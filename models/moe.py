@@ -1,0 +1,309 @@
+"""A Mixture-of-Experts feed-forward layer (Flax Linen and NNX), with expert parallelism.
+
+Each token is sent to ``k`` of ``E`` SwiGLU experts (Mixtral / Qwen3-MoE routing):
+
+1. **Route.** A float32 router gives each token a softmax over the experts; it picks the top ``k``
+   and renormalises their probabilities into gates that sum to 1 (:func:`route`).
+2. **Balance.** The load-balancing loss (Switch Transformer / GShard) is
+   ``E * sum_e f_e * P_e``: ``f_e`` the share of the assignments that went to expert ``e``,
+   ``P_e`` its mean router probability, computed per sequence and averaged over the batch
+   (:func:`load_balancing_loss`). It is 1 when the load is even.
+   The layer sows it (``intermediates`` / ``nnx.Intermediate``, name ``moe_aux_loss``); the
+   trainer adds ``moe_aux_loss_coef`` times its sum over layers to the loss (:func:`sown_aux_loss`).
+3. **Compute.** The token copies are sorted by expert and every expert's rows go through one
+   grouped product, ``jax.lax.ragged_dot`` with the experts' group sizes (:func:`experts_local`);
+   the results are put back in token order and summed with the gates.
+
+Expert parallelism: on a mesh with an ``expert`` axis of size ``n > 1`` (:data:`EXPERT_AXIS`), each
+device holds ``E / n`` experts (the logical axis ``expert`` of the weights, which the rules map to the
+mesh axis ``expert``) and its own tokens (the batch is split over ``expert`` too, as over ``data``).
+Inside a ``shard_map`` (``multimesh.jax.shard_map`` without a mesh: the mesh in scope, a pipeline
+stage's submesh in a stage) every device sorts its token copies by destination, sends them with
+``jax.lax.all_to_all`` to the devices that own their experts, computes them there with
+``ragged_dot`` and sends the results back (:func:`experts_all_to_all`). No token is dropped: each
+device's send buffer holds, for every destination, as many rows as it has token copies (the worst
+case: all of them routed to one device's experts), so the result is the one-device result exactly,
+at ``n`` times the memory of the copies. Without an ``expert`` axis (or of size 1, or on one device)
+every expert is computed locally, with no collective.
+
+Parameters of one layer (``E = num_experts``, ``F = d_ff``)::
+
+    router  [embed, E]     ('embed', None)
+    wi_0    [E, embed, F]  ('expert', 'embed', 'mlp')   (gate)
+    wi_1    [E, embed, F]  ('expert', 'embed', 'mlp')   (up)
+    wo      [E, F, embed]  ('expert', 'mlp', 'embed')
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from multimesh.jax import mesh_in_scope, shard_map
+
+if TYPE_CHECKING:
+    from .transformer import TransformerConfig
+
+__all__ = [
+    "AUX_LOSS_NAME",
+    "EXPERT_AXIS",
+    "MoeBlock",
+    "NnxMoeBlock",
+    "experts_all_to_all",
+    "experts_local",
+    "load_balancing_loss",
+    "moe_ffn",
+    "route",
+    "sown_aux_loss",
+]
+
+Array = jax.Array
+
+#: The logical axis of the experts' weights, and the mesh axis that expert parallelism runs over.
+EXPERT_AXIS = "expert"
+#: The name under which each MoE layer sows its load-balancing loss.
+AUX_LOSS_NAME = "moe_aux_loss"
+
+ROUTER_AXES = ("embed", None)
+WI_AXES = (EXPERT_AXIS, "embed", "mlp")
+WO_AXES = (EXPERT_AXIS, "mlp", "embed")
+
+
+def _expert_kernel_init() -> nn.initializers.Initializer:
+    # [E, fan_in, fan_out]: each expert initialised as a dense layer of its own
+    return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1,
+                                            batch_axis=(0,))
+
+
+def _router_init() -> nn.initializers.Initializer:
+    return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+
+
+# -- routing ------------------------------------------------------------------------------------------------
+
+
+def route(x: Array, router: Array, k: int) -> tuple[Array, Array, Array]:
+    """``(expert_ids [..., k] int32, gates [..., k] float32, probs [..., E] float32)`` of tokens ``x`` [..., embed].
+
+    The router runs in float32; ``gates`` are the top-``k`` probabilities renormalised to sum to 1.
+    """
+    logits = jnp.einsum("...d,de->...e", x.astype(jnp.float32), router.astype(jnp.float32))
+    probs = jax.nn.softmax(logits, axis=-1)
+    top, ids = jax.lax.top_k(probs, k)
+    gates = top / jnp.sum(top, axis=-1, keepdims=True)
+    return ids.astype(jnp.int32), gates, probs
+
+
+def load_balancing_loss(probs: Array, expert_ids: Array) -> Array:
+    """``E * sum_e f_e * P_e`` of each sequence, averaged over the sequences.
+
+    ``probs`` [..., T, E] and ``expert_ids`` [..., T, k]: the router probabilities and choices of the
+    ``T`` tokens of each sequence (any leading axes: the batch). ``f_e``: the share of a sequence's
+    token-to-expert assignments that chose ``e`` (the ``f`` sum to 1); ``P_e``: its mean router
+    probability of ``e``. An even load gives 1. Per sequence (the balance DeepSeek-V3's sequence-wise
+    loss asks for; one sequence: the Switch Transformer's formula), a batch's loss is the mean of its
+    sequences', so it does not depend on how the batch is split into microbatches or over devices.
+    """
+    e, tokens, k = probs.shape[-1], probs.shape[-2], expert_ids.shape[-1]
+    counts = jnp.sum(jax.nn.one_hot(expert_ids, e, dtype=jnp.float32), axis=(-3, -2))  # [..., E]
+    f = counts / (tokens * k)
+    mean_probs = jnp.mean(probs, axis=-2)
+    return jnp.mean(e * jnp.sum(f * mean_probs, axis=-1))
+
+
+# -- the experts ----------------------------------------------------------------------------------------------
+
+
+def _swiglu_grouped(rows: Array, group_sizes: Array, wi_0: Array, wi_1: Array, wo: Array) -> Array:
+    """``wo(silu(wi_0 x) * wi_1 x)`` of rows sorted by expert, ``group_sizes[e]`` rows for expert ``e``.
+
+    Rows past ``sum(group_sizes)`` (padding) come out as zeros. Computes in the weights' dtype,
+    accumulates in float32.
+    """
+    dt = wi_0.dtype
+    rows = rows.astype(dt)
+    gate = jax.lax.ragged_dot(rows, wi_0, group_sizes, preferred_element_type=jnp.float32)
+    up = jax.lax.ragged_dot(rows, wi_1, group_sizes, preferred_element_type=jnp.float32)
+    hidden = (jax.nn.silu(gate) * up).astype(dt)
+    return jax.lax.ragged_dot(hidden, wo, group_sizes, preferred_element_type=jnp.float32)
+
+
+def _group_sizes(ids: Array, groups: int) -> Array:
+    """How many of ``ids`` equal each of ``0 .. groups-1`` (others, the padding, are not counted)."""
+    return jnp.sum(ids[:, None] == jnp.arange(groups, dtype=ids.dtype)[None, :], axis=0, dtype=jnp.int32)
+
+
+def _combine(per_copy: Array, gates: Array) -> Array:
+    """Each token's ``k`` expert outputs [N * k, D] weighted by its ``gates`` [N, k] and summed: [N, D]."""
+    n, k = gates.shape
+    return jnp.einsum("nkd,nk->nd", per_copy.reshape(n, k, -1), gates)
+
+
+def experts_local(x: Array, expert_ids: Array, gates: Array, wi_0: Array, wi_1: Array, wo: Array) -> Array:
+    """Every expert on this device: tokens ``x`` [N, D], their ``expert_ids``/``gates`` [N, k] -> float32 [N, D].
+
+    The ``N * k`` token copies are sorted by expert (stably), computed by one grouped product per
+    weight, put back in token order and combined with the gates.
+    """
+    k = expert_ids.shape[-1]
+    flat = expert_ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    out = _swiglu_grouped(x[order // k], _group_sizes(flat, wi_0.shape[0]), wi_0, wi_1, wo)
+    per_copy = jnp.zeros_like(out).at[order].set(out)
+    return _combine(per_copy, gates)
+
+
+def experts_all_to_all(x: Array, expert_ids: Array, gates: Array, wi_0: Array, wi_1: Array, wo: Array,
+                       axis: str = EXPERT_AXIS) -> Array:
+    """The body of the expert-parallel ``shard_map``: this device's tokens ``x`` [N, D] with their
+    ``expert_ids``/``gates`` [N, k] (global expert ids), and its ``E / n`` experts' weights; the ``n``
+    devices of mesh axis ``axis`` hold the experts in order. Returns this device's float32 outputs [N, D].
+
+    Copies go to their expert's device in one ``all_to_all`` of ``[n, N * k, D]`` (a slot per copy
+    for every destination: dropless), are computed there in expert order, and come back in another.
+    """
+    n_dev = jax.lax.axis_size(axis)
+    local = wi_0.shape[0]
+    k = expert_ids.shape[-1]
+    copies = expert_ids.size
+    flat = expert_ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # by expert, hence by destination device
+    sorted_ids = flat[order]
+    dest = sorted_ids // local
+    counts = _group_sizes(dest, n_dev)
+    slot = jnp.arange(copies) - (jnp.cumsum(counts) - counts)[dest]  # the copy's place among its destination's
+    send = jnp.zeros((n_dev, copies, x.shape[-1]), x.dtype).at[dest, slot].set(x[order // k])
+    send_ids = jnp.full((n_dev, copies), local, jnp.int32).at[dest, slot].set(sorted_ids % local)  # local: empty
+    recv = jax.lax.all_to_all(send, axis, 0, 0)  # recv[j]: what device j sent here
+    recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0).reshape(-1)
+    by_expert = jnp.argsort(recv_ids, stable=True)  # empty slots (id == local) last
+    out = _swiglu_grouped(recv.reshape(-1, x.shape[-1])[by_expert], _group_sizes(recv_ids, local), wi_0, wi_1, wo)
+    done = jnp.zeros_like(out).at[by_expert].set(out).reshape(n_dev, copies, -1)
+    back = jax.lax.all_to_all(done, axis, 0, 0)  # back[j]: what device j computed for the copies sent to it
+    per_copy = jnp.zeros((copies, out.shape[-1]), out.dtype).at[order].set(back[dest, slot])
+    return _combine(per_copy, gates)
+
+
+def _expert_ways() -> int:
+    """The size of the ``expert`` axis of the mesh in scope (1: none, or no mesh)."""
+    mesh = mesh_in_scope()
+    return 1 if mesh is None else int(dict(mesh.shape).get(EXPERT_AXIS, 1))
+
+
+def moe_ffn(x: Array, expert_ids: Array, gates: Array, wi_0: Array, wi_1: Array, wo: Array) -> Array:
+    """The experts' gate-weighted output for tokens ``x`` [..., D] (float32 [..., D]).
+
+    With an ``expert`` axis of size ``n > 1`` in the mesh in scope, by :func:`experts_all_to_all`
+    inside a ``shard_map`` (tokens split like the batch, experts over ``expert``); else
+    :func:`experts_local`.
+    """
+    lead, d = x.shape[:-1], x.shape[-1]
+    k = expert_ids.shape[-1]
+    tokens, ids, g = x.reshape(-1, d), expert_ids.reshape(-1, k), gates.reshape(-1, k)
+    n = _expert_ways()
+    e = wi_0.shape[0]
+    if n == 1:
+        return experts_local(tokens, ids, g, wi_0, wi_1, wo).reshape(*lead, d)
+    if e % n:
+        raise ValueError(f"num_experts={e} is not divisible by the mesh's {EXPERT_AXIS!r} axis of size {n}: each "
+                         f"device must hold the same number of experts; make the {EXPERT_AXIS!r} axis a divisor "
+                         f"of {e}, or num_experts a multiple of {n}")
+
+    def body(t: Array, i: Array, gg: Array, w0: Array, w1: Array, w2: Array) -> Array:
+        if w0.shape[0] * n != e:
+            raise ValueError(f"the experts' weights are split {e // w0.shape[0]} ways, not over the mesh axis "
+                             f"{EXPERT_AXIS!r} of size {n}: map the logical axis {EXPERT_AXIS!r} to the mesh axis "
+                             f"{EXPERT_AXIS!r} in the rules (standard_rules does)")
+        return experts_all_to_all(t, i, gg, w0, w1, w2)
+
+    # tokens split like the batch, and over the expert axis where the rules leave the batch whole there
+    rows, expert_w = P(("batch", EXPERT_AXIS), None), P(EXPERT_AXIS, None, None)
+    y = shard_map(body, in_specs=(rows, rows, rows, expert_w, expert_w, expert_w), out_specs=rows)(
+        tokens, ids, g, wi_0, wi_1, wo)
+    return y.reshape(*lead, d)
+
+
+def sown_aux_loss(intermediates: Any) -> Array:
+    """The sum of every ``moe_aux_loss`` sown in ``intermediates`` (Linen's collection or NNX's
+    ``nnx.Intermediate`` state as a pure dict); 0.0 when the model has no MoE layer."""
+    total = jnp.zeros((), jnp.float32)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(intermediates):
+        if any(str(getattr(key, "key", "")) == AUX_LOSS_NAME for key in path):
+            total = total + jnp.asarray(leaf, jnp.float32)
+    return total
+
+
+def _check_top_k(config: TransformerConfig) -> None:
+    if not 1 <= config.experts_per_token <= config.num_experts:
+        raise ValueError(f"experts_per_token={config.experts_per_token} must be between 1 and "
+                         f"num_experts={config.num_experts}")
+
+
+def _forward(config: TransformerConfig, x: Array, router: Array, wi_0: Array, wi_1: Array,
+             wo: Array) -> tuple[Array, Array]:
+    """The layer's output (compute dtype) and its load-balancing loss."""
+    dt = config.compute_dtype
+    ids, gates, probs = route(x, router, config.experts_per_token)
+    y = moe_ffn(x.astype(dt), ids, gates, wi_0.astype(dt), wi_1.astype(dt), wo.astype(dt))
+    return y.astype(dt), load_balancing_loss(probs, ids)
+
+
+class MoeBlock(nn.Module):
+    """Linen MoE feed-forward, the drop-in for ``MlpBlock`` when ``config.num_experts > 0``.
+
+    ``x`` [batch, length, embed] -> [batch, length, embed]; sows its load-balancing loss as
+    ``intermediates/.../moe_aux_loss``.
+    """
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.config
+        _check_top_k(cfg)
+        e, d, f = cfg.num_experts, cfg.d_model, cfg.d_ff
+        pd = cfg.params_dtype
+
+        def param(name: str, init: Any, axes: tuple, shape: tuple) -> Array:  # the array: Linen unboxes it
+            return self.param(name, nn.with_logical_partitioning(init, axes), shape, pd)  # type: ignore[return-value]
+
+        router = param("router", _router_init(), ROUTER_AXES, (d, e))
+        wi_0 = param("wi_0", _expert_kernel_init(), WI_AXES, (e, d, f))
+        wi_1 = param("wi_1", _expert_kernel_init(), WI_AXES, (e, d, f))
+        wo = param("wo", _expert_kernel_init(), WO_AXES, (e, f, d))
+        y, aux = _forward(cfg, x, router, wi_0, wi_1, wo)
+        self.sow("intermediates", AUX_LOSS_NAME, aux)
+        return y
+
+
+class NnxMoeBlock(nnx.Module):
+    """The NNX twin of :class:`MoeBlock` (same parameters, names and logical axes); sows its
+    load-balancing loss as an ``nnx.Intermediate`` named ``moe_aux_loss`` (inside ``nnx.capture``
+    where Flax has it)."""
+
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs):
+        _check_top_k(cfg)
+        self.config = cfg
+        e, d, f = cfg.num_experts, cfg.d_model, cfg.d_ff
+        pd = cfg.params_dtype
+
+        def param(init: Any, axes: tuple, shape: tuple) -> nnx.Param:
+            return nnx.Param(nnx.with_partitioning(init, axes)(rngs.params(), shape, pd))
+
+        self.router = param(_router_init(), ROUTER_AXES, (d, e))
+        self.wi_0 = param(_expert_kernel_init(), WI_AXES, (e, d, f))
+        self.wi_1 = param(_expert_kernel_init(), WI_AXES, (e, d, f))
+        self.wo = param(_expert_kernel_init(), WO_AXES, (e, f, d))
+
+    def __call__(self, x: Array) -> Array:
+        y, aux = _forward(self.config, x, self.router[...], self.wi_0[...], self.wi_1[...], self.wo[...])
+        if hasattr(nnx, "capture"):  # Flax's new form: recorded inside nnx.capture only, else nothing is kept
+            self.sow(nnx.Intermediate, AUX_LOSS_NAME, aux, capture_noop=True)
+        else:
+            self.sow(nnx.Intermediate, AUX_LOSS_NAME, aux)
+        return y
