@@ -73,6 +73,12 @@ class Collective:
             return None
         return max(len({node_of(d) for d in g}) for g in self.devices)
 
+    def per_node(self, node_of: Callable[[int], int]) -> int | None:
+        """The most devices of any one of its groups on one node (None: its devices not known)."""
+        if not self.devices:
+            return None
+        return max(max(sum(1 for d in g if node_of(d) == n) for n in {node_of(d) for d in g}) for g in self.devices)
+
     @property
     def axes_label(self) -> str:
         if self.axes is None:
