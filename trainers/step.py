@@ -27,6 +27,7 @@ from models.nnx_transformer import FunctionalModel
 from models.transformer import Transformer, TransformerConfig, next_token_loss
 from trainers.config import Config
 from trainers.layout import RunLayout, build_layout
+from trainers.mixed_precision import cast_for_compute
 from trainers.nonfinite import count_nonfinite
 from trainers.optim import learning_rate_schedule, make_optimizer, schedule_length
 
@@ -43,9 +44,10 @@ def build_model(config: TransformerConfig) -> Model:
 
 
 def loss_sum_over(model: Model, params: Any, batch: dict, n_tokens: int) -> jax.Array:
-    """Next-token cross-entropy summed over ``batch["tokens"]`` [B, T+1], divided by ``n_tokens``."""
+    """Next-token cross-entropy summed over ``batch["tokens"]`` [B, T+1], divided by ``n_tokens``; the
+    parameter matrices cast to the compute dtype first (`trainers.mixed_precision`)."""
     tokens = batch["tokens"]
-    logits = model.apply(params, tokens[:, :-1])
+    logits = model.apply(cast_for_compute(params, model.config.compute_dtype), tokens[:, :-1])
     return next_token_loss(logits, tokens, reduction="sum") / n_tokens
 
 
