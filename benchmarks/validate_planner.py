@@ -31,8 +31,10 @@ and flops; attention is the example's plain (materialised) attention whatever ke
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import re
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -55,6 +57,7 @@ MODEL_FIELDS = ("layers", "d_model", "heads", "kv_heads", "head_dim", "ffn", "ff
 DEVICE_FIELDS = ("kind", "count", "per_node")
 REQUIRED = ("name", "split", "source", "model", "devices", "layout", "global_batch", "seq_len", "precision",
             "remat", "published", "flop_count")
+OPTIONAL = ("notes",)
 DEFAULT_MAX_DEVICES = 256
 
 
@@ -129,21 +132,22 @@ def swiglu_width(r: ValidationRun) -> int:
     return round(FFN_MATRICES[m["ffn_kind"]] * m["ffn"] / 3 / 64) * 64
 
 
-def _check_run(raw: Any, index: int, seen: set[str]) -> ValidationRun:
-    where = f"{RUNS_FILE.name} row {index}"
+def _check_run(raw: Any, index: int, seen: set[str], file_name: str = RUNS_FILE.name) -> ValidationRun:
+    where = f"{file_name} row {index}"
     if not isinstance(raw, dict):
         raise RunsFileError(f"{where}: expected a mapping of fields, got {type(raw).__name__}")
     where = f"{where} ({raw.get('name', '?')})"
     missing = [f for f in REQUIRED if f not in raw]
     if missing:
         raise RunsFileError(f"{where}: missing field(s) {missing}; every row needs {list(REQUIRED)}")
-    unknown = sorted(set(raw) - set(REQUIRED) - {"notes"})
+    unknown = sorted(set(raw) - set(REQUIRED) - set(OPTIONAL))
     if unknown:
-        raise RunsFileError(f"{where}: unknown field(s) {unknown}")
+        raise RunsFileError(f"{where}: unknown field(s) {unknown}; a row has the fields {list(REQUIRED)} and "
+                            f"optionally {list(OPTIONAL)} (see the comment at the top of {RUNS_FILE.name})")
     if raw["name"] in seen:
         raise RunsFileError(f"{where}: the name {raw['name']!r} is used twice")
-    if raw["split"] not in SPLITS:
-        raise RunsFileError(f"{where}: split={raw['split']!r}; use one of {SPLITS}")
+    if not isinstance(raw["split"], str) or not re.fullmatch(r"[A-Za-z][\w-]*", raw["split"]):
+        raise RunsFileError(f"{where}: split={raw['split']!r} must be a name, such as one of {SPLITS}")
     if not isinstance(raw["source"], str) or len(raw["source"].split()) < 5:
         raise RunsFileError(f"{where}: source must cite where every figure is written, got {raw['source']!r}")
     for group, fields in (("model", MODEL_FIELDS), ("devices", DEVICE_FIELDS), ("layout", LAYOUT_AXES)):
@@ -187,17 +191,26 @@ def _check_run(raw: Any, index: int, seen: set[str]) -> ValidationRun:
 
 
 def load_runs(path: str | os.PathLike = RUNS_FILE) -> list[ValidationRun]:
-    """The rows of the runs file, each checked (`RunsFileError` names a malformed row and field)."""
+    """The rows of a runs file (``published_runs.yaml``'s schema), each checked (`RunsFileError` names a
+    malformed row and field)."""
     import yaml
 
-    with open(path) as f:
-        doc = yaml.safe_load(f)
+    try:
+        with open(path) as f:
+            doc = yaml.safe_load(f)
+    except OSError as e:
+        raise RunsFileError(f"cannot read the runs file {path}: {e}") from None
+    if isinstance(doc, list):  # a bare list of rows is accepted as the 'runs:' list
+        doc = {"runs": doc}
     if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
         raise RunsFileError(f"{path}: expected a top-level 'runs:' list")
+    unknown = sorted(set(doc) - {"runs"})
+    if unknown:
+        raise RunsFileError(f"{path}: unknown top-level field(s) {unknown}; the file holds one 'runs:' list")
     seen: set[str] = set()
     runs = []
     for i, raw in enumerate(doc["runs"]):
-        runs.append(_check_run(raw, i, seen))
+        runs.append(_check_run(raw, i, seen, Path(path).name))
         seen.add(runs[-1].name)
     return runs
 
@@ -305,16 +318,44 @@ def median_abs_error(ratios: Sequence[float]) -> float:
     return statistics.median(abs(x - 1) for x in ratios) if ratios else float("nan")
 
 
+def published_mfu(r: ValidationRun) -> float:
+    """The published throughput over the device's bfloat16 peak (in the source's FLOP count)."""
+    return r.published["tflops_per_device"] * 1e12 / _peak(r)
+
+
+def rule_of_thumb_mfu() -> float:
+    """The constant-MFU rule of thumb: the median published MFU of this project's own ``dev`` rows."""
+    return statistics.median(published_mfu(r) for r in load_runs(RUNS_FILE) if r.split == "dev")
+
+
+def rule_of_thumb_step(r: ValidationRun, mfu: float) -> float:
+    """``r``'s step had it run at ``mfu`` of its devices' bfloat16 peak."""
+    return source_flops(r) / (r.device_count * _peak(r) * mfu)
+
+
+def _splits_in_order(runs: Sequence[ValidationRun]) -> list[str]:
+    """The known splits first, in their order, then the others as they first appear."""
+    found = list(dict.fromkeys(r.split for r in runs))
+    return [s for s in SPLITS if s in found] + [s for s in found if s not in SPLITS]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    runs = load_runs()
-    names = [r.name for r in runs]
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("runs", nargs="*", help=f"which runs (default all: {', '.join(names)})")
-    parser.add_argument("--split", choices=SPLITS, help="only this split's rows")
+    parser.add_argument("runs", nargs="*", help="which runs (default all of the file's; --list names them)")
+    parser.add_argument("--runs", dest="runs_file", default=str(RUNS_FILE), metavar="FILE",
+                        help=f"the rows to price, in {RUNS_FILE.name}'s schema (default: that file)")
+    parser.add_argument("--json", metavar="OUT", help="also write every row's name, split, published and "
+                        "predicted step and their ratio (and the rule of thumb's) to this JSON file")
+    parser.add_argument("--split", help=f"only this split's rows ({', '.join(SPLITS)}, or a file's own)")
     parser.add_argument("--max-devices", type=int, default=DEFAULT_MAX_DEVICES,
                         help="build no run of more simulated devices (default %(default)s)")
     parser.add_argument("--list", action="store_true", help="print the runs and their sources, and exit")
     args = parser.parse_args(argv)
+    try:
+        runs = load_runs(args.runs_file)
+    except RunsFileError as e:
+        parser.exit(2, f"validate_planner.py: {e}\n")
+    names = [r.name for r in runs]
     unknown = [n for n in args.runs if n not in names]
     if unknown:
         parser.error(f"unknown run(s) {unknown}; known: {', '.join(names)}")
@@ -335,26 +376,42 @@ def main(argv: Sequence[str] | None = None) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={most}"
     import jax
 
+    thumb = rule_of_thumb_mfu()
     print(f"{jax.device_count()} simulated {jax.devices()[0].platform} devices, {os.cpu_count()} cores, "
-          f"jax {jax.__version__}; runs from {RUNS_FILE.name}")
-    summary = []
-    for split in SPLITS:
-        rows = [r for r in chosen if r.split == split]
-        if not rows:
-            continue
+          f"jax {jax.__version__}; runs from {args.runs_file}; rule of thumb: every run at {thumb:.1%} MFU (the "
+          f"median of {RUNS_FILE.name}'s dev rows)")
+    summary, rows = [], []
+    for split in _splits_in_order(chosen):
+        split_rows = [r for r in chosen if r.split == split]
         print(f"\n{split}:\n\n{HEADER}", flush=True)
-        ratios = []
-        for r in rows:
+        ratios, thumbs = [], []
+        for r in split_rows:
+            pub = published_step(r)
+            row: dict[str, Any] = {"name": r.name, "split": r.split, "published_step_s": pub,
+                                   "rule_of_thumb_step_s": rule_of_thumb_step(r, thumb),
+                                   "rule_of_thumb_ratio": rule_of_thumb_step(r, thumb) / pub}
             if reasons[r.name]:
                 print(format_row(r, None, reasons[r.name]), flush=True)
+                rows.append({**row, "predicted_step_s": None, "ratio": None, "not_compiled": reasons[r.name]})
                 continue
             p = predict_run(r)
-            ratios.append(p.step_time / published_step(r))
+            ratios.append(p.step_time / pub)
+            thumbs.append(row["rule_of_thumb_ratio"])
             print(format_row(r, p), flush=True)
-        summary.append(f"{split}: median |predicted / published step - 1| = {median_abs_error(ratios):.0%} over "
-                       f"{len(ratios)} compiled row(s); {len(rows) - len(ratios)} not compiled (said why above)")
+            rows.append({**row, "predicted_step_s": p.step_time, "ratio": p.step_time / pub,
+                         "band": band_label(r)})
+        summary.append(f"{split}: median |predicted / published step - 1| = {median_abs_error(ratios):.0%} "
+                       f"(rule of thumb at {thumb:.1%} MFU: {median_abs_error(thumbs):.0%}) over {len(ratios)} "
+                       f"compiled row(s); {len(split_rows) - len(ratios)} not compiled (said why above)")
     print()
     print("\n".join(summary))
+    if args.json:
+        done = [x for x in rows if x["ratio"] is not None]
+        out = {"runs_file": str(args.runs_file), "rule_of_thumb_mfu": thumb, "rows": rows,
+               "median_miss": median_abs_error([x["ratio"] for x in done]),
+               "rule_of_thumb_median_miss": median_abs_error([x["rule_of_thumb_ratio"] for x in done])}
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,82 @@
+"""The memory per device the runtime will really give a step: what a fit test compares a peak with.
+
+A datasheet profile's ``memory_bytes`` is the whole device. JAX's allocator on
+a GPU takes a share of it: by default it reserves 75% of the device's memory
+(``XLA_PYTHON_CLIENT_MEM_FRACTION`` changes the share; JAX's "GPU memory
+allocation" page), so a step whose peak lies between 75% and 100% of an H100's
+80 GB does not fit as JAX runs it by default. In order:
+
+1. ``MULTIMESH_MEMORY_LIMIT`` (bytes per device, or with a unit: ``60GiB``,
+   ``64e9``): the limit, whatever the device;
+2. a profile measured by `calibrate`: its ``memory_bytes`` is the allocator's
+   own limit already (``memory_stats()["bytes_limit"]``);
+3. a GPU profile: ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of its memory, 0.75
+   where that is not set;
+4. any other profile (TPU: the runtime hands the step nearly all of its HBM):
+   its ``memory_bytes``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .profiles import HardwareProfile
+
+__all__ = ["DEFAULT_GPU_MEM_FRACTION", "LIMIT_VARIABLE", "UsableMemory", "usable_memory"]
+
+#: JAX's default share of a GPU's memory that its allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION unset).
+DEFAULT_GPU_MEM_FRACTION = 0.75
+FRACTION_VARIABLE = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+LIMIT_VARIABLE = "MULTIMESH_MEMORY_LIMIT"
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+@dataclass(frozen=True)
+class UsableMemory:
+    """``bytes`` per device a step may use, and ``why`` (where the figure comes from)."""
+
+    bytes: int
+    why: str
+
+
+def _parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{LIMIT_VARIABLE}={text!r}: give bytes per device, e.g. 64000000000, 64e9 or 60GiB")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value < 1:
+        raise ValueError(f"{LIMIT_VARIABLE}={text!r} is under one byte")
+    return int(value)
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise ValueError(f"{FRACTION_VARIABLE}={text!r}: JAX takes a fraction in (0, 1] of the GPU's memory")
+    return value
+
+
+def usable_memory(profile: HardwareProfile, environ: Mapping[str, str] | None = None) -> UsableMemory:
+    """The memory per device a step may use on ``profile``'s devices (module docstring), from ``environ``
+    (default: this process's environment)."""
+    env = os.environ if environ is None else environ
+    if env.get(LIMIT_VARIABLE):
+        return UsableMemory(_parse_bytes(env[LIMIT_VARIABLE]), f"{LIMIT_VARIABLE}={env[LIMIT_VARIABLE]}")
+    from .calibrate import CalibratedProfile  # a subclass of HardwareProfile: imported here, where it is needed
+
+    if isinstance(profile, CalibratedProfile):
+        return UsableMemory(int(profile.memory_bytes), "the allocator's limit, measured by calibrate()")
+    if profile.platform == "gpu":
+        given = env.get(FRACTION_VARIABLE)
+        share = _fraction(given) if given else DEFAULT_GPU_MEM_FRACTION
+        why = (f"{FRACTION_VARIABLE}={given}" if given else
+               f"JAX's default share, {DEFAULT_GPU_MEM_FRACTION:.0%} ({FRACTION_VARIABLE} unset)")
+        return UsableMemory(int(profile.memory_bytes * share), f"{share:.0%} of {profile.name}'s memory: {why}")
+    return UsableMemory(int(profile.memory_bytes), f"{profile.name}'s device memory")
