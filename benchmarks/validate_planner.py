@@ -333,6 +333,15 @@ def rule_of_thumb_step(r: ValidationRun, mfu: float) -> float:
     return source_flops(r) / (r.device_count * _peak(r) * mfu)
 
 
+def band_label(r: ValidationRun) -> str:
+    """The band `multimesh.estimate.trust` states for ``r``'s kind of layout."""
+    from multimesh.estimate import get_profile
+    from multimesh.estimate.trust import band_text, layout_kind
+
+    return band_text(get_profile(r.devices["kind"]).platform,
+                     layout_kind(pipeline_stages=r.layout["pipeline"], tensor=r.layout["tensor"]))
+
+
 def _splits_in_order(runs: Sequence[ValidationRun]) -> list[str]:
     """The known splits first, in their order, then the others as they first appear."""
     found = list(dict.fromkeys(r.split for r in runs))

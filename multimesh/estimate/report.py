@@ -11,6 +11,7 @@ from .compiler_log import Reshard
 from .profiles import HardwareProfile
 from .programs import ProgramCost
 from .timing import ProgramTime
+from .trust import band_text, estimate_kind
 from .usable import usable_memory
 
 __all__ = ["DeviceMemory", "Estimate", "MemoryLimitError", "StepTime"]
@@ -155,6 +156,15 @@ class Estimate:
                                    f"with a profile (estimate(step, profile='h100-sxm')) for its device memory")
         return usable_memory(self.profile).bytes
 
+    def step_time_with_band(self) -> str:
+        """``1.17 s (validation: within ±25% for data/FSDP on GPUs ...)``: the predicted step and how far the
+        planner's validation against published runs trusts that kind of layout (`trust`)."""
+        if self.time is None or self.profile is None:
+            return "no predicted step time: estimate with a profile"
+        total = self.time.total
+        shown = f"{total:.3g} s" if total >= 1 else f"{total * 1e3:.3g} ms"
+        return f"{shown} ({band_text(self.profile.platform, estimate_kind(self))})"
+
     @property
     def reshards(self) -> tuple[tuple[str, Reshard], ...]:
         """(program name, `Reshard`) for each array XLA warned, while compiling, that it reshards by gathering
@@ -211,6 +221,9 @@ class Estimate:
                      if self.time.pipeline else "")
             lines.append(f"predicted step time on {self.profile.name} ({self.time.dtype}): "
                          f"{self.time.total * 1e3:.4g} ms{parts}, {self.time.utilisation}")
+            lines.append(f"  {self.step_time_with_band()}")
+        if self.profile is not None:
+            lines.append(f"memory: {self.verdict()}")
         if self.reshards:
             lines.append(f"XLA reshards {len(self.reshards)} array{'s' * (len(self.reshards) != 1)} by gathering it "
                          f"whole on every device (its 'involuntary full rematerialization' warning):")

@@ -76,7 +76,7 @@ def usable_memory(profile: HardwareProfile, environ: Mapping[str, str] | None = 
     if profile.platform == "gpu":
         given = env.get(FRACTION_VARIABLE)
         share = _fraction(given) if given else DEFAULT_GPU_MEM_FRACTION
-        why = (f"{FRACTION_VARIABLE}={given}" if given else
-               f"JAX's default share, {DEFAULT_GPU_MEM_FRACTION:.0%} ({FRACTION_VARIABLE} unset)")
-        return UsableMemory(int(profile.memory_bytes * share), f"{share:.0%} of {profile.name}'s memory: {why}")
+        why = (f"{FRACTION_VARIABLE}={given} of {profile.name}'s memory" if given else
+               f"JAX's default {share:.0%} of {profile.name}'s memory, {FRACTION_VARIABLE} unset")
+        return UsableMemory(int(profile.memory_bytes * share), why)
     return UsableMemory(int(profile.memory_bytes), f"{profile.name}'s device memory")
