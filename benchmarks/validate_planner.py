@@ -57,7 +57,7 @@ MODEL_FIELDS = ("layers", "d_model", "heads", "kv_heads", "head_dim", "ffn", "ff
 DEVICE_FIELDS = ("kind", "count", "per_node")
 REQUIRED = ("name", "split", "source", "model", "devices", "layout", "global_batch", "seq_len", "precision",
             "remat", "published", "flop_count")
-OPTIONAL = ("notes",)
+OPTIONAL = ("notes", "micro_batch")
 DEFAULT_MAX_DEVICES = 256
 
 
@@ -82,6 +82,15 @@ class ValidationRun:
     published: dict[str, float]
     flop_count: str
     notes: str = ""
+    #: sequences per data-parallel replica in one micro-step (None: the whole batch at once, no accumulation)
+    micro_batch: int | None = None
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-steps whose gradients one optimizer step accumulates (1: none)."""
+        if self.micro_batch is None:
+            return 1
+        return self.global_batch // (self.micro_batch * self.layout["data"] * self.layout["fsdp"])
 
     @property
     def device_count(self) -> int:
@@ -97,10 +106,20 @@ def _maxtext_flops(r: ValidationRun) -> float:
     return 6 * parameter_count(r) * tokens + attention
 
 
+def _llmfoundry_flops(r: ValidationRun) -> float:
+    """LLM Foundry's MFU count (scripts/train/benchmarking/README.md): per sequence 3 x (2 x parameters x seq
+    + 4 x layers x d_model x seq^2), i.e. 6 x parameters x tokens + 12 x layers x d_model x seq^2 x batch
+    (attention counted whole, not causal)."""
+    m = r.model
+    tokens = r.global_batch * r.seq_len
+    return 6 * parameter_count(r) * tokens + 12 * m["layers"] * m["d_model"] * r.seq_len ** 2 * r.global_batch
+
+
 #: The sources' FLOP counts for one training step, all devices together.
 FLOP_COUNTS: dict[str, Callable[[ValidationRun], float]] = {
     "megatron": lambda r: fleet.megatron_flops(as_fleet_run(r, whole=True)),  # Narayanan et al. 2021, eq. (3)
     "maxtext": _maxtext_flops,
+    "llmfoundry": _llmfoundry_flops,
 }
 
 
@@ -187,7 +206,14 @@ def _check_run(raw: Any, index: int, seen: set[str], file_name: str = RUNS_FILE.
     from multimesh.estimate import get_profile
 
     get_profile(raw["devices"]["kind"])  # UnknownProfileError names the profiles there are
-    return ValidationRun(**{k: raw[k] for k in REQUIRED}, notes=str(raw.get("notes", "")))
+    micro = raw.get("micro_batch")
+    if micro is not None:
+        replicas = raw["layout"]["data"] * raw["layout"]["fsdp"]
+        if not (isinstance(micro, int) and not isinstance(micro, bool) and micro > 0) \
+                or raw["global_batch"] % (micro * replicas):
+            raise RunsFileError(f"{where}: micro_batch={micro!r} must be a positive integer whose product with "
+                                f"data x fsdp = {replicas} divides global_batch={raw['global_batch']}")
+    return ValidationRun(**{k: raw[k] for k in REQUIRED}, notes=str(raw.get("notes", "")), micro_batch=micro)
 
 
 def load_runs(path: str | os.PathLike = RUNS_FILE) -> list[ValidationRun]:
