@@ -49,7 +49,7 @@ __all__ = ["FLOP_COUNTS", "RUNS_FILE", "RunsFileError", "ValidationRun", "load_r
            "published_step", "source_flops", "why_not_compiled"]
 
 RUNS_FILE = Path(__file__).with_name("published_runs.yaml")
-SPLITS = ("dev", "held_out", "fresh")
+SPLITS = ("dev", "held_out", "fresh", "unseen")
 LAYOUT_AXES = ("data", "fsdp", "tensor", "pipeline", "context")
 #: MLP kinds and how many ``d_model x ffn`` matrices each has.
 FFN_MATRICES = {"gelu": 2, "relu": 2, "swiglu": 3}
