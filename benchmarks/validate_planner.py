@@ -197,7 +197,8 @@ def _check_run(raw: Any, index: int, seen: set[str], file_name: str = RUNS_FILE.
                             f"{raw['layout']['data'] * raw['layout']['fsdp']}")
     pub = raw["published"]
     if not isinstance(pub, dict) or not isinstance(pub.get("tflops_per_device"), (int, float)) \
-            or pub["tflops_per_device"] <= 0 or sorted(pub) not in (["tflops_per_device"], ["mfu", "tflops_per_device"]):
+            or pub["tflops_per_device"] <= 0 \
+            or sorted(pub) not in (["tflops_per_device"], ["mfu", "tflops_per_device"]):
         raise RunsFileError(f"{where}: published must be {{tflops_per_device: >0[, mfu: 0..1]}}, got {pub!r}")
     if "mfu" in pub and not 0 < pub["mfu"] <= 1:
         raise RunsFileError(f"{where}: published.mfu={pub['mfu']} is not a fraction")

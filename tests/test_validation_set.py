@@ -49,16 +49,18 @@ def test_fleet_runs_are_the_dev_rows():
 
 def test_the_sizes_agree_with_the_names_the_sources_give():
     """A typo in a shape shows as a parameter count far from the size the source names the model by
-    (Megatron's 1.7B counts learned positions and biases the shape here omits: within 5%; LLM Foundry's "7b" is
-    6.66 billion by its own NumParams column: 6% under its name)."""
+    (Megatron's 1.7B counts learned positions and biases the shape here omits: within 5%; LLM Foundry's rows
+    are named by their NumParams column, not the table's size names)."""
     for r in vp.load_runs():
         nominal = float(re.search(r"(\d+(?:\.\d+)?)b", r.name).group(1)) * 1e9
-        assert vp.parameter_count(r) == pytest.approx(nominal, rel=0.06), r.name
+        assert vp.parameter_count(r) == pytest.approx(nominal, rel=0.05), r.name
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda t: t.replace("split: dev", "split: 2 dev"), r"megatron-1\.7b.*split='2 dev' must be a name.*'dev', 'held_out'"),
-    (lambda t: t.replace("split: dev", "split: dev\n    grad_accum: 2"), r"megatron-1\.7b.*unknown field\(s\) \['grad_accum'\]"),
+    (lambda t: t.replace("split: dev", "split: 2 dev"),
+     r"megatron-1\.7b.*split='2 dev' must be a name.*'dev', 'held_out'"),
+    (lambda t: t.replace("split: dev", "split: dev\n    grad_accum: 2"),
+     r"megatron-1\.7b.*unknown field\(s\) \['grad_accum'\]"),
     (lambda t: re.sub(r"    source: &megatron >-\n(      .*\n)+", "", t), r"missing field\(s\) \['source'\]"),
     (lambda t: t.replace("data: 32, fsdp: 1", "data: 16, fsdp: 1"), r"covers 16 devices, not devices.count=32"),
     (lambda t: t.replace("heads: 24, kv_heads: 24", "heads: 24, kv_heads: 0"), r"positive integers.*model.kv_heads"),
