@@ -362,11 +362,18 @@ def rule_of_thumb_step(r: ValidationRun, mfu: float) -> float:
 
 def band_label(r: ValidationRun) -> str:
     """The band `multimesh.estimate.trust` states for ``r``'s kind of layout."""
-    from multimesh.estimate import get_profile
-    from multimesh.estimate.trust import band_text, layout_kind
+    from multimesh.estimate.trust import band_text
 
-    return band_text(get_profile(r.devices["kind"]).platform,
-                     layout_kind(pipeline_stages=r.layout["pipeline"], tensor=r.layout["tensor"]))
+    return band_text(*_kind(r))
+
+
+def _kind(r: ValidationRun) -> tuple[str, str]:
+    """(platform, kind of layout) of ``r``, as `multimesh.estimate.trust` keys its bands."""
+    from multimesh.estimate import get_profile
+    from multimesh.estimate.trust import layout_kind
+
+    return (get_profile(r.devices["kind"]).platform,
+            layout_kind(pipeline_stages=r.layout["pipeline"], tensor=r.layout["tensor"]))
 
 
 def _splits_in_order(runs: Sequence[ValidationRun]) -> list[str]:
@@ -435,12 +442,21 @@ def main(argv: Sequence[str] | None = None) -> None:
             thumbs.append(row["rule_of_thumb_ratio"])
             print(format_row(r, p), flush=True)
             rows.append({**row, "predicted_step_s": p.step_time, "ratio": p.step_time / pub,
-                         "band": band_label(r)})
+                         "band": band_label(r), "kind": _kind(r)})
         summary.append(f"{split}: median |predicted / published step - 1| = {median_abs_error(ratios):.0%} "
                        f"(rule of thumb at {thumb:.1%} MFU: {median_abs_error(thumbs):.0%}) over {len(ratios)} "
                        f"compiled row(s); {len(split_rows) - len(ratios)} not compiled (said why above)")
     print()
     print("\n".join(summary))
+    print("\nlargest miss per kind of layout, every split (multimesh.estimate.trust's bands are these, rounded up "
+          "to 5%):")
+    kinds: dict[tuple[str, str], list[float]] = {}
+    for x in rows:
+        if x["ratio"] is not None:
+            kinds.setdefault(tuple(x["kind"]), []).append(abs(x["ratio"] - 1))
+    for (platform, kind), misses in sorted(kinds.items()):
+        print(f"  {kind} on {platform}: {max(misses):.0%} over {len(misses)} row(s) "
+              f"(median {statistics.median(misses):.0%})")
     if args.json:
         done = [x for x in rows if x["ratio"] is not None]
         out = {"runs_file": str(args.runs_file), "rule_of_thumb_mfu": thumb, "rows": rows,

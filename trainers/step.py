@@ -26,6 +26,7 @@ import optax
 from models.nnx_transformer import FunctionalModel
 from models.transformer import Transformer, TransformerConfig, next_token_loss
 from trainers.config import Config
+from trainers.grad_accum import accumulated_value_and_grad
 from trainers.layout import RunLayout, build_layout
 from trainers.mixed_precision import cast_for_compute
 from trainers.nonfinite import count_nonfinite
@@ -118,7 +119,8 @@ def train_functions(cfg: Config, loss_for_grad: Callable[[Callable, int], Callab
 
     init_params, init_state = initializers(cfg, model, tx)
     loss_fn = functools.partial(loss_sum_over, model, n_tokens=global_tokens)
-    grad_fn = jax.value_and_grad(loss_for_grad(loss_fn, cfg.data.batch_size))
+    k = cfg.train.grad_accum
+    grad_fn = accumulated_value_and_grad(loss_for_grad(loss_fn, cfg.data.batch_size // k), k)
 
     def train_step(state, batch):
         loss, grads = grad_fn(state["params"], batch)
