@@ -1,6 +1,7 @@
 """The planner against published training runs: predicted vs published step time, dev and held-out rows.
 
-    python benchmarks/validate_planner.py [NAME ...] [--split dev|held_out|fresh] [--max-devices N] [--list]
+    python benchmarks/validate_planner.py [NAME ...] [--runs FILE] [--json OUT] [--split NAME] [--max-devices N]
+                                          [--list]
 
 Each run of ``published_runs.yaml`` (model shape, devices, layout, batch, sequence, precision and measured
 throughput, with its source and its split) is rebuilt as a trainer config of the example transformer at the
@@ -22,6 +23,15 @@ them) it prints each row and the median absolute error ``median |ratio - 1|`` ov
 Nothing is fitted to any row. A row this machine cannot build says why in the table instead of being
 skipped: a stage of more devices than ``--max-devices`` (each simulated device adds compile time and memory
 here), or a context-parallel layout.
+
+A row with ``micro_batch`` (sequences per data-parallel replica in one micro-step) is built with the trainer's
+gradient accumulation over ``global_batch / (micro_batch x data x fsdp)`` micro-steps, and priced as that
+program runs (its micro-steps' work and collectives once each, the update once).
+
+``--runs FILE`` prices any file of rows in ``published_runs.yaml``'s schema (a field the schema does not have
+is an error naming it), ``--json OUT`` writes every row's name, split, published and predicted step and their
+ratio. Beside the planner's median miss each split shows the constant-MFU rule of thumb's on the same rows:
+every run priced at the median published MFU of this project's own ``dev`` rows.
 
 Mapping onto the example transformer (RMSNorm, RoPE, SwiGLU, no biases, no dropout): a two-matrix MLP
 (GELU, ReLU) of width ``ffn`` becomes a SwiGLU of width ``2 ffn / 3`` rounded to 64, the same parameters
@@ -267,7 +277,7 @@ def as_fleet_run(r: ValidationRun, whole: bool = False) -> fleet.PublishedRun:
         head_dim=m["head_dim"], d_ff=swiglu_width(r), vocab=m["vocab"], seq_len=r.seq_len,
         global_batch=r.global_batch, tie_embeddings=m["tied"], remat=r.remat,
         published_tflops=float(r.published["tflops_per_device"]), source_flops=lambda _: source_flops(r),
-        notes=r.notes)
+        notes=r.notes, grad_accum=r.grad_accum)
 
 
 @dataclass(frozen=True)
