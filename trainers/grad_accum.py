@@ -9,8 +9,10 @@ takes rows ``j, j + k, j + 2k, ...``: each device's rows of the batch stay on
 it (a device holds a contiguous block of rows, and every micro-batch takes
 ``1 / k`` of each block), so splitting the batch moves nothing. The planner
 prices the program this makes: a loop body (its products, its kernels' bytes
-and its collectives: an FSDP layout gathers its parameters in every
-micro-step) once per micro-step, the optimizer update once.
+and its collectives) once per micro-step, the optimizer update once. Under
+FSDP, XLA hoists the parameter gathers out of the loop (the parameters do not
+change in it: gathered once, held gathered across the micro-steps) and
+reduces the gradients in every micro-step.
 """
 
 from __future__ import annotations
