@@ -16,13 +16,13 @@ def test_a_gpu_gives_jax_three_quarters_of_its_memory_by_default():
     got = usable_memory(H100, {})
     assert got.bytes == 60 * 10**9 and "75%" in got.why and "XLA_PYTHON_CLIENT_MEM_FRACTION" in got.why
     assert usable_memory(H100, {"XLA_PYTHON_CLIENT_MEM_FRACTION": ".9"}).bytes == 72 * 10**9
-    assert usable_memory(H100, {"MULTIMESH_MEMORY_LIMIT": "64e9", "XLA_PYTHON_CLIENT_MEM_FRACTION": ".9"}).bytes \
+    assert usable_memory(H100, {"MULTIMESH_MEMORY_LIMIT": "64GB", "XLA_PYTHON_CLIENT_MEM_FRACTION": ".9"}).bytes \
         == 64 * 10**9
     assert usable_memory(H100, {"MULTIMESH_MEMORY_LIMIT": "60GiB"}).bytes == 60 * 2**30
     assert usable_memory(PROFILES["tpu-v5p"], {}).bytes == 95 * 2**30  # a TPU's runtime: all of its HBM
     with pytest.raises(ValueError, match="XLA_PYTHON_CLIENT_MEM_FRACTION='2'"):
         usable_memory(H100, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "2"})
-    with pytest.raises(ValueError, match="MULTIMESH_MEMORY_LIMIT='lots'.*60GiB"):
+    with pytest.raises(ValueError, match="MULTIMESH_MEMORY_LIMIT='lots'.*10GiB"):
         usable_memory(H100, {"MULTIMESH_MEMORY_LIMIT": "lots"})
 
 

@@ -6,8 +6,9 @@ a GPU takes a share of it: by default it reserves 75% of the device's memory
 allocation" page), so a step whose peak lies between 75% and 100% of an H100's
 80 GB does not fit as JAX runs it by default. In order:
 
-1. ``MULTIMESH_MEMORY_LIMIT`` (bytes per device, or with a unit: ``60GiB``,
-   ``64e9``): the limit, whatever the device;
+1. ``MULTIMESH_MEMORY_LIMIT`` (bytes per device, or with a unit: ``60GiB``;
+   the variable `memory` reads for the state check before a run): the limit,
+   whatever the device;
 2. a profile measured by `calibrate`: its ``memory_bytes`` is the allocator's
    own limit already (``memory_stats()["bytes_limit"]``);
 3. a GPU profile: ``XLA_PYTHON_CLIENT_MEM_FRACTION`` of its memory, 0.75
@@ -19,10 +20,10 @@ allocation" page), so a step whose peak lies between 75% and 100% of an H100's
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .memory import LIMIT_VARIABLE, parse_bytes
 from .profiles import HardwareProfile
 
 __all__ = ["DEFAULT_GPU_MEM_FRACTION", "LIMIT_VARIABLE", "UsableMemory", "usable_memory"]
@@ -30,9 +31,6 @@ __all__ = ["DEFAULT_GPU_MEM_FRACTION", "LIMIT_VARIABLE", "UsableMemory", "usable
 #: JAX's default share of a GPU's memory that its allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION unset).
 DEFAULT_GPU_MEM_FRACTION = 0.75
 FRACTION_VARIABLE = "XLA_PYTHON_CLIENT_MEM_FRACTION"
-LIMIT_VARIABLE = "MULTIMESH_MEMORY_LIMIT"
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 @dataclass(frozen=True)
@@ -41,16 +39,6 @@ class UsableMemory:
 
     bytes: int
     why: str
-
-
-def _parse_bytes(text: str) -> int:
-    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if m is None or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{LIMIT_VARIABLE}={text!r}: give bytes per device, e.g. 64000000000, 64e9 or 60GiB")
-    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if value < 1:
-        raise ValueError(f"{LIMIT_VARIABLE}={text!r} is under one byte")
-    return int(value)
 
 
 def _fraction(text: str) -> float:
@@ -68,7 +56,7 @@ def usable_memory(profile: HardwareProfile, environ: Mapping[str, str] | None = 
     (default: this process's environment)."""
     env = os.environ if environ is None else environ
     if env.get(LIMIT_VARIABLE):
-        return UsableMemory(_parse_bytes(env[LIMIT_VARIABLE]), f"{LIMIT_VARIABLE}={env[LIMIT_VARIABLE]}")
+        return UsableMemory(parse_bytes(env[LIMIT_VARIABLE]), f"{LIMIT_VARIABLE}={env[LIMIT_VARIABLE]}")
     from .calibrate import CalibratedProfile  # a subclass of HardwareProfile: imported here, where it is needed
 
     if isinstance(profile, CalibratedProfile):
