@@ -42,7 +42,8 @@ def test_fits_and_its_verdict_use_the_usable_memory(monkeypatch):
     monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
     tight = _estimate(62_300_000_000)  # under the H100's 80 GB, over the 60 GB JAX takes of it
     assert not tight.fits() and tight.fits(80 * 10**9)
-    assert tight.verdict().startswith("does not fit: peak 58.0 GiB is 2.1 GiB over 55.9 GiB per device (JAX's default 75%")
+    assert tight.verdict().startswith(
+        "does not fit: peak 58.0 GiB is 2.1 GiB over 55.9 GiB per device (JAX's default 75%")
     roomy = _estimate(45 * 2**30)
     assert roomy.fits() and roomy.verdict().startswith("fits: peak 45.0 GiB of 55.9 GiB per device") \
         and "headroom 10.9 GiB (19%)" in roomy.verdict()
