@@ -103,3 +103,26 @@ def test_a_profile_of_your_own_without_nics_keeps_one_link_per_device():
     assert network_seconds("all-gather", GIB, Span(8, 2, 4), mine) == pytest.approx(
         min(7 / 8 * GIB / 40e9, 1 / 2 * GIB / 4 / 10e9 + 3 / 4 * GIB / 100e9))
     assert math.isclose(mine.network_share, 10e9)
+
+
+def test_a_gather_xla_cpu_widened_from_bfloat16_counts_bfloat16_bytes():
+    """XLA:CPU has no bfloat16 collectives: it converts to float32, gathers, converts back. Read through the
+    widening, the gather moves what a GPU sends: 2 bytes per element; a plain float32 gather keeps 4."""
+    from multimesh.estimate import find_collectives
+
+    hlo = """
+%widen (p: f32[16,8]) -> f32[16,8] {
+  %p = f32[16,8]{1,0} parameter(0)
+  %narrow = bf16[16,8]{1,0} convert(%p)
+  ROOT %wide = f32[16,8]{1,0} convert(%narrow)
+}
+
+ENTRY %main (x: f32[16,8]) -> f32[128,8] {
+  %x = f32[16,8]{1,0} parameter(0)
+  %w = f32[16,8]{1,0} fusion(%x), kind=kLoop, calls=%widen
+  %ag = f32[128,8]{1,0} all-gather(%w), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  ROOT %plain = f32[128,8]{1,0} all-gather(%x), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+}
+"""
+    sent = {c.name: c.bytes for c in find_collectives(hlo, ["fsdp"], [8])}
+    assert sent == {"ag": 128 * 8 * 2, "plain": 128 * 8 * 4}
