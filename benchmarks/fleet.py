@@ -68,6 +68,7 @@ class PublishedRun:
     source_flops: Callable[[PublishedRun], float]  # one step's flops, all devices, as the source counts them
     notes: str = ""
     num_kv_heads: int | None = None  # grouped-query attention's key/value heads (None: num_heads)
+    grad_accum: int = 1  # micro-steps whose gradients one step accumulates (the trainer's train.grad_accum)
 
 
 def megatron_flops(r: PublishedRun) -> float:
@@ -200,6 +201,7 @@ def trainer_overrides(run: PublishedRun, layers: int, out_dir: str) -> list[str]
         f"data.seq_len={run.seq_len}", f"data.batch_size={run.global_batch}",
         f"data.max_bytes={40 * run.global_batch * (run.seq_len + 1)}",  # checked, never read: nothing is loaded
         f"layout.mesh={mesh}", "layout.pipeline=null", f"train.out_dir={out_dir}",
+        f"train.grad_accum={run.grad_accum}",
     ]
 
 

@@ -1,6 +1,7 @@
 """The planner against published training runs: predicted vs published step time, dev and held-out rows.
 
-    python benchmarks/validate_planner.py [NAME ...] [--split dev|held_out|fresh] [--max-devices N] [--list]
+    python benchmarks/validate_planner.py [NAME ...] [--runs FILE] [--json OUT] [--split NAME] [--max-devices N]
+                                          [--list]
 
 Each run of ``published_runs.yaml`` (model shape, devices, layout, batch, sequence, precision and measured
 throughput, with its source and its split) is rebuilt as a trainer config of the example transformer at the
@@ -23,6 +24,15 @@ Nothing is fitted to any row. A row this machine cannot build says why in the ta
 skipped: a stage of more devices than ``--max-devices`` (each simulated device adds compile time and memory
 here), or a context-parallel layout.
 
+A row with ``micro_batch`` (sequences per data-parallel replica in one micro-step) is built with the trainer's
+gradient accumulation over ``global_batch / (micro_batch x data x fsdp)`` micro-steps, and priced as that
+program runs (its micro-steps' work and collectives once each, the update once).
+
+``--runs FILE`` prices any file of rows in ``published_runs.yaml``'s schema (a field the schema does not have
+is an error naming it), ``--json OUT`` writes every row's name, split, published and predicted step and their
+ratio. Beside the planner's median miss each split shows the constant-MFU rule of thumb's on the same rows:
+every run priced at the median published MFU of this project's own ``dev`` rows.
+
 Mapping onto the example transformer (RMSNorm, RoPE, SwiGLU, no biases, no dropout): a two-matrix MLP
 (GELU, ReLU) of width ``ffn`` becomes a SwiGLU of width ``2 ffn / 3`` rounded to 64, the same parameters
 and flops; attention is the example's plain (materialised) attention whatever kernel the source used.
@@ -31,8 +41,10 @@ and flops; attention is the example's plain (materialised) attention whatever ke
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
+import re
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -47,7 +59,7 @@ __all__ = ["FLOP_COUNTS", "RUNS_FILE", "RunsFileError", "ValidationRun", "load_r
            "published_step", "source_flops", "why_not_compiled"]
 
 RUNS_FILE = Path(__file__).with_name("published_runs.yaml")
-SPLITS = ("dev", "held_out", "fresh")
+SPLITS = ("dev", "held_out", "fresh", "unseen")
 LAYOUT_AXES = ("data", "fsdp", "tensor", "pipeline", "context")
 #: MLP kinds and how many ``d_model x ffn`` matrices each has.
 FFN_MATRICES = {"gelu": 2, "relu": 2, "swiglu": 3}
@@ -55,6 +67,7 @@ MODEL_FIELDS = ("layers", "d_model", "heads", "kv_heads", "head_dim", "ffn", "ff
 DEVICE_FIELDS = ("kind", "count", "per_node")
 REQUIRED = ("name", "split", "source", "model", "devices", "layout", "global_batch", "seq_len", "precision",
             "remat", "published", "flop_count")
+OPTIONAL = ("notes", "micro_batch")
 DEFAULT_MAX_DEVICES = 256
 
 
@@ -79,6 +92,15 @@ class ValidationRun:
     published: dict[str, float]
     flop_count: str
     notes: str = ""
+    #: sequences per data-parallel replica in one micro-step (None: the whole batch at once, no accumulation)
+    micro_batch: int | None = None
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-steps whose gradients one optimizer step accumulates (1: none)."""
+        if self.micro_batch is None:
+            return 1
+        return self.global_batch // (self.micro_batch * self.layout["data"] * self.layout["fsdp"])
 
     @property
     def device_count(self) -> int:
@@ -94,10 +116,20 @@ def _maxtext_flops(r: ValidationRun) -> float:
     return 6 * parameter_count(r) * tokens + attention
 
 
+def _llmfoundry_flops(r: ValidationRun) -> float:
+    """LLM Foundry's MFU count (scripts/train/benchmarking/README.md): per sequence 3 x (2 x parameters x seq
+    + 4 x layers x d_model x seq^2), i.e. 6 x parameters x tokens + 12 x layers x d_model x seq^2 x batch
+    (attention counted whole, not causal)."""
+    m = r.model
+    tokens = r.global_batch * r.seq_len
+    return 6 * parameter_count(r) * tokens + 12 * m["layers"] * m["d_model"] * r.seq_len ** 2 * r.global_batch
+
+
 #: The sources' FLOP counts for one training step, all devices together.
 FLOP_COUNTS: dict[str, Callable[[ValidationRun], float]] = {
     "megatron": lambda r: fleet.megatron_flops(as_fleet_run(r, whole=True)),  # Narayanan et al. 2021, eq. (3)
     "maxtext": _maxtext_flops,
+    "llmfoundry": _llmfoundry_flops,
 }
 
 
@@ -129,21 +161,22 @@ def swiglu_width(r: ValidationRun) -> int:
     return round(FFN_MATRICES[m["ffn_kind"]] * m["ffn"] / 3 / 64) * 64
 
 
-def _check_run(raw: Any, index: int, seen: set[str]) -> ValidationRun:
-    where = f"{RUNS_FILE.name} row {index}"
+def _check_run(raw: Any, index: int, seen: set[str], file_name: str = RUNS_FILE.name) -> ValidationRun:
+    where = f"{file_name} row {index}"
     if not isinstance(raw, dict):
         raise RunsFileError(f"{where}: expected a mapping of fields, got {type(raw).__name__}")
     where = f"{where} ({raw.get('name', '?')})"
     missing = [f for f in REQUIRED if f not in raw]
     if missing:
         raise RunsFileError(f"{where}: missing field(s) {missing}; every row needs {list(REQUIRED)}")
-    unknown = sorted(set(raw) - set(REQUIRED) - {"notes"})
+    unknown = sorted(set(raw) - set(REQUIRED) - set(OPTIONAL))
     if unknown:
-        raise RunsFileError(f"{where}: unknown field(s) {unknown}")
+        raise RunsFileError(f"{where}: unknown field(s) {unknown}; a row has the fields {list(REQUIRED)} and "
+                            f"optionally {list(OPTIONAL)} (see the comment at the top of {RUNS_FILE.name})")
     if raw["name"] in seen:
         raise RunsFileError(f"{where}: the name {raw['name']!r} is used twice")
-    if raw["split"] not in SPLITS:
-        raise RunsFileError(f"{where}: split={raw['split']!r}; use one of {SPLITS}")
+    if not isinstance(raw["split"], str) or not re.fullmatch(r"[A-Za-z][\w-]*", raw["split"]):
+        raise RunsFileError(f"{where}: split={raw['split']!r} must be a name, such as one of {SPLITS}")
     if not isinstance(raw["source"], str) or len(raw["source"].split()) < 5:
         raise RunsFileError(f"{where}: source must cite where every figure is written, got {raw['source']!r}")
     for group, fields in (("model", MODEL_FIELDS), ("devices", DEVICE_FIELDS), ("layout", LAYOUT_AXES)):
@@ -174,7 +207,8 @@ def _check_run(raw: Any, index: int, seen: set[str]) -> ValidationRun:
                             f"{raw['layout']['data'] * raw['layout']['fsdp']}")
     pub = raw["published"]
     if not isinstance(pub, dict) or not isinstance(pub.get("tflops_per_device"), (int, float)) \
-            or pub["tflops_per_device"] <= 0 or sorted(pub) not in (["tflops_per_device"], ["mfu", "tflops_per_device"]):
+            or pub["tflops_per_device"] <= 0 \
+            or sorted(pub) not in (["tflops_per_device"], ["mfu", "tflops_per_device"]):
         raise RunsFileError(f"{where}: published must be {{tflops_per_device: >0[, mfu: 0..1]}}, got {pub!r}")
     if "mfu" in pub and not 0 < pub["mfu"] <= 1:
         raise RunsFileError(f"{where}: published.mfu={pub['mfu']} is not a fraction")
@@ -183,21 +217,37 @@ def _check_run(raw: Any, index: int, seen: set[str]) -> ValidationRun:
     from multimesh.estimate import get_profile
 
     get_profile(raw["devices"]["kind"])  # UnknownProfileError names the profiles there are
-    return ValidationRun(**{k: raw[k] for k in REQUIRED}, notes=str(raw.get("notes", "")))
+    micro = raw.get("micro_batch")
+    if micro is not None:
+        replicas = raw["layout"]["data"] * raw["layout"]["fsdp"]
+        if not (isinstance(micro, int) and not isinstance(micro, bool) and micro > 0) \
+                or raw["global_batch"] % (micro * replicas):
+            raise RunsFileError(f"{where}: micro_batch={micro!r} must be a positive integer whose product with "
+                                f"data x fsdp = {replicas} divides global_batch={raw['global_batch']}")
+    return ValidationRun(**{k: raw[k] for k in REQUIRED}, notes=str(raw.get("notes", "")), micro_batch=micro)
 
 
 def load_runs(path: str | os.PathLike = RUNS_FILE) -> list[ValidationRun]:
-    """The rows of the runs file, each checked (`RunsFileError` names a malformed row and field)."""
+    """The rows of a runs file (``published_runs.yaml``'s schema), each checked (`RunsFileError` names a
+    malformed row and field)."""
     import yaml
 
-    with open(path) as f:
-        doc = yaml.safe_load(f)
+    try:
+        with open(path) as f:
+            doc = yaml.safe_load(f)
+    except OSError as e:
+        raise RunsFileError(f"cannot read the runs file {path}: {e}") from None
+    if isinstance(doc, list):  # a bare list of rows is accepted as the 'runs:' list
+        doc = {"runs": doc}
     if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
         raise RunsFileError(f"{path}: expected a top-level 'runs:' list")
+    unknown = sorted(set(doc) - {"runs"})
+    if unknown:
+        raise RunsFileError(f"{path}: unknown top-level field(s) {unknown}; the file holds one 'runs:' list")
     seen: set[str] = set()
     runs = []
     for i, raw in enumerate(doc["runs"]):
-        runs.append(_check_run(raw, i, seen))
+        runs.append(_check_run(raw, i, seen, Path(path).name))
         seen.add(runs[-1].name)
     return runs
 
@@ -227,7 +277,7 @@ def as_fleet_run(r: ValidationRun, whole: bool = False) -> fleet.PublishedRun:
         head_dim=m["head_dim"], d_ff=swiglu_width(r), vocab=m["vocab"], seq_len=r.seq_len,
         global_batch=r.global_batch, tie_embeddings=m["tied"], remat=r.remat,
         published_tflops=float(r.published["tflops_per_device"]), source_flops=lambda _: source_flops(r),
-        notes=r.notes)
+        notes=r.notes, grad_accum=r.grad_accum)
 
 
 @dataclass(frozen=True)
@@ -305,16 +355,60 @@ def median_abs_error(ratios: Sequence[float]) -> float:
     return statistics.median(abs(x - 1) for x in ratios) if ratios else float("nan")
 
 
+def published_mfu(r: ValidationRun) -> float:
+    """The published throughput over the device's bfloat16 peak (in the source's FLOP count)."""
+    return r.published["tflops_per_device"] * 1e12 / _peak(r)
+
+
+def rule_of_thumb_mfu() -> float:
+    """The constant-MFU rule of thumb: the median published MFU of this project's own ``dev`` rows."""
+    return statistics.median(published_mfu(r) for r in load_runs(RUNS_FILE) if r.split == "dev")
+
+
+def rule_of_thumb_step(r: ValidationRun, mfu: float) -> float:
+    """``r``'s step had it run at ``mfu`` of its devices' bfloat16 peak."""
+    return source_flops(r) / (r.device_count * _peak(r) * mfu)
+
+
+def band_label(r: ValidationRun) -> str:
+    """The band `multimesh.estimate.trust` states for ``r``'s kind of layout."""
+    from multimesh.estimate.trust import band_text
+
+    return band_text(*_kind(r))
+
+
+def _kind(r: ValidationRun) -> tuple[str, str]:
+    """(platform, kind of layout) of ``r``, as `multimesh.estimate.trust` keys its bands."""
+    from multimesh.estimate import get_profile
+    from multimesh.estimate.trust import layout_kind
+
+    return (get_profile(r.devices["kind"]).platform,
+            layout_kind(pipeline_stages=r.layout["pipeline"], tensor=r.layout["tensor"]))
+
+
+def _splits_in_order(runs: Sequence[ValidationRun]) -> list[str]:
+    """The known splits first, in their order, then the others as they first appear."""
+    found = list(dict.fromkeys(r.split for r in runs))
+    return [s for s in SPLITS if s in found] + [s for s in found if s not in SPLITS]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    runs = load_runs()
-    names = [r.name for r in runs]
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("runs", nargs="*", help=f"which runs (default all: {', '.join(names)})")
-    parser.add_argument("--split", choices=SPLITS, help="only this split's rows")
+    parser.add_argument("runs", nargs="*", help="which runs (default all of the file's; --list names them)")
+    parser.add_argument("--runs", dest="runs_file", default=str(RUNS_FILE), metavar="FILE",
+                        help=f"the rows to price, in {RUNS_FILE.name}'s schema (default: that file)")
+    parser.add_argument("--json", metavar="OUT", help="also write every row's name, split, published and "
+                        "predicted step and their ratio (and the rule of thumb's) to this JSON file")
+    parser.add_argument("--split", help=f"only this split's rows ({', '.join(SPLITS)}, or a file's own)")
     parser.add_argument("--max-devices", type=int, default=DEFAULT_MAX_DEVICES,
                         help="build no run of more simulated devices (default %(default)s)")
     parser.add_argument("--list", action="store_true", help="print the runs and their sources, and exit")
     args = parser.parse_args(argv)
+    try:
+        runs = load_runs(args.runs_file)
+    except RunsFileError as e:
+        parser.exit(2, f"validate_planner.py: {e}\n")
+    names = [r.name for r in runs]
     unknown = [n for n in args.runs if n not in names]
     if unknown:
         parser.error(f"unknown run(s) {unknown}; known: {', '.join(names)}")
@@ -335,26 +429,51 @@ def main(argv: Sequence[str] | None = None) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={most}"
     import jax
 
+    thumb = rule_of_thumb_mfu()
     print(f"{jax.device_count()} simulated {jax.devices()[0].platform} devices, {os.cpu_count()} cores, "
-          f"jax {jax.__version__}; runs from {RUNS_FILE.name}")
-    summary = []
-    for split in SPLITS:
-        rows = [r for r in chosen if r.split == split]
-        if not rows:
-            continue
+          f"jax {jax.__version__}; runs from {args.runs_file}; rule of thumb: every run at {thumb:.1%} MFU (the "
+          f"median of {RUNS_FILE.name}'s dev rows)")
+    summary, rows = [], []
+    for split in _splits_in_order(chosen):
+        split_rows = [r for r in chosen if r.split == split]
         print(f"\n{split}:\n\n{HEADER}", flush=True)
-        ratios = []
-        for r in rows:
+        ratios, thumbs = [], []
+        for r in split_rows:
+            pub = published_step(r)
+            row: dict[str, Any] = {"name": r.name, "split": r.split, "published_step_s": pub,
+                                   "rule_of_thumb_step_s": rule_of_thumb_step(r, thumb),
+                                   "rule_of_thumb_ratio": rule_of_thumb_step(r, thumb) / pub}
             if reasons[r.name]:
                 print(format_row(r, None, reasons[r.name]), flush=True)
+                rows.append({**row, "predicted_step_s": None, "ratio": None, "not_compiled": reasons[r.name]})
                 continue
             p = predict_run(r)
-            ratios.append(p.step_time / published_step(r))
+            ratios.append(p.step_time / pub)
+            thumbs.append(row["rule_of_thumb_ratio"])
             print(format_row(r, p), flush=True)
-        summary.append(f"{split}: median |predicted / published step - 1| = {median_abs_error(ratios):.0%} over "
-                       f"{len(ratios)} compiled row(s); {len(rows) - len(ratios)} not compiled (said why above)")
+            rows.append({**row, "predicted_step_s": p.step_time, "ratio": p.step_time / pub,
+                         "band": band_label(r), "kind": _kind(r)})
+        summary.append(f"{split}: median |predicted / published step - 1| = {median_abs_error(ratios):.0%} "
+                       f"(rule of thumb at {thumb:.1%} MFU: {median_abs_error(thumbs):.0%}) over {len(ratios)} "
+                       f"compiled row(s); {len(split_rows) - len(ratios)} not compiled (said why above)")
     print()
     print("\n".join(summary))
+    print("\nlargest miss per kind of layout, every split (multimesh.estimate.trust's bands are these, rounded up "
+          "to 5%):")
+    kinds: dict[tuple[str, str], list[float]] = {}
+    for x in rows:
+        if x["ratio"] is not None:
+            kinds.setdefault(tuple(x["kind"]), []).append(abs(x["ratio"] - 1))
+    for (platform, kind), misses in sorted(kinds.items()):
+        print(f"  {kind} on {platform}: {max(misses):.0%} over {len(misses)} row(s) "
+              f"(median {statistics.median(misses):.0%})")
+    if args.json:
+        done = [x for x in rows if x["ratio"] is not None]
+        out = {"runs_file": str(args.runs_file), "rule_of_thumb_mfu": thumb, "rows": rows,
+               "median_miss": median_abs_error([x["ratio"] for x in done]),
+               "rule_of_thumb_median_miss": median_abs_error([x["rule_of_thumb_ratio"] for x in done])}
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

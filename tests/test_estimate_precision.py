@@ -141,9 +141,16 @@ def test_the_same_group_size_costs_more_across_nodes_than_inside_one():
     inside = collective_time(_group(range(8)), H100)  # devices 0..7: one node of 8
     across = collective_time(_group(range(0, 64, 8)), H100)  # one device of each of 8 nodes
     assert inside == pytest.approx(14 * H100.intra_node_latency + 1.75 * (1 << 20) / H100.intra_node_bandwidth)
-    assert across == pytest.approx(14 * H100.inter_node_latency + 1.75 * (1 << 20) / H100.inter_node_bandwidth)
-    mixed = collective_time(_group([0, 1, 2, 3, 8, 9, 10, 11]), H100)  # a ring over both: its slowest hop
-    assert mixed == across
+    # one GPU of each node: its own NIC; 1 MiB is small enough for the tree's 2 log2(8) latency steps to win
+    assert across == pytest.approx(6 * H100.inter_node_latency + 2 * (1 << 20) / H100.inter_node_bandwidth)
+    # 4 GPUs on each of 2 nodes: they cross over their 4 NICs at once (estimate.network), 4 times the bandwidth
+    # (here the hierarchical all-reduce: a reduce-scatter in each node, an all-reduce of a quarter between the
+    # nodes over each GPU's own NIC, an all-gather in each node)
+    mixed = collective_time(_group([0, 1, 2, 3, 8, 9, 10, 11]), H100)
+    in_node = 3 * H100.intra_node_latency + 3 / 4 * (1 << 20) / H100.intra_node_bandwidth
+    assert mixed == pytest.approx(2 * in_node + 2 * H100.inter_node_latency
+                                  + (1 << 20) / 4 / H100.inter_node_bandwidth)
+    assert mixed < across
     unknown = collective_time(Collective("all-reduce", 1 << 20, 8, ("data",), "ar"), H100)
     assert unknown == inside  # devices not read: a group that fits a node is taken to be inside one
 
@@ -158,7 +165,7 @@ def test_replica_groups_are_read_as_device_ids():
 @pytest.mark.devices(8)
 def test_a_steps_collectives_are_priced_by_the_nodes_their_devices_sit_on():
     fn = built({"data": 2, "fsdp": 4})
-    nodes_of_4 = dataclasses.replace(H100, name="h100-nodes-of-4", devices_per_node=4)
+    nodes_of_4 = dataclasses.replace(H100, name="h100-nodes-of-4", devices_per_node=4, nics_per_node=4)
     (program,) = fn.estimate(profile=nodes_of_4).programs
     by_axes = {}
     for c in program.collectives:
@@ -168,7 +175,8 @@ def test_a_steps_collectives_are_priced_by_the_nodes_their_devices_sit_on():
     c = next(c for c in program.collectives if c.axes == ("data",))
     # two devices per group: a size that fits any node, priced over the network because of where they are
     assert collective_time(c, nodes_of_4) == collective_time(dataclasses.replace(c, devices=None),
-                                                             dataclasses.replace(nodes_of_4, devices_per_node=1))
+                                                             dataclasses.replace(nodes_of_4, devices_per_node=1,
+                                                                                 nics_per_node=1))
     assert collective_time(c, nodes_of_4) > collective_time(c, H100)
 
 

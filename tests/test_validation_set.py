@@ -49,14 +49,18 @@ def test_fleet_runs_are_the_dev_rows():
 
 def test_the_sizes_agree_with_the_names_the_sources_give():
     """A typo in a shape shows as a parameter count far from the size the source names the model by
-    (Megatron's 1.7B counts learned positions and biases the shape here omits: within 5%)."""
+    (Megatron's 1.7B counts learned positions and biases the shape here omits: within 5%; LLM Foundry's rows
+    are named by their NumParams column, not the table's size names)."""
     for r in vp.load_runs():
         nominal = float(re.search(r"(\d+(?:\.\d+)?)b", r.name).group(1)) * 1e9
         assert vp.parameter_count(r) == pytest.approx(nominal, rel=0.05), r.name
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda t: t.replace("split: dev", "split: train"), r"megatron-1\.7b.*split='train'.*'dev', 'held_out'"),
+    (lambda t: t.replace("split: dev", "split: 2 dev"),
+     r"megatron-1\.7b.*split='2 dev' must be a name.*'dev', 'held_out'"),
+    (lambda t: t.replace("split: dev", "split: dev\n    grad_accum: 2"),
+     r"megatron-1\.7b.*unknown field\(s\) \['grad_accum'\]"),
     (lambda t: re.sub(r"    source: &megatron >-\n(      .*\n)+", "", t), r"missing field\(s\) \['source'\]"),
     (lambda t: t.replace("data: 32, fsdp: 1", "data: 16, fsdp: 1"), r"covers 16 devices, not devices.count=32"),
     (lambda t: t.replace("heads: 24, kv_heads: 24", "heads: 24, kv_heads: 0"), r"positive integers.*model.kv_heads"),
@@ -72,14 +76,24 @@ def test_a_malformed_row_is_named_with_its_field(tmp_path, edit, message):
         vp.load_runs(path)
 
 
-def test_the_script_runs_on_the_smallest_row_and_says_why_it_skips_one():
+def test_the_script_prices_a_file_of_rows_and_says_why_it_skips_one(tmp_path):
+    """``--runs FILE --json OUT``: any file in the schema; the table, the medians beside the constant-MFU rule
+    of thumb's, and per row its name, published and predicted step and their ratio in the JSON."""
+    import json
+
+    import yaml
+
     runs = vp.load_runs()
     smallest = min(runs, key=lambda r: (r.device_count, vp.parameter_count(r)))
     too_big = next(r for r in runs if r.device_count // r.layout["pipeline"] > vp.DEFAULT_MAX_DEVICES)
+    raw = yaml.safe_load(vp.RUNS_FILE.read_text())["runs"]
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(yaml.safe_dump({"runs": [x for x in raw if x["name"] in (smallest.name, too_big.name)]}))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "validate_planner.py"), smallest.name,
-                          too_big.name], env=env, capture_output=True, text=True, timeout=600, check=True).stdout
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "validate_planner.py"), "--runs", str(mine),
+                          "--json", str(tmp_path / "out.json")], env=env, capture_output=True, text=True,
+                         timeout=600, check=True).stdout
     row = next(line for line in out.splitlines() if line.startswith(f"| {smallest.name} |"))
     predicted, published, ratio = (c.strip() for c in row.split("|")[4:7])
     step = float(predicted.removesuffix(" s"))
@@ -87,7 +101,24 @@ def test_the_script_runs_on_the_smallest_row_and_says_why_it_skips_one():
     assert float(ratio) == pytest.approx(step / vp.published_step(smallest), abs=0.01)
     skipped = next(line for line in out.splitlines() if line.startswith(f"| {too_big.name} |"))
     assert "not compiled" in skipped and f"exceed --max-devices {vp.DEFAULT_MAX_DEVICES}" in skipped
-    assert re.search(rf"{smallest.split}: median \|predicted / published step - 1\| = \d+% over 1 compiled row", out)
+    assert re.search(rf"{smallest.split}: median \|predicted / published step - 1\| = \d+% \(rule of thumb at "
+                     rf"[\d.]+% MFU: \d+%\) over 1 compiled row", out)
+    got = json.loads((tmp_path / "out.json").read_text())
+    by_name = {x["name"]: x for x in got["rows"]}
+    assert by_name[smallest.name]["predicted_step_s"] == pytest.approx(step, abs=1e-3)
+    assert by_name[smallest.name]["ratio"] == pytest.approx(float(ratio), abs=0.01)
+    assert by_name[smallest.name]["published_step_s"] == pytest.approx(vp.published_step(smallest))
+    assert by_name[too_big.name]["ratio"] is None and "max-devices" in by_name[too_big.name]["not_compiled"]
+    # the rule of thumb: every run at the median published MFU of the project's dev rows
+    thumb = vp.rule_of_thumb_mfu()
+    assert thumb == pytest.approx(sorted(vp.published_mfu(r) for r in runs if r.split == "dev")[2])
+    assert by_name[smallest.name]["rule_of_thumb_ratio"] == pytest.approx(vp.published_mfu(smallest) / thumb)
+    # a row with a field the schema does not have is refused, the field named
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"runs": [{**raw[0], "tokens_per_second": 1}]}))
+    refused = subprocess.run([sys.executable, str(REPO / "benchmarks" / "validate_planner.py"), "--runs", str(bad)],
+                             env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "unknown field(s) ['tokens_per_second']" in refused.stderr
 
 
 def test_a_pipelined_run_is_one_stage_through_the_1f1b_schedule():

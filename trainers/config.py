@@ -290,7 +290,9 @@ class TrainConfig:
     ``resume`` a run continues from the latest checkpoint in ``out_dir``.
     ``on_nonfinite``: what a non-finite loss, gradient norm or parameter does:
     ``stop`` (the run ends with ``NonFiniteError``, saving nothing non-finite) or
-    ``warn`` (a warning, and training goes on).
+    ``warn`` (a warning, and training goes on). ``grad_accum``: micro-steps whose
+    gradients each optimizer step sums (``data.batch_size / grad_accum`` rows each;
+    `trainers.grad_accum`); 1: the whole batch at once.
     """
 
     steps: int = 1000
@@ -303,11 +305,12 @@ class TrainConfig:
     out_dir: str | None = None
     resume: bool = True
     on_nonfinite: str = "stop"
+    grad_accum: int = 1
 
     def __post_init__(self) -> None:
         if self.on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"on_nonfinite={self.on_nonfinite!r}: use one of {list(ON_NONFINITE)}")
-        for name in ("steps", "eval_every", "eval_batches", "log_every", "keep"):
+        for name in ("steps", "eval_every", "eval_batches", "log_every", "keep", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.checkpoint_every < 0:
@@ -676,6 +679,14 @@ def _check_consistency(cfg: Config) -> None:
     if m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size={m.vocab_size}: the byte-level data needs at least 256")
     p = lay.pipeline
+    k = cfg.train.grad_accum
+    if k > 1 and p is not None:
+        raise ConfigError(f"train.grad_accum={k} with a pipeline: the pipeline already runs the batch in "
+                          f"layout.pipeline.microbatches={p.microbatches} microbatches; raise those instead and "
+                          f"set train.grad_accum=1")
+    if d.batch_size % k:
+        raise ConfigError(f"train.grad_accum={k} does not divide data.batch_size={d.batch_size}: each micro-step "
+                          f"takes batch_size / grad_accum rows; choose a divisor of {d.batch_size}")
     if p is not None:
         if m.num_layers < p.stages:
             raise ConfigError(f"layout.pipeline.stages={p.stages} exceeds model.num_layers={m.num_layers}")

@@ -31,7 +31,9 @@ from models.moe import sown_aux_loss
 from models.nnx_transformer import FunctionalModel
 from models.transformer import Transformer, TransformerConfig, next_token_loss
 from trainers.config import Config
+from trainers.grad_accum import accumulated_value_and_grad
 from trainers.layout import RunLayout, build_layout
+from trainers.mixed_precision import cast_for_compute
 from trainers.nonfinite import count_nonfinite
 from trainers.optim import learning_rate_schedule, make_optimizer, schedule_length
 
@@ -58,9 +60,10 @@ def logits_and_aux_loss(model: Model, params: Any, tokens: jax.Array) -> tuple[j
 
 
 def loss_sum_over(model: Model, params: Any, batch: dict, n_tokens: int) -> jax.Array:
-    """Next-token cross-entropy summed over ``batch["tokens"]`` [B, T+1], divided by ``n_tokens``."""
+    """Next-token cross-entropy summed over ``batch["tokens"]`` [B, T+1], divided by ``n_tokens``; the
+    parameter matrices cast to the compute dtype first (`trainers.mixed_precision`)."""
     tokens = batch["tokens"]
-    logits = model.apply(params, tokens[:, :-1])
+    logits = model.apply(cast_for_compute(params, model.config.compute_dtype), tokens[:, :-1])
     return next_token_loss(logits, tokens, reduction="sum") / n_tokens
 
 
@@ -70,7 +73,7 @@ def training_loss(model: Model, aux_coef: float, params: Any, batch: dict,
     ``aux_coef`` times the load-balancing loss weighted by the batch's share of the ``n_tokens``; ``parts``
     holds both terms, each as it is summed over microbatches (``loss``, ``moe_aux_loss``)."""
     tokens = batch["tokens"]
-    logits, aux = logits_and_aux_loss(model, params, tokens[:, :-1])
+    logits, aux = logits_and_aux_loss(model, cast_for_compute(params, model.config.compute_dtype), tokens[:, :-1])
     ce = next_token_loss(logits, tokens, reduction="sum") / n_tokens
     aux = aux * (tokens.shape[0] * (tokens.shape[1] - 1) / n_tokens)
     return ce + aux_coef * aux, {"loss": ce, "moe_aux_loss": aux}
@@ -143,7 +146,8 @@ def train_functions(cfg: Config, loss_for_grad: Callable[[Callable, int], Callab
 
     init_params, init_state = initializers(cfg, model, tx)
     loss_fn = functools.partial(training_loss, model, cfg.model.moe_aux_loss_coef, n_tokens=global_tokens)
-    grad_fn = jax.value_and_grad(loss_for_grad(loss_fn, cfg.data.batch_size), has_aux=True)
+    k = cfg.train.grad_accum
+    grad_fn = accumulated_value_and_grad(loss_for_grad(loss_fn, cfg.data.batch_size // k), k, has_aux=True)
 
     def train_step(state, batch):
         (_, parts), grads = grad_fn(state["params"], batch)

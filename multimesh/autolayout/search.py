@@ -38,6 +38,7 @@ from ..core.fmt import format_bytes
 from ..core.rules import Rules, as_axes
 from ..estimate import Estimate, HardwareProfile, get_profile, held_bytes
 from ..estimate.report import bytes_per_device
+from ..estimate.usable import usable_memory
 from ..run.mesh_errors import MeshAxesError
 from .building import PipelineFactory, build_on, layout_rules
 from .checks import (
@@ -269,7 +270,9 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
       profile: a `HardwareProfile` or a name (``"h100-sxm"``, ...) to predict step times with.
       devices: the devices to lay out (default: all).
       num_devices: instead of ``devices``, the first ``num_devices`` devices.
-      memory_limit: bytes per device (default: the profile's memory).
+      memory_limit: bytes per device (default: what the runtime gives a step on the profile's devices,
+        `multimesh.estimate.usable.usable_memory`: 75% of a GPU's memory unless XLA_PYTHON_CLIENT_MEM_FRACTION
+        or MULTIMESH_MEMORY_LIMIT says otherwise).
       axes: the mesh axes whose sizes are searched (factorizations of the devices per stage). Default:
         data, fsdp and tensor, and any the model's parameters name themselves (``nn.with_partitioning``, NNX
         sharding metadata; e.g. ``tp``), which every mesh tried has, of size 1 where it does not split them.
@@ -303,8 +306,8 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
     """
     start = time.perf_counter()
     profile = get_profile(profile)
-    limit = int(profile.memory_bytes) if memory_limit is None else bytes_per_device(memory_limit, "auto_layout",
-                                                                                 "memory_limit")
+    limit = usable_memory(profile).bytes if memory_limit is None else bytes_per_device(memory_limit, "auto_layout",
+                                                                                       "memory_limit")
     if limit > profile.memory_bytes:
         warnings.warn(f"auto_layout: memory_limit={limit:,} B is above {profile.name}'s device memory "
                       f"({format_bytes(profile.memory_bytes)}, {profile.memory_bytes:,} B): a layout that fits it "

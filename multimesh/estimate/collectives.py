@@ -19,6 +19,14 @@ collective whose groups match no set of axes has axes ``None`` (shown as
 "unknown axes"). Given that assignment, each group is also kept as device
 ids: which nodes its devices sit on decides the links it is priced over.
 
+Bytes as sent: XLA:CPU has no bfloat16 collectives, so its float
+normalization widens one to float32 (a convert to float32 before it, back to
+bfloat16 after). A collective whose operand is such a widening (its value
+last held in a narrower float type: a convert from it, through copies,
+bitcasts and transposes, fused or not) counts at that narrower width, the
+bytes a GPU or TPU sends: an FSDP step that gathers bfloat16 parameters is
+priced as gathering bfloat16 when it is compiled on CPU.
+
 A collective is ``critical`` when, within its computation, its input is
 computed by a matrix product and a matrix product waits for its result (a
 tensor-parallel all-reduce of activations): it cannot run while those
@@ -72,6 +80,12 @@ class Collective:
         if not self.devices:
             return None
         return max(len({node_of(d) for d in g}) for g in self.devices)
+
+    def per_node(self, node_of: Callable[[int], int]) -> int | None:
+        """The most devices of any one of its groups on one node (None: its devices not known)."""
+        if not self.devices:
+            return None
+        return max(max(sum(1 for d in g if node_of(d) == n) for n in {node_of(d) for d in g}) for g in self.devices)
 
     @property
     def axes_label(self) -> str:
@@ -170,6 +184,43 @@ def _on_devices(groups: Sequence[Sequence[int]], device_ids: Sequence[int] | Non
 
 
 _PRODUCTS = ("dot", "convolution")
+_FLOAT_BITS = {"f64": 64, "f32": 32, "bf16": 16, "f16": 16}
+_PASS_THROUGH = ("copy", "bitcast", "transpose", "reshape")
+
+
+def _element_type(shape: str) -> str:
+    m = re.match(r"\(?\s*([a-z]+\d*)\[", shape)
+    return m.group(1) if m else ""
+
+
+def _narrowest_source(module: Module, name: str, depth: int = 0) -> str:
+    """The float type the value of instruction ``name`` was last held in before a widening convert (through
+    copies, bitcasts, transposes, reshapes and fusions of them), or its own type."""
+    ins = module.instruction(name)
+    if ins is None or depth > 8:
+        return ""
+    if ins.opcode == "fusion":
+        callee = next((c for c, how, _ in calls_of(ins) if how == "fused"), None)
+        root = next((i for i in module.computations.get(callee or "", ()) if i.root), None)
+        return _narrowest_source(module, root.name, depth + 1) if root is not None else _element_type(ins.shape)
+    if ins.opcode in _PASS_THROUGH and len(ins.operands) == 1:
+        return _narrowest_source(module, ins.operands[0], depth + 1)
+    if ins.opcode == "convert" and len(ins.operands) == 1:
+        source = _element_type(module.shape(ins.operands[0]))
+        if _FLOAT_BITS.get(source, 99) < _FLOAT_BITS.get(_element_type(ins.shape), 0):
+            return source
+    return _element_type(ins.shape)
+
+
+def _bytes_as_sent(module: Module, ins: Instruction, kind: str) -> int:
+    """The collective's result bytes at the width its operand's value really has (module docstring)."""
+    nbytes = shape_bytes(ins.shape)
+    start = module.instruction(ins.operands[0]) if ins.opcode.endswith("-done") and ins.operands else ins
+    if start is None or not start.operands or kind not in ("all-gather", "all-reduce", "reduce-scatter"):
+        return nbytes
+    wide = _FLOAT_BITS.get(_element_type(ins.shape))
+    narrow = _FLOAT_BITS.get(_narrowest_source(module, start.operands[0]))
+    return nbytes * narrow // wide if wide and narrow and narrow < wide else nbytes
 
 
 def _holding_products(module: Module) -> set[str]:
@@ -239,6 +290,7 @@ def find_collectives(hlo_text: str | Module, axis_names: Sequence[str], axis_siz
                 size = max(len(g) for g in groups)
             if critical is None:
                 critical = _critical(body, holding)
-            out.append(Collective(kind, shape_bytes(ins.shape), size, axes, ins.name, count=runs.get(computation, 1),
-                                  devices=_on_devices(groups, device_ids), critical=ins.name in critical))
+            out.append(Collective(kind, _bytes_as_sent(module, ins, kind), size, axes, ins.name,
+                                  count=runs.get(computation, 1), devices=_on_devices(groups, device_ids),
+                                  critical=ins.name in critical))
     return out

@@ -3,9 +3,12 @@
 Compute and memory figures are NVIDIA's published datasheet numbers, dense
 (NVIDIA's tables show Tensor Core rates *with* 2:4 sparsity; dense is half).
 Link figures are per direction (NVLink's "900 GB/s" is both directions
-together). The inter-node figures and every latency are *assumptions* of a
-typical cluster (one 400 Gb/s NDR InfiniBand NIC per Hopper GPU, 200 Gb/s
-HDR per A100), not datasheet values: measure your own and pass a profile.
+together). A GPU profile's node is the vendor's reference 8-GPU system, wired
+as its documentation says (each profile's ``notes`` cite it): a DGX H100's
+eight 400 Gb/s ConnectX-7 compute NICs, a DGX A100's eight 200 Gb/s HDR
+ConnectX-6; ``nics_per_node`` NICs of ``inter_node_bandwidth`` each, shared
+by the node's devices (`network`). Every latency is an *assumption*, not a
+documented value: measure your own and pass a profile.
 
 TPU figures are Google Cloud's TPU documentation pages (one per generation).
 There the "node" is the ICI domain: every chip of a slice is linked by the
@@ -44,7 +47,9 @@ class HardwareProfile:
     ...) in flop/s; ``memory_bandwidth`` in bytes/s; ``memory_bytes`` the
     device memory; ``intra_node_*`` the links between devices of one node
     (bytes/s per direction, seconds), ``inter_node_*`` those between nodes
-    (the network); ``devices_per_node``: how many devices a node holds,
+    (one NIC's bandwidth per direction, and the network's latency);
+    ``nics_per_node``: the NICs a node's collectives run over (0: one per
+    device); ``devices_per_node``: how many devices a node holds,
     device id ``i`` on node ``i // devices_per_node`` (JAX numbers a GPU
     cluster's devices process by process, a node's together). A collective
     is priced over the links its group's devices cross (`timing`).
@@ -59,6 +64,7 @@ class HardwareProfile:
     inter_node_bandwidth: float
     inter_node_latency: float
     devices_per_node: int = 8
+    nics_per_node: int = 0
     source: str = ""
     notes: tuple[str, ...] = field(default=())
     #: The JAX platform of these devices (``"gpu"``, ``"tpu"``, ``"cpu"``). A program compiled for the same
@@ -104,6 +110,8 @@ class HardwareProfile:
                 raise bad(name, getattr(self, name), "a number of 0 or more")
         if not isinstance(self.devices_per_node, numbers.Integral) or self.devices_per_node < 1:
             raise bad("devices_per_node", self.devices_per_node, "a whole number of 1 or more")
+        if not isinstance(self.nics_per_node, numbers.Integral) or self.nics_per_node < 0:
+            raise bad("nics_per_node", self.nics_per_node, "a whole number of 0 (one per device) or more")
         if not _positive(self.achievable_matmul_fraction) or self.achievable_matmul_fraction > 1:
             raise bad("achievable_matmul_fraction", self.achievable_matmul_fraction, "a fraction in (0, 1]")
         if not _positive(self.alone_speedup) or not all(_positive(v) for _, v in self.busy_speedup):
@@ -114,6 +122,13 @@ class HardwareProfile:
         return (f"{type(self).__name__}({self.name!r}: {self.peak_flops[top] / 1e12:.4g} Tflop/s {top}, "
                 f"{self.memory_bandwidth / 1e9:.4g} GB/s memory, {format_bytes(self.memory_bytes)}, "
                 f"{self.intra_node_bandwidth / 1e9:.4g} GB/s links in nodes of {self.devices_per_node})")
+
+    @property
+    def network_share(self) -> float:
+        """Bytes/s per direction of the network that one device gets when every device of its node sends at
+        once: the node's NICs' total over its devices."""
+        nics = self.nics_per_node or self.devices_per_node
+        return nics * self.inter_node_bandwidth / self.devices_per_node
 
     def node_of(self, device_id: int) -> int:
         """The node device ``device_id`` sits on."""
@@ -140,7 +155,22 @@ _T, _G = 1e12, 1e9
 #: mamf-finder.py: https://github.com/stas00/ml-engineering, compute/accelerator/README.md, "Maximum
 #: Achievable Matmul FLOPS comparison table".
 _MAMF = "achievable_matmul_fraction: maximum achievable matmul FLOPS {} of the datasheet's {} ({}), ml-engineering"
-_LINK_ASSUMPTION = "inter-node bandwidth and all latencies are assumptions of a typical cluster, not datasheet values"
+_LATENCY_ASSUMPTION = "every latency is an assumption of a typical cluster, not a documented value"
+#: The node as wired: the vendor's reference 8-GPU system.
+_DGX_H100_NET = (
+    "node: a DGX H100/H200, 'Four OSFP ports serving eight single-port NVIDIA ConnectX-7 VPI ... up to 400 Gb/s "
+    "InfiniBand/Ethernet' for the compute fabric (NVIDIA DGX BasePOD reference architecture, Core Components: "
+    "https://docs.nvidia.com/dgx-basepod/reference-architecture-infrastructure-foundation-enterprise-ai/latest/"
+    "core-components.html): 8 NICs x 400 Gb/s = 50 GB/s per direction each, one per GPU",
+    "NVLink 4: 900 GB/s per GPU, both directions together (H100/H200 datasheet, SXM column): 450 GB/s per "
+    "direction through the node's NVSwitches")
+_DGX_A100_NET = (
+    "node: a DGX A100, eight single-port Mellanox ConnectX-6 200 Gb/s HDR InfiniBand adapters for the cluster "
+    "network (NVIDIA, 'Defining AI Innovation with NVIDIA DGX A100', "
+    "https://developer.nvidia.com/blog/defining-ai-innovation-with-dgx-a100/): 8 NICs x 200 Gb/s = 25 GB/s per "
+    "direction each, one per GPU",
+    "NVLink 3: 600 GB/s per GPU, both directions together (A100 datasheet, SXM column): 300 GB/s per direction "
+    "through the node's NVSwitches")
 _TPU_ASSUMPTIONS = (
     "intra-node (ICI) bandwidth per direction assumes a collective runs as a bidirectional ring over one torus "
     "dimension: 2 of the chip's ICI ports (the page's per-chip bidirectional total / ports x 2 ports / 2 "
@@ -158,9 +188,9 @@ PROFILES: dict[str, HardwareProfile] = {
                     "float32": 67 * _T, "float64": 67 * _T},
         memory_bandwidth=3350 * _G, memory_bytes=80 * 10**9,
         intra_node_bandwidth=450 * _G, intra_node_latency=5e-6,  # NVLink 4: 900 GB/s both directions
-        inter_node_bandwidth=50 * _G, inter_node_latency=10e-6,  # assumed: NDR 400 Gb/s per GPU
+        inter_node_bandwidth=50 * _G, inter_node_latency=10e-6, nics_per_node=8,  # 8 x ConnectX-7 400 Gb/s
         source="https://www.nvidia.com/en-us/data-center/h100/ (H100 Tensor Core GPU datasheet, SXM column)",
-        notes=(_LINK_ASSUMPTION, _MAMF.format("794.5", "989", "80.3%, torch 2.7.0+cu126")),
+        notes=(*_DGX_H100_NET, _LATENCY_ASSUMPTION, _MAMF.format("794.5", "989", "80.3%, torch 2.7.0+cu126")),
         achievable_matmul_fraction=794.5 / 989,
     ),
     "h200": HardwareProfile(
@@ -171,9 +201,9 @@ PROFILES: dict[str, HardwareProfile] = {
                     "float32": 67 * _T, "float64": 67 * _T},
         memory_bandwidth=4800 * _G, memory_bytes=141 * 10**9,
         intra_node_bandwidth=450 * _G, intra_node_latency=5e-6,
-        inter_node_bandwidth=50 * _G, inter_node_latency=10e-6,
+        inter_node_bandwidth=50 * _G, inter_node_latency=10e-6, nics_per_node=8,  # 8 x ConnectX-7 400 Gb/s
         source="https://www.nvidia.com/en-us/data-center/h200/ (H200 Tensor Core GPU datasheet, SXM column)",
-        notes=(_LINK_ASSUMPTION,),
+        notes=(*_DGX_H100_NET, _LATENCY_ASSUMPTION),
     ),
     "a100-80gb": HardwareProfile(
         name="a100-80gb",
@@ -183,10 +213,10 @@ PROFILES: dict[str, HardwareProfile] = {
                     "float64": 19.5 * _T},
         memory_bandwidth=2039 * _G, memory_bytes=80 * 10**9,
         intra_node_bandwidth=300 * _G, intra_node_latency=5e-6,  # NVLink 3: 600 GB/s both directions
-        inter_node_bandwidth=25 * _G, inter_node_latency=10e-6,  # assumed: HDR 200 Gb/s per GPU
+        inter_node_bandwidth=25 * _G, inter_node_latency=10e-6, nics_per_node=8,  # 8 x ConnectX-6 200 Gb/s
         source="https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
                "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf (A100 80GB SXM column)",
-        notes=(_LINK_ASSUMPTION, _MAMF.format("271.2", "312", "86.9%, torch 2.6.0+cu126")),
+        notes=(*_DGX_A100_NET, _LATENCY_ASSUMPTION, _MAMF.format("271.2", "312", "86.9%, torch 2.6.0+cu126")),
         achievable_matmul_fraction=271.2 / 312,
     ),
     "tpu-v5e": HardwareProfile(

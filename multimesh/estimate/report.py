@@ -11,6 +11,8 @@ from .compiler_log import Reshard
 from .profiles import HardwareProfile
 from .programs import ProgramCost
 from .timing import ProgramTime
+from .trust import band_text, estimate_kind
+from .usable import usable_memory
 
 __all__ = ["DeviceMemory", "Estimate", "MemoryLimitError", "StepTime"]
 
@@ -131,8 +133,20 @@ class Estimate:
         return {d: m.peak - limit for d, m in self.memory.items() if m.peak > limit}
 
     def fits(self, memory_bytes: int | None = None) -> bool:
-        """Whether every device's peak fits in ``memory_bytes`` (default: the profile's device memory)."""
+        """Whether every device's peak fits in ``memory_bytes`` (default: the memory the runtime gives a step
+        on the profile's devices, `usable.usable_memory`)."""
         return not self.overflow(memory_bytes)
+
+    def verdict(self, memory_bytes: int | None = None) -> str:
+        """``fits`` or ``does not fit``, the limit and where it comes from, and the headroom (or the excess)."""
+        limit = self._limit(memory_bytes)
+        why = "as given" if memory_bytes is not None else usable_memory(self.profile).why  # type: ignore[arg-type]
+        room = limit - self.peak_bytes
+        head = (f"fits: peak {format_bytes(self.peak_bytes)} of {format_bytes(limit)} per device ({why}), "
+                f"headroom {format_bytes(room)} ({room / limit:.0%})" if room >= 0 else
+                f"does not fit: peak {format_bytes(self.peak_bytes)} is {format_bytes(-room)} over "
+                f"{format_bytes(limit)} per device ({why})")
+        return head
 
     def _limit(self, memory_bytes: int | None) -> int:
         if memory_bytes is not None:
@@ -140,7 +154,16 @@ class Estimate:
         if self.profile is None:
             raise MemoryLimitError(f"estimate of {self.name!r}: fits() needs memory_bytes= or an estimate made "
                                    f"with a profile (estimate(step, profile='h100-sxm')) for its device memory")
-        return self.profile.memory_bytes
+        return usable_memory(self.profile).bytes
+
+    def step_time_with_band(self) -> str:
+        """``1.17 s (validation: within ±25% for data/FSDP on GPUs ...)``: the predicted step and how far the
+        planner's validation against published runs trusts that kind of layout (`trust`)."""
+        if self.time is None or self.profile is None:
+            return "no predicted step time: estimate with a profile"
+        total = self.time.total
+        shown = f"{total:.3g} s" if total >= 1 else f"{total * 1e3:.3g} ms"
+        return f"{shown} ({band_text(self.profile.platform, estimate_kind(self))})"
 
     @property
     def reshards(self) -> tuple[tuple[str, Reshard], ...]:
@@ -198,6 +221,9 @@ class Estimate:
                      if self.time.pipeline else "")
             lines.append(f"predicted step time on {self.profile.name} ({self.time.dtype}): "
                          f"{self.time.total * 1e3:.4g} ms{parts}, {self.time.utilisation}")
+            lines.append(f"  {self.step_time_with_band()}")
+        if self.profile is not None:
+            lines.append(f"memory: {self.verdict()}")
         if self.reshards:
             lines.append(f"XLA reshards {len(self.reshards)} array{'s' * (len(self.reshards) != 1)} by gathering it "
                          f"whole on every device (its 'involuntary full rematerialization' warning):")

@@ -38,26 +38,14 @@ the links' time while the compute takes its own: the program takes
 ``max(compute-or-memory bound, those collectives) + critical collectives``.
 On a CPU they run one after another with the compute. A copy between
 submeshes costs its fixed cost (``transfer_time``) and its bytes over the
-link. A collective over ``n`` devices moving ``B`` bytes (ring algorithms) takes
-``steps * latency + factor * B / bandwidth``:
-
-=====================  =========  ===========================
-kind                   steps      factor (B: result bytes)
-=====================  =========  ===========================
-all-reduce             2(n-1)     2(n-1)/n
-all-gather             n-1        (n-1)/n
-reduce-scatter         n-1        n-1 (the input is n * B)
-all-to-all             n-1        (n-1)/n
-collective-permute     1          1
-=====================  =========  ===========================
-
-over the links the group's devices cross: device ``i`` sits on node
-``i // devices_per_node`` (the program's device assignment maps the HLO's
-replica groups to device ids); a group inside one node runs over the
-intra-node link (NVLink, ICI), one across nodes over the inter-node network,
-a ring over both at its slowest hop, the network, for every step. Where the
-devices are not known, a group of at most ``devices_per_node`` devices is
-taken to be inside one node.
+link. A collective is priced by `network` over the links its groups' devices
+cross: device ``i`` sits on node ``i // devices_per_node`` (the program's
+device assignment maps the HLO's replica groups to device ids); a group
+inside one node runs a ring over the intra-node link (NVLink, ICI), one
+across nodes the fastest of the ring, tree and hierarchical algorithms over
+NVLink and all of the group's NICs. Where the devices are not known, a group
+of at most ``devices_per_node`` devices is taken to be inside one node, a
+larger one to have one device per node.
 """
 
 from __future__ import annotations
@@ -66,6 +54,7 @@ from dataclasses import dataclass
 
 from .collectives import Collective
 from .kernels import Kernel
+from .network import Span, network_seconds
 from .precision import main_dtype, rate_for
 from .profiles import HardwareProfile
 from .programs import ProgramCost
@@ -80,22 +69,18 @@ FRESH_MAPPING_BYTES = 32 << 20
 
 
 def collective_time(c: Collective, profile: HardwareProfile) -> float:
-    """One execution of ``c`` over the links its groups' devices cross (see the module docstring)."""
+    """One execution of ``c`` over the links its groups' devices cross (`network`)."""
     n = max(c.group_size, 1)
     if n == 1:
         return 0.0
     spanned = c.nodes_spanned(profile.node_of)
-    inside = n <= profile.devices_per_node if spanned is None else spanned == 1
-    bandwidth = profile.intra_node_bandwidth if inside else profile.inter_node_bandwidth
-    latency = profile.intra_node_latency if inside else profile.inter_node_latency
-    steps, factor = {
-        "all-reduce": (2 * (n - 1), 2 * (n - 1) / n),
-        "all-gather": (n - 1, (n - 1) / n),
-        "reduce-scatter": (n - 1, n - 1),
-        "all-to-all": (n - 1, (n - 1) / n),
-        "collective-permute": (1, 1.0),
-    }[c.kind]
-    return steps * latency + factor * c.bytes / bandwidth
+    if spanned is None:  # devices not read: a group that fits a node is taken to be inside one, else spread out
+        span = Span.inside_one_node(n) if n <= profile.devices_per_node else Span(n, n, 1)
+    elif c.kind == "collective-permute":
+        span = Span(n, spanned, 1)
+    else:
+        span = Span(n, spanned, c.per_node(profile.node_of) or 1)
+    return network_seconds(c.kind, c.bytes, span, profile)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,38 @@
+"""How far a predicted step is trusted: the validation's band per kind of layout, printed with the step."""
+
+from multimesh.estimate import PROFILES
+from multimesh.estimate.report import DeviceMemory, Estimate, StepTime
+from multimesh.estimate.trust import BANDS, band, band_text, layout_kind
+
+
+def test_the_kind_of_a_layout():
+    assert layout_kind({"data": 8, "fsdp": 8}) == "data/FSDP"
+    assert layout_kind({"data": 8, "tensor": 8}) == "tensor"
+    assert layout_kind({"data": 8}, pipeline_stages=4) == "pipeline"
+    assert layout_kind(tensor=1) == "data/FSDP"
+
+
+def test_every_band_names_its_rows_and_a_kind_without_rows_says_so():
+    for (platform, kind), (low, high, rows) in BANDS.items():
+        assert 0 < low <= high and rows >= 1
+        miss = band(platform, kind)
+        assert max(1 - low, high - 1) <= miss < max(1 - low, high - 1) + 0.05 and round(miss * 100) % 5 == 0
+        assert band_text(platform, kind) == (f"validation: within ±{miss:.0%} for {kind} on {platform.upper()}s, "
+                                             f"{low:.2f} to {high:.2f} of the published step over {rows} "
+                                             f"published runs")
+    assert band("gpu", "data/FSDP") == 0.40 and band("gpu", "pipeline") == 0.20  # 0.64 and 0.81 at worst
+    assert band_text("cpu", "tensor") == "validation: no published run of tensor on cpu checked, no band"
+
+
+def test_a_printed_estimate_carries_its_band_and_its_verdict(monkeypatch):
+    monkeypatch.delenv("MULTIMESH_MEMORY_LIMIT", raising=False)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    h100 = PROFILES["h100-sxm"]
+    memory = {0: DeviceMemory(0, "step", params=40 * 2**30, optimizer=0, batch=0, stashed=0, temp=0, outputs=0)}
+    est = Estimate("step", memory, programs=(), profile=h100,
+                   time=StepTime(programs={}, transfers=0.0, total=1.17, dtype="bfloat16", mfu=None))
+    assert est.step_time_with_band() == "1.17 s (" + band_text("gpu", "data/FSDP") + ")"
+    assert est.step_time_with_band().startswith("1.17 s (validation: within ±40% for data/FSDP on GPUs, 0.64 to")
+    text = str(est)
+    assert est.step_time_with_band() in text
+    assert "memory: fits: peak 40.0 GiB of 55.9 GiB per device" in text and "headroom" in text
