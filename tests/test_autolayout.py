@@ -311,7 +311,7 @@ def test_parallelize_layout_arguments_are_checked():
         parallelize(step, init_params=init, get_input_batch=get_batch, time_top=2)
     with pytest.raises(TypeError, match="needs profile="):
         parallelize(step, init_params=init, get_input_batch=get_batch, layout="auto")
-    with pytest.raises(TypeError, match=r"needs profile=.*is profle= a misspelling of profile="):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'profle'"):  # the signature names each one
         parallelize(step, init_params=init, get_input_batch=get_batch, layout="auto", profle="h100-sxm")
 
 
