@@ -107,3 +107,14 @@ def test_parallelize_shows_its_parameters_with_types_and_defaults(site):
                   'batch_spec: tuple = ("batch",)', "param_rules: PathRules | dict | Iterable | None = None"):
         assert shown in signature, f"{shown!r} is not in parallelize's signature on the page"
     assert "**options" not in signature and "**kwargs" not in signature
+
+
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_each_reference_page_shows_an_example_that_runs(page, tmp_path):
+    """Every page of docs/api/ but the overview has a ```python example, and it runs (the guides' convention:
+    a fresh process of 8 simulated devices, tests/test_docs.py)."""
+    from test_docs import run_blocks, runnable
+
+    blocks = runnable(REPO / "docs" / "api" / f"{page}.md")
+    assert blocks, f"docs/api/{page}.md shows no ```python example"
+    run_blocks(blocks, f"docs/api/{page}.md", tmp_path)
