@@ -89,6 +89,15 @@ def test_the_summary_and_header_name_the_processes(watched):
     assert f"profile of steps 3..4: {watched.out_dir / 'profile'}" in watched.printed
 
 
+def test_a_fresh_run_in_an_old_directory_drops_the_old_points(tmp_path):
+    with Scalars(tmp_path) as old:
+        for step in (1, 2, 3):
+            old.write({"step": step, "loss": 9.0})
+    with Scalars(tmp_path) as new:
+        new.write({"step": 1, "loss": 1.0})
+    assert scalars(tmp_path)["train/loss"] == [(1, 1.0)]
+
+
 def test_scalars_not_written_write_nothing(tmp_path):
     """``train.tensorboard: false``, or a process other than the first."""
     with Scalars(tmp_path / "tb", write=False) as off:

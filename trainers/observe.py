@@ -37,7 +37,8 @@ class Scalars:
     false (a process other than the first, or ``train.tensorboard: false``).
 
     ``resume_at``: the step a resumed run starts from; TensorBoard's reader drops the points a run that died
-    after its last checkpoint wrote past it (the writer's ``purge_step``), as ``metrics.jsonl`` does.
+    after its last checkpoint wrote past it (the writer's ``purge_step``), as ``metrics.jsonl`` does. A run
+    that starts afresh (None) in a directory of an earlier one drops all of that one's points.
     """
 
     def __init__(self, directory: str | Path, resume_at: int | None = None, *, write: bool = True):
@@ -50,8 +51,7 @@ class Scalars:
                 raise ModuleNotFoundError(f"train.tensorboard is on, but {e.name} is not installed: pip install "
                                           f"tensorboardX (a dependency of multimesh: pip install -e . installs it), "
                                           f"or set train.tensorboard=false") from e
-            self._writer = SummaryWriter(str(self.directory), purge_step=None if resume_at is None else resume_at + 1,
-                                         flush_secs=10)
+            self._writer = SummaryWriter(str(self.directory), purge_step=(resume_at or 0) + 1, flush_secs=10)
 
     def write(self, record: dict[str, Any]) -> None:
         """The record's numbers (``null``, NaN and infinities left out) under their `TAGS`, at its ``step``."""
