@@ -4,7 +4,6 @@
 """
 
 from .._version import __version__
-
 from ..autolayout import LayoutSearch, ParallelLayout, auto_layout, stage_task
 from ..core.meshes import build_mesh, place_mesh, slice_mesh
 from ..core.report import ShardingReport
