@@ -310,7 +310,8 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
     if pipeline is None and any(s > 1 for s in stage_counts):
         raise ValueError(f"auto_layout: stage_counts={stage_counts} tries pipelines, which need pipeline= "
                          f"(stages, chunks) -> a context registering the model's stages")
-    parallelize_kwargs = dict(param_rules=param_rules, batch_spec=batch_spec, donate=donate, strict=strict)
+    parallelize_kwargs: dict[str, Any] = dict(param_rules=param_rules, batch_spec=batch_spec, donate=donate,
+                                              strict=strict)
     pool = _pick_devices(devices, num_devices)
     check_timing(time_top, time_steps, profile, pool)
     batch_shapes = shapes_of(jax.eval_shape(get_input_batch))  # once for every candidate
