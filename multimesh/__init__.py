@@ -1,7 +1,8 @@
 """multimesh: model parallelism for JAX and Flax on stock JAX.
 
 The public API lives in `multimesh.jax` (and `multimesh.jax.flax`); the same
-names are re-exported here.
+names are re-exported here. The front door, `parallelize`, is defined in
+`multimesh/parallelize.py`.
 """
 
 import importlib

@@ -51,6 +51,7 @@ import jax
 from ._version import __version__
 from .core import presence
 from .core.processes import ProcessLostError, exception_chain, heartbeat_timeout, lost_process_error
+from .startup import ports
 from .startup.agreement import DisagreementError, agree, source_digest
 from .startup.coordinator_relay import relay_to
 from .startup.gloo_notices import drop_gloo_notices
@@ -67,7 +68,8 @@ RUN_ID_VARIABLE = "MULTIMESH_RUN_ID"
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, local_device_ids: int | list[int] | None = None,
-               transfer_address: str | None = None, heartbeat_timeout_seconds: int = 30,
+               transfer_address: str | None = None, transfer_port: int | str | None = None,
+               heartbeat_timeout_seconds: int = 30,
                initialization_timeout: int = 300, exit_on_error: bool = True,
                cluster_detection_method: str | None = None, run_id: str | None = None) -> None:
     """Join the run of ``num_processes`` processes coordinated by process 0 at ``coordinator_address``.
@@ -81,7 +83,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         ``JAX_LOCAL_DEVICE_IDS``, else JAX's choice: under srun and mpirun one GPU per process, the
         process's local rank).
       transfer_address: ``"HOST:PORT"`` this process receives cross-host transfers on (default:
-        the address it reaches the coordinator from, on a free port).
+        the address it reaches the coordinator from, on ``transfer_port``).
+      transfer_port: the port of that default address: a port (``9100``) or a range (``"9100-9163"``, for
+        clusters that open a fixed range between hosts), this process taking the first port of it that no
+        other socket on its host holds; default: any free port.
       heartbeat_timeout_seconds: how long the others wait for a process that stopped answering.
       initialization_timeout: how long to wait for every process to join (seconds); while waiting, each
         process prints every 10 s which processes it waits for, then raises `StartupError` naming them.
@@ -99,7 +104,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         different ``num_processes``, a process of another run id came, the coordinator's host does not
         resolve or cannot be reached, or its port is held by another program (on process 0); a value not
         given and no launcher found; a launcher's variables that do not fit together (naming the variable
-        and its value); this process already joined a run (`initialize` is called once per process).
+        and its value); this process already joined a run (`initialize` is called once per process); every
+        port of ``transfer_port`` in use on this host.
       DisagreementError: the processes run different multimesh versions or sources.
     """
     global _started
@@ -117,6 +123,12 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process_id must be in 0..{num_processes - 1}, got {process_id}")
     host, port = split_address(coordinator_address)
+    transfer_ports = None if transfer_port is None else ports.port_range(transfer_port)
+    if transfer_ports is not None and transfer_address is not None:
+        raise ValueError(f"initialize: transfer_address={transfer_address!r} names its port already; give it or "
+                         f"transfer_port={transfer_port!r}, not both")
+    if transfer_ports is not None:  # held from now on, so that no other process's bind takes it meanwhile
+        transfer_address = _free_address(host, port, transfer_ports)
     if run_id is None:  # two jobs of one launcher differ in its job id, even on one coordinator port
         run_id = os.environ.get(RUN_ID_VARIABLE) or launch.job_id or ""
     grace = _grace_seconds(heartbeat_timeout_seconds)
@@ -230,8 +242,9 @@ def is_initialized() -> bool:
     return _started is not None
 
 
-def _free_address(coordinator_host: str, coordinator_port: int) -> str:
-    """``"IP:PORT"``: this host's address on the route to the coordinator, and a port reserved for JAX.
+def _free_address(coordinator_host: str, coordinator_port: int, within: tuple[int, int] | None = None) -> str:
+    """``"IP:PORT"``: this host's address on the route to the coordinator, and a port reserved for JAX (the
+    first free one of ``within``, a range of ports, when given).
 
     JAX binds its transfer server lazily, at the first cross-host transfer (after the first step is
     traced and compiled), so a port merely free now could meanwhile be taken by another process's
@@ -249,19 +262,14 @@ def _free_address(coordinator_host: str, coordinator_port: int) -> str:
         ip = "127.0.0.1"
     finally:
         probe.close()
-    return f"{ip}:{reserve_port(ip)}"
+    return f"{ip}:{reserve_port(ip) if within is None else ports.reserve_in(ip, *within)}"
 
 
 def reserve_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host``, bound by this process until it ends, with ``SO_REUSEPORT`` and never
     listening: a server that binds with ``SO_REUSEPORT`` (JAX's transfer server, gRPC's coordinator) can
     still listen on it later, while no other process's automatic bind can take it meanwhile."""
-    reserved = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    if hasattr(socket, "SO_REUSEPORT"):
-        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    reserved.bind((host, 0))
-    _RESERVED.append(reserved)
-    return reserved.getsockname()[1]
+    return ports.reserve(host)
 
 
-_RESERVED: list[socket.socket] = []  # the ports this process holds (see `reserve_port`)
+_RESERVED = ports.HELD  # the ports this process holds (see `reserve_port`)

@@ -289,7 +289,7 @@ def test_a_pipeline_layout_built_without_its_microbatches_or_schedule_names_them
     (dict(axes=("data", "pipe")), ValueError, "'pipe'"),
     (dict(stage_counts=(2,)), ValueError, "pipeline="),
     (dict(num_devices=64), ValueError, "xla_force_host_platform_device_count=64"),
-    (dict(mesh={"data": 4}), TypeError, "mesh="),
+    (dict(mesh={"data": 4}), TypeError, "unexpected keyword argument 'mesh'"),  # the search chooses it
     (dict(memory_limit="80GB"), TypeError, "memory_limit must be a number of bytes per device"),
     (dict(memory_limit=0), ValueError, "memory_limit must be a positive number"),
     (dict(time_top=-1), ValueError, "time_top=-1; give an int >= 0"),
@@ -311,7 +311,7 @@ def test_parallelize_layout_arguments_are_checked():
         parallelize(step, init_params=init, get_input_batch=get_batch, time_top=2)
     with pytest.raises(TypeError, match="needs profile="):
         parallelize(step, init_params=init, get_input_batch=get_batch, layout="auto")
-    with pytest.raises(TypeError, match=r"needs profile=.*is profle= a misspelling of profile="):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'profle'"):  # the signature names each one
         parallelize(step, init_params=init, get_input_batch=get_batch, layout="auto", profle="h100-sxm")
 
 

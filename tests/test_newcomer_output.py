@@ -9,6 +9,7 @@ break or interleave with it on a shared terminal.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -101,6 +102,9 @@ def test_two_processes_show_one_bar_that_nothing_cuts(tmp_path):
     assert stray_lines(first) == [], first
     assert any(_is_bar(p) and f"{STEPS}/{STEPS}" in p for line in first.split("\n") for p in line.split("\r"))
     assert second.strip() == "", f"process 1 printed:\n{second[-3000:]}"  # on a shared terminal it would cut the bar
+    assert "processes: 2 (this is process 0); 8 cpu devices, 4 on this process" in first  # the header says how many
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["num_processes"], summary["process_id"], summary["num_devices"]) == (2, 0, 8)
 
 
 NOTICE = b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n"

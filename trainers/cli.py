@@ -14,6 +14,7 @@ import os
 import sys
 import textwrap
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -22,20 +23,30 @@ if TYPE_CHECKING:
 __all__ = ["main"]
 
 SIMULATED_DEVICES = 8
+#: the named configs (``trainers.config.CONFIG_DIR``, found here without importing JAX)
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def config_names() -> list[str]:
+    """Every config of ``configs/``, by name."""
+    return sorted(p.stem for p in CONFIGS.glob("*.yaml"))
+
 
 _EPILOG = textwrap.dedent("""\
-    configs (in configs/): tiny (the default: 8 simulated CPU devices, data x tensor),
-      dp, fsdp, tp, dp_tp, pipeline (2 stages, 1F1B), pipeline4 (4 stages), gpu_small, gpu_medium.
+    configs (in configs/; the first lines of each file say what it is; default tiny):
+    {configs}
     overrides: any key as section.key=value, the value parsed as YAML, e.g.
       train.steps=200  optimizer.lr=1e-3  layout.mesh='{data: 8}'  layout.pipeline=null
       model.dtype=bfloat16  train.out_dir=runs/try1
     exit status: 0 done, 2 a config error, 3 a NaN/inf loss, gradient norm or parameter
       (train.on_nonfinite=stop), 143/130 stopped by SIGTERM/SIGINT after checkpointing the
       current step (a second signal ends it at once); a run resumes where it stopped.
-    outputs (train.out_dir, default runs/<config name>): metrics.jsonl, loss.png, checkpoints/,
+    outputs (train.out_dir, default runs/<config name>): metrics.jsonl, tensorboard/ (the same
+      numbers as TensorBoard scalars: tensorboard --logdir runs), loss.png, checkpoints/,
       config.yaml, sharding.txt, summary.json, and schedule.png for a pipeline (the timeline
-      of its schedule; --plan writes it without training). A run resumes from the latest
-      checkpoint there. model.api=nnx trains the Flax NNX version of the same model.
+      of its schedule; --plan writes it without training); with train.profile_steps=[a,b] a
+      jax.profiler trace of steps a..b in profile/ (TensorBoard, Perfetto). A run resumes from
+      the latest checkpoint there. model.api=nnx trains the Flax NNX version of the same model.
 
     sampling: multimesh-train sample --run runs/tiny --prompt "def " --tokens 200
       (see multimesh-train sample --help)
@@ -49,7 +60,8 @@ def _train_parser() -> argparse.ArgumentParser:
               "[--profile NAME]] [--report] [-q]\n"
               "       multimesh-train sample --run DIR [--prompt TEXT] [--tokens N] [...]",
         description="Train the example byte-level transformer on any parallel layout, by config.",
-        epilog=_EPILOG,
+        epilog=_EPILOG.replace("{configs}", textwrap.fill(", ".join(config_names()), 88, initial_indent="  ",
+                                                          subsequent_indent="  ")),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]",
@@ -92,6 +104,10 @@ def _train_parser() -> argparse.ArgumentParser:
                        help="names this run, the same on each of its processes (default: $MULTIMESH_RUN_ID): "
                             "process 0 refuses processes of another run, so two runs given one --coordinator "
                             "port never join")
+    multi.add_argument("--transfer-port", default=None, metavar="PORT|LOW-HIGH",
+                       help="where this process receives pipeline stages' cross-host transfers: a port, or a "
+                            "range of which it takes the first port free on its host, for clusters that open "
+                            "only a fixed range between hosts (default: train.transfer_port, else any free port)")
     return p
 
 
@@ -128,6 +144,13 @@ def _launch(opts: argparse.Namespace) -> Launch | None:
         _usage_error(f"--num-processes must be >= 1, got {opts.num_processes}")
     if opts.startup_timeout < 1:
         _usage_error(f"--startup-timeout must be >= 1 (seconds), got {opts.startup_timeout}")
+    if opts.transfer_port is not None:
+        from multimesh.startup.ports import port_range
+
+        try:
+            port_range(opts.transfer_port, "--transfer-port")
+        except ValueError as e:
+            _usage_error(str(e))
     try:
         found = find_launch(timeout=opts.startup_timeout)
         if found is not None and (opts.coordinator, opts.num_processes, opts.process_id) != (None, None, None):
@@ -153,9 +176,11 @@ def _usage_error(message: str) -> None:
     raise SystemExit(2)
 
 
-def _start_processes(launch: Launch | None, cfg, startup_timeout: int, run_id: str | None) -> None:
+def _start_processes(launch: Launch | None, cfg, startup_timeout: int, run_id: str | None,
+                     transfer_port: str | None = None) -> None:
     """Join the other processes of the run (``jax.distributed``) and check that all were given the same
-    config, ``out_dir`` and code, before anything is compiled; nothing for one process."""
+    config, ``out_dir`` and code, before anything is compiled; nothing for one process. ``transfer_port``
+    (``--transfer-port``) wins over ``train.transfer_port``."""
     if launch is None:
         return
     import multimesh.distributed as dist
@@ -163,7 +188,7 @@ def _start_processes(launch: Launch | None, cfg, startup_timeout: int, run_id: s
     # CPU collectives and cross-host transfers (pipeline stages on other processes)
     dist.initialize(launch.coordinator_address, launch.num_processes, launch.process_id,
                     local_device_ids=launch.local_device_ids, initialization_timeout=startup_timeout,
-                    run_id=run_id)
+                    run_id=run_id, transfer_port=transfer_port or cfg.train.transfer_port)
     dist.agree("trainer config", _run_identity(cfg, launch.num_processes))
 
 
@@ -227,7 +252,7 @@ def _train(argv: Sequence[str]) -> int:
     from multimesh.distributed import DisagreementError, StartupError
 
     try:
-        _start_processes(launch, cfg, opts.startup_timeout, opts.run_id)
+        _start_processes(launch, cfg, opts.startup_timeout, opts.run_id, opts.transfer_port)
     except (StartupError, DisagreementError) as e:
         print(f"multimesh-train: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -288,6 +288,15 @@ class TrainConfig:
     only at the end) keeping the newest ``keep``; ``seed`` seeds the parameters;
     ``out_dir`` holds ``metrics.jsonl``, ``loss.png``, ``checkpoints/``. With
     ``resume`` a run continues from the latest checkpoint in ``out_dir``.
+
+    Watching a run (``trainers.observe``): ``tensorboard`` writes the metrics as
+    TensorBoard scalars to ``out_dir/tensorboard/``; ``profile_steps: [a, b]``
+    traces steps ``a`` to ``b`` with ``jax.profiler`` into ``out_dir/profile/``
+    (``null``: no trace). ``transfer_port``: where each process receives
+    pipeline stages' cross-host transfers: a port (``9100``) or a range
+    (``"9100-9163"``, each process taking the first port of it free on its
+    host); ``null``: any free port. ``--transfer-port`` wins over it.
+
     ``on_nonfinite``: what a non-finite loss, gradient norm or parameter does:
     ``stop`` (the run ends with ``NonFiniteError``, saving nothing non-finite) or
     ``warn`` (a warning, and training goes on). ``grad_accum``: micro-steps whose
@@ -302,6 +311,9 @@ class TrainConfig:
     checkpoint_every: int = 250
     keep: int = 2
     seed: int = 0
+    tensorboard: bool = True
+    profile_steps: list | None = None
+    transfer_port: int | str | None = None
     out_dir: str | None = None
     resume: bool = True
     on_nonfinite: str = "stop"
@@ -315,6 +327,19 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0 (0: only at the end), got {self.checkpoint_every}")
+        if self.profile_steps is not None:
+            a_b = self.profile_steps
+            if (len(a_b) != 2 or any(not isinstance(s, int) or isinstance(s, bool) for s in a_b)
+                    or not 1 <= a_b[0] <= a_b[1]):
+                raise ValueError(f"profile_steps={a_b!r}: give [first, last], the steps to trace, 1 <= first <= "
+                                 f"last, e.g. train.profile_steps=[5,7]")
+            if a_b[1] > self.steps:
+                raise ValueError(f"profile_steps={a_b!r} ends after the run's last step (steps={self.steps}); "
+                                 f"e.g. train.profile_steps=[{min(a_b[0], self.steps)},{self.steps}]")
+        if self.transfer_port is not None:
+            from multimesh.startup.ports import port_range
+
+            port_range(self.transfer_port, "transfer_port")
 
 
 #: The sections of a config, in order, with their dataclass.

@@ -10,13 +10,20 @@ layout and writes to ``config.out_dir``:
   Mixture-of-Experts model ``moe_aux_loss`` (its load-balancing loss, 1 when
   even), and ``val_loss`` when computed; the progress bar shows the same mean loss
   (``mean_loss``), and its rate and ETA leave out the first step's compilation;
+* ``tensorboard/``: the same numbers as TensorBoard scalars (``train.tensorboard``;
+  ``trainers.observe``), and in both ``step_time_s`` (mean seconds per step since
+  the previous line) and, with ``layout.profile``, ``mfu`` (the model's flops over
+  that hardware's peak);
+* ``profile/`` (with ``train.profile_steps: [a, b]``): a ``jax.profiler`` trace of
+  steps ``a`` to ``b`` (TensorBoard's profile plugin, Perfetto), and for a
+  pipeline its schedule beside it (``schedule.png``, ``schedule.txt``);
 * ``loss.png``: the loss curves against the unigram baseline (at the end),
   titled with every layout the run used;
 * ``checkpoints/<step>/``: asynchronous, every ``checkpoint_every`` steps and at the
   end: the train state, the data position, the config and the layouts as metadata;
 * ``config.yaml`` (the resolved config), ``sharding.txt`` (where each array
-  lives), ``summary.json`` (the final numbers; like ``metrics.jsonl``, strict
-  JSON: a NaN is ``null``);
+  lives), ``summary.json`` (the final numbers, the process count and devices; like
+  ``metrics.jsonl``, strict JSON: a NaN is ``null``);
 * ``schedule.png`` (pipeline layouts): the schedule's timeline, stages x time,
   a box per forward/backward pass of each microbatch, the bubbles empty.
 
@@ -55,10 +62,11 @@ from trainers.continuation import continue_schedule, optimizer_changes
 from trainers.data import TextDataset, load_corpus, make_datasets
 from trainers.feed import Feed
 from trainers.fit import check_data, check_memory, make_out_dir
-from trainers.layout import build_layout, write_schedule_png
+from trainers.layout import build_layout, pipeline_schedule, write_schedule_png
 from trainers.layout_search import resolve_auto_layout
 from trainers.metrics import MetricsLog, StepBar, Throughput, plot_losses, read_metrics, strict_json
 from trainers.nonfinite import NonFiniteError, NonFiniteWarning, first_nonfinite, how_to_fix
+from trainers.observe import ProfileWindow, Scalars, model_flops_utilisation
 from trainers.optim import cut_warmup_note
 from trainers.preemption import Preempted, StopSignals
 from trainers.run_lock import hold_out_dir
@@ -202,8 +210,45 @@ def sharding_text(program: Program) -> str:
 def _write_run_files(out: Path, program: Program, sharding: str) -> None:
     (out / "sharding.txt").write_text(sharding)
     (out / "config.yaml").write_text(program.config.to_yaml())
-    if program.layout.pipeline is not None:
-        write_schedule_png(program.layout.pipeline, out / "schedule.png")
+    pipeline = program.layout.pipeline
+    if pipeline is not None:
+        write_schedule_png(pipeline, out / "schedule.png")
+        if program.config.train.profile_steps:  # the schedule beside the trace of its steps
+            (out / "profile").mkdir(exist_ok=True)
+            write_schedule_png(pipeline, out / "profile" / "schedule.png")
+            (out / "profile" / "schedule.txt").write_text(f"{pipeline_schedule(pipeline)}\n")
+
+
+def processes_line() -> str:
+    """The header's line on the run's processes and devices."""
+    n, here = jax.process_count(), jax.local_device_count()
+    where = f"{jax.device_count()} {jax.devices()[0].platform} devices"
+    if n == 1:
+        return f"processes: 1 (process 0); {where}"
+    return f"processes: {n} (this is process {jax.process_index()}); {where}, {here} on this process"
+
+
+def profile_dir(out: Path) -> Path:
+    """Where this process writes its profiler trace: ``profile/``, or with several processes
+    ``profile/process_<i>/`` (processes on one host would name their files alike)."""
+    if jax.process_count() == 1:
+        return out / "profile"
+    return out / "profile" / f"process_{jax.process_index()}"
+
+
+def _mfu_basis(cfg: Config) -> tuple[float, float, int] | None:
+    """``(model flops per step, peak flop/s per device, devices)`` for MFU with ``layout.profile`` at the
+    model's compute dtype; None without a profile (or one without a peak for that dtype)."""
+    if not cfg.layout.profile:
+        return None
+    from multimesh.estimate import get_profile
+    from trainers.plan_estimate import model_flops_of
+
+    try:
+        peak = get_profile(cfg.layout.profile).flops_rate(cfg.model.dtype)
+    except ValueError:
+        return None
+    return model_flops_of(cfg), peak, cfg.layout.num_devices
 
 
 def train(cfg: Config, *, devices: Any = None, quiet: bool = False, stop_after: int | None = None,
@@ -259,6 +304,7 @@ def _train(cfg: Config, *, devices: Any, quiet: bool, stop_after: int | None, re
         check_memory(program.abstract_state, n_params, len(devices) if devices is not None else jax.device_count())
         _log(quiet, f"config {cfg.name}: {cfg.model.num_layers} layers, d_model {cfg.model.d_model}, "
                     f"{n_params / 1e6:.2f}M parameters, {cfg.model.dtype}; {layout.describe()}")
+        _log(quiet, processes_line())
         _log(quiet, f"data: {len(train_ds.tokens):,} train / {len(val_ds.tokens):,} validation bytes, "
                     f"batch {cfg.data.batch_size} x {cfg.data.seq_len}; unigram baseline {baseline:.3f} nats/byte")
         layouts = _layouts_so_far(ckpt, latest, layout.describe())
@@ -290,6 +336,8 @@ def _train(cfg: Config, *, devices: Any, quiet: bool, stop_after: int | None, re
             "val_loss": val_loss, "unigram_baseline": baseline, "wall_time_s": round(wall, 2),
             "tokens_per_s": None if math.isnan(clock.rate) else round(clock.rate, 1),
             "tokens_per_step": cfg.data.batch_size * cfg.data.seq_len,
+            "num_processes": jax.process_count(), "process_id": jax.process_index(),
+            "num_devices": jax.device_count(), "platform": jax.devices()[0].platform,
         }, indent=1) + "\n")
     return result
 
@@ -298,8 +346,11 @@ class _Loop:
     """The steps of one run: dispatch, bounded syncs, validation, metrics lines, checkpoints."""
 
     def __init__(self, program: Program, train: Feed, val: Feed, ckpt: CheckpointManager,
-                 log: MetricsLog, bar: Any, t_start: float, layouts: list[str]):
+                 log: MetricsLog, bar: Any, t_start: float, layouts: list[str], scalars: Scalars,
+                 profile: ProfileWindow):
         self.program, self.train, self.val, self.ckpt, self.log, self.bar = program, train, val, ckpt, log, bar
+        self.scalars, self.profile = scalars, profile
+        self._mfu_basis = _mfu_basis(program.config)
         cfg = program.config
         self.tc = cfg.train
         self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
@@ -327,16 +378,20 @@ class _Loop:
         tc, last = self.tc, start
         for step in range(start + 1, tc.steps + 1):
             self.ckpt.poll()  # a failed background save stops the run here, not at the next save
-            metrics, state = self.program.step(state, next(self.train))
+            self.profile.started(step)
+            with self.profile.step(step):
+                metrics, state = self.program.step(state, next(self.train))
             self._pending.append((step, metrics))
             last = step
             is_last = step == tc.steps
             do_eval = step % tc.eval_every == 0 or is_last
             do_log = step % tc.log_every == 0 or do_eval
             do_ckpt = bool(tc.checkpoint_every and step % tc.checkpoint_every == 0) or is_last
-            at_sync = len(self._pending) >= SYNC_EVERY or do_log or do_ckpt or step == start + 1
+            at_sync = (len(self._pending) >= SYNC_EVERY or do_log or do_ckpt or step == start + 1
+                       or step == self.profile.last)
             if at_sync:
                 self._sync()
+            self.profile.finished(step, state)  # the trace ends with its last step's work
             if step == start + 1:  # the first step compiled the programs: the rate and the ETA start after it
                 self.bar.time_from(step)
             if stop_after is not None and step >= stop_after and not is_last:
@@ -399,6 +454,15 @@ class _Loop:
         opt = self.program.config.optimizer
         raise NonFiniteError(step, problem, checkpoint, how_to_fix(opt.lr, opt.clip_norm))
 
+    def _speed(self, rate: float) -> dict[str, float | None]:
+        """``step_time_s`` at ``rate`` tokens/s (None before any timed step), and ``mfu`` with a profile."""
+        step_time = self.tokens_per_step / rate if rate > 0 else float("nan")
+        speed: dict[str, float | None] = {"step_time_s": None if math.isnan(step_time) else round(step_time, 6)}
+        if self._mfu_basis is not None:
+            mfu = model_flops_utilisation(self._mfu_basis[0], step_time, *self._mfu_basis[1:])
+            speed["mfu"] = None if mfu is None else float(f"{mfu:.4g}")
+        return speed
+
     def _preempted(self, signum: int, step: int, state: Any, by: str, *, logged: bool, saved: bool) -> None:
         """Check, log and save ``step`` (unless done as scheduled), wait for the commit, raise ``Preempted``."""
         self._sync()  # checked before it is saved
@@ -424,7 +488,9 @@ class _Loop:
             record["moe_aux_loss"] = self._aux_loss
         if with_val:
             record["val_loss"] = self.val_loss
+        record.update(self._speed(rate))
         self.log.write(record)
+        self.scalars.write(record)
         self._window.clear()
 
 
@@ -433,13 +499,22 @@ def _loop(program: Program, state: Any, start: int, train: Feed, val: Feed, ckpt
     tc = program.config.train
     bar = StepBar(total=tc.steps, initial=start, desc=program.config.name, unit="step", disable=quiet,
                dynamic_ncols=True, file=sys.stdout, smoothing=0.1)
-    log = MetricsLog(out / "metrics.jsonl", resume_at=start if start else None, write=jax.process_index() == 0)
+    main = jax.process_index() == 0
+    log = MetricsLog(out / "metrics.jsonl", resume_at=start if start else None, write=main)
+    scalars = Scalars(out / "tensorboard", resume_at=start if start else None, write=main and tc.tensorboard)
+    profile = ProfileWindow(tc.profile_steps, profile_dir(out))
+    if tc.profile_steps and start >= tc.profile_steps[1]:
+        _log(quiet, f"train.profile_steps={tc.profile_steps}: this run starts after step {start}; nothing is traced")
     try:
-        with log, StopSignals() as signals:
-            loop = _Loop(program, train, val, ckpt, log, bar, t_start, layouts)
+        with log, scalars, StopSignals() as signals:
+            loop = _Loop(program, train, val, ckpt, log, bar, t_start, layouts, scalars, profile)
             state, last = loop.run(state, start, stop_after, signals)
     finally:
+        profile.stop()  # a run that ended inside the window keeps what it traced
         bar.close()
+    if profile.written is not None:
+        _log(quiet, f"profile of steps {tc.profile_steps[0]}..{tc.profile_steps[1]}: {profile.written} "
+                    f"(tensorboard --logdir {out}, or open its perfetto_trace.json.gz at ui.perfetto.dev)")
     if start >= tc.steps:  # nothing left to train: report where the run stands
         _log(quiet, f"already trained to step {start} (train.steps={tc.steps}); raise train.steps to continue, "
                     f"or give a new train.out_dir to start over")

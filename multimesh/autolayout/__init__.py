@@ -6,12 +6,12 @@
     step_fn, init_fn, batch_fn = parallelize(step, ..., layout="auto", profile="h100-sxm")
 
 This layer sits above `multimesh.estimate` (it builds steps with `run` and
-estimates them); nothing below imports it. The public `parallelize` is
-`front.parallelize`, which gives ``layout="auto"`` to the search.
+estimates them); nothing below imports it. The public `parallelize`
+(`multimesh.parallelize`, above this layer) gives ``layout="auto"`` to
+`front.parallelize_auto`.
 """
 
 from .building import PipelineFactory, stage_task
-from .front import parallelize
 from .layouts import RULE_SETS, STAGE_AXIS, ParallelLayout, enumerate_layouts, factorizations
 from .search import (
     Candidate,
@@ -37,6 +37,5 @@ __all__ = [
     "auto_layout",
     "enumerate_layouts",
     "factorizations",
-    "parallelize",
     "stage_task",
 ]

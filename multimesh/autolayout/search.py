@@ -29,13 +29,13 @@ import functools
 import sys
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
 
 from ..core.fmt import format_bytes
-from ..core.rules import Rules, as_axes
+from ..core.rules import PathRules, Rules, as_axes
 from ..estimate import Estimate, HardwareProfile, get_profile, held_bytes
 from ..estimate.report import bytes_per_device
 from ..estimate.usable import usable_memory
@@ -260,7 +260,8 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
                 microbatches: Sequence[int] = (4, 8), schedules: Sequence[str] = ("1f1b", "zb-h2"),
                 rule_sets: Sequence[str] = RULE_SETS, progress: bool | None = None, time_top: int = 0,
                 time_steps: int = 3, dtype: str | None = None, model_flops: float | None = None,
-                **parallelize_kwargs: Any) -> LayoutSearch:
+                param_rules: PathRules | dict | Iterable | None = None, batch_spec: tuple = ("batch",),
+                donate: bool = False, strict: bool = False) -> LayoutSearch:
     """Search the layouts of ``step`` on the devices; return them ranked (`LayoutSearch`, print it).
 
     Args:
@@ -298,7 +299,10 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
         its operands run in, read from each candidate's program).
       model_flops: one step's model flops (`multimesh.estimate.model_flops`), for each candidate's MFU;
         without it the table shows HFU only.
-      parallelize_kwargs: passed on to `parallelize` (``param_rules=``, ``donate=``, ...).
+      param_rules: as for `parallelize`, for every layout built.
+      batch_spec: as for `parallelize`.
+      donate: as for `parallelize` (the layouts timed with ``time_top`` never donate).
+      strict: as for `parallelize`.
 
     Raises `UnknownProfileError`, `TimingError` (``time_top=`` on devices not of the profile's kind), and a
     `LayoutSearchError` (`NoLayoutFitsError`, `NoValidLayoutError`)
@@ -322,8 +326,8 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
     if pipeline is None and any(s > 1 for s in stage_counts):
         raise ValueError(f"auto_layout: stage_counts={stage_counts} tries pipelines, which need pipeline= "
                          f"(stages, chunks) -> a context registering the model's stages")
-    if "mesh" in parallelize_kwargs:
-        raise TypeError("auto_layout chooses mesh=; leave it out")
+    parallelize_kwargs: dict[str, Any] = dict(param_rules=param_rules, batch_spec=batch_spec, donate=donate,
+                                              strict=strict)
     pool = _pick_devices(devices, num_devices)
     check_timing(time_top, time_steps, profile, pool)
     batch_shapes = shapes_of(jax.eval_shape(get_input_batch))  # once for every candidate

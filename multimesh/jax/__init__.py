@@ -4,13 +4,12 @@
 """
 
 from .._version import __version__
-
-# the public parallelize: the run layer's, plus layout="auto" (the layout search above it)
-from ..autolayout import LayoutSearch, ParallelLayout, auto_layout, parallelize, stage_task
+from ..autolayout import LayoutSearch, ParallelLayout, auto_layout, stage_task
 from ..core.meshes import build_mesh, place_mesh, slice_mesh
 from ..core.report import ShardingReport
 from ..core.rules import PathRules, RuleError, Rules, RuleWarning, named_rules, resolve, standard_rules
 from ..estimate import Estimate, HardwareProfile, estimate
+from ..parallelize import parallelize  # the front door: on a mesh, or layout="auto" (the search below it)
 from ..run.checks import DonatedArrayError, StepInputError
 from ..run.initializers import ShardedInitializer
 from ..run.mjit import MJitFunction, mjit

@@ -1,7 +1,7 @@
 """`parallelize_on_mesh`: compile a one-device function into a sharded one, on a given mesh.
 
-It is `multimesh.jax.parallelize` without ``layout="auto"`` (which lives above
-the layout search, in `multimesh.autolayout.front`). It checks its arguments, evaluates parameter and batch shapes
+It is `multimesh.jax.parallelize` (defined in `multimesh.parallelize`) without ``layout="auto"``, whose
+search lives above this layer (`multimesh.autolayout`). It checks its arguments, evaluates parameter and batch shapes
 abstractly (nothing is materialised), derives every sharding from
 annotations and rules, and builds the SPMD program (one `jax.jit` on one
 mesh) or, when the function calls tasks, the MPMD plan.

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Self
 
 import jax
@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ..core.placement import Placement, current_placement, use_placement
+from ..core.rules import MeshAxes
 from .implicit import (
     MatchedName,
     Registration,
@@ -65,10 +66,15 @@ class Context:
     def active(self) -> bool:
         return self._depth > 0
 
-    def register_task(self, matcher: str, *, callback: Callable | None = None, task: Task | None = None,
-                      **placement: Any) -> Registration:
-        """`register_task` into this context: in force only inside ``with self:``."""
-        reg = make_registration(matcher, callback=callback, task=task, global_mesh=self.global_mesh, **placement)
+    def register_task(self, matcher: str, *, name: str | None = None, mesh: Mesh | None = None,
+                      dims: Sequence[int] | None = None, callback: Callable | None = None, devices: Any = None,
+                      device_axes: Sequence[str] | None = None,
+                      logical_axes: Iterable[tuple[str, MeshAxes]] | None = None, task: Task | None = None,
+                      split: Any = None) -> Registration:
+        """`register_task` into this context (every argument as there): in force only inside ``with self:``."""
+        reg = make_registration(matcher, name=name, mesh=mesh, dims=dims, callback=callback, devices=devices,
+                                device_axes=device_axes, logical_axes=logical_axes, task=task,
+                                global_mesh=self.global_mesh, split=split)
         self._registrations.append(reg)
         if self.active:
             add_registration(reg)
