@@ -63,6 +63,8 @@ from jax.sharding import PartitionSpec as P
 
 from multimesh.jax import with_sharding_constraint
 
+from .attention import IMPLEMENTATIONS, causal_attention
+
 __all__ = [
     "TransformerConfig",
     "RMSNorm",
@@ -114,7 +116,8 @@ class TransformerConfig:
     compile once per stack instead of once per block. ``api`` says which
     implementation a trainer builds from the config: ``'linen'`` (this
     module's :class:`Transformer`) or ``'nnx'`` (:mod:`models.nnx_transformer`,
-    the same model and parameter tree in Flax NNX).
+    the same model and parameter tree in Flax NNX). ``attention`` picks the attention kernel
+    (:mod:`models.attention`: ``'auto'``, cuDNN's fused kernel on a GPU where it runs, else XLA).
     """
 
     vocab_size: int = 256
@@ -133,10 +136,14 @@ class TransformerConfig:
     rope_base: float = 10_000.0
     norm_eps: float = 1e-6
     api: str = "linen"
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.api not in ("linen", "nnx"):
             raise ValueError(f"api={self.api!r}: use 'linen' (flax.linen) or 'nnx' (flax.nnx)")
+        if self.attention not in IMPLEMENTATIONS:
+            raise ValueError(f"attention={self.attention!r}: use one of {', '.join(map(repr, IMPLEMENTATIONS))} "
+                             "(models.attention)")
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.head_dim is None:
@@ -298,11 +305,9 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x: Array, positions: Array | None = None) -> Array:
         cfg = self.config
-        b, t, _ = x.shape
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        g = h // kvh
         if positions is None:
-            positions = jnp.arange(t)
+            positions = jnp.arange(x.shape[1])
 
         q = _dense(cfg, (h, d), ("embed", "heads", "kv"), name="query")(x)
         k = _dense(cfg, (kvh, d), ("embed", "kv_heads", "kv"), name="key")(x)
@@ -312,14 +317,7 @@ class Attention(nn.Module):
         v = constrain(v, ACT_KV_HEADS)
 
         # Query head j*g + i attends with kv head j.
-        qg = q.reshape(b, t, kvh, g, d)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-        scores = scores * (d ** -0.5)
-        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(cfg.compute_dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
-        out = constrain(out, ACT_HEADS)
+        out = constrain(causal_attention(q, k, v, cfg.attention), ACT_HEADS)
         y = _dense(cfg, cfg.d_model, ("heads", "kv", "embed"), axis=(-2, -1), name="out")(out)
         return constrain(y, ACT_EMBED)
 
