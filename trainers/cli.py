@@ -25,7 +25,8 @@ SIMULATED_DEVICES = 8
 
 _EPILOG = textwrap.dedent("""\
     configs (in configs/): tiny (the default: 8 simulated CPU devices, data x tensor),
-      dp, fsdp, tp, dp_tp, pipeline (2 stages, 1F1B), pipeline4 (4 stages), gpu_small, gpu_medium.
+      dp, fsdp, tp, dp_tp, pipeline (2 stages, 1F1B), pipeline4 (4 stages), gpu_small, gpu_medium,
+      gpu_1b.
     overrides: any key as section.key=value, the value parsed as YAML, e.g.
       train.steps=200  optimizer.lr=1e-3  layout.mesh='{data: 8}'  layout.pipeline=null
       model.dtype=bfloat16  train.out_dir=runs/try1
