@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .attention import causal_attention
 from .moe import NnxMoeBlock
 from .transformer import (
     ACT_EMBED,
@@ -110,21 +111,13 @@ class Attention(nnx.Module):
 
     def __call__(self, x: Array, positions: Array | None = None) -> Array:
         cfg = self.config
-        b, t, _ = x.shape
-        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        g = h // kvh
         if positions is None:
-            positions = jnp.arange(t)
+            positions = jnp.arange(x.shape[1])
         q = constrain(rotary_embedding(self.query(x), positions, cfg.rope_base), ACT_HEADS)
         k = constrain(rotary_embedding(self.key(x), positions, cfg.rope_base), ACT_KV_HEADS)
         v = constrain(self.value(x), ACT_KV_HEADS)
         # Query head j*g + i attends with kv head j (as in the Linen model).
-        qg = q.reshape(b, t, kvh, g, d)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
-        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(cfg.compute_dtype)
-        out = constrain(jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d), ACT_HEADS)
+        out = constrain(causal_attention(q, k, v, cfg.attention), ACT_HEADS)
         return constrain(self.out(out), ACT_EMBED)
 
 

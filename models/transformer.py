@@ -63,6 +63,7 @@ from jax.sharding import PartitionSpec as P
 
 from multimesh.jax import with_sharding_constraint
 
+from .attention import IMPLEMENTATIONS, causal_attention
 from .moe import MoeBlock
 
 __all__ = [
@@ -116,7 +117,8 @@ class TransformerConfig:
     compile once per stack instead of once per block. ``api`` says which
     implementation a trainer builds from the config: ``'linen'`` (this
     module's :class:`Transformer`) or ``'nnx'`` (:mod:`models.nnx_transformer`,
-    the same model and parameter tree in Flax NNX).
+    the same model and parameter tree in Flax NNX). ``attention`` picks the attention kernel
+    (:mod:`models.attention`: ``'auto'``, cuDNN's fused kernel on a GPU where it runs, else XLA).
 
     Mixture of Experts (:mod:`models.moe`): ``num_experts > 0`` replaces the MLP of every
     ``moe_every``-th block (blocks ``moe_every - 1``, ``2 * moe_every - 1``, ...) by ``num_experts``
@@ -144,10 +146,14 @@ class TransformerConfig:
     experts_per_token: int = 2
     moe_aux_loss_coef: float = 0.01
     moe_every: int = 1
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.api not in ("linen", "nnx"):
             raise ValueError(f"api={self.api!r}: use 'linen' (flax.linen) or 'nnx' (flax.nnx)")
+        if self.attention not in IMPLEMENTATIONS:
+            raise ValueError(f"attention={self.attention!r}: use one of {', '.join(map(repr, IMPLEMENTATIONS))} "
+                             "(models.attention)")
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.head_dim is None:
@@ -328,11 +334,9 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x: Array, positions: Array | None = None) -> Array:
         cfg = self.config
-        b, t, _ = x.shape
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        g = h // kvh
         if positions is None:
-            positions = jnp.arange(t)
+            positions = jnp.arange(x.shape[1])
 
         q = _dense(cfg, (h, d), ("embed", "heads", "kv"), name="query")(x)
         k = _dense(cfg, (kvh, d), ("embed", "kv_heads", "kv"), name="key")(x)
@@ -342,14 +346,7 @@ class Attention(nn.Module):
         v = constrain(v, ACT_KV_HEADS)
 
         # Query head j*g + i attends with kv head j.
-        qg = q.reshape(b, t, kvh, g, d)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-        scores = scores * (d ** -0.5)
-        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(cfg.compute_dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
-        out = constrain(out, ACT_HEADS)
+        out = constrain(causal_attention(q, k, v, cfg.attention), ACT_HEADS)
         y = _dense(cfg, cfg.d_model, ("heads", "kv", "embed"), axis=(-2, -1), name="out")(out)
         return constrain(y, ACT_EMBED)
 

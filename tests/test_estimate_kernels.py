@@ -144,3 +144,30 @@ def test_a_step_is_priced_kernel_by_kernel_on_its_own_platform_and_on_gpus_but_n
                for n in sheet.notes)
     assert tpu.time.programs[program.name].kernels is None
     assert any("one roofline per program (compiled for cpu, priced as tpu" in n for n in tpu.notes)
+
+
+FLASH_HLO = """HloModule flash
+
+ENTRY %main (q: bf16[2,128,4,64], k: bf16[2,128,2,64], v: bf16[2,128,2,64]) -> bf16[2,128,4,64] {
+  %q = bf16[2,128,4,64]{3,2,1,0} parameter(0)
+  %k = bf16[2,128,2,64]{3,2,1,0} parameter(1)
+  %v = bf16[2,128,2,64]{3,2,1,0} parameter(2)
+  %fmha = (bf16[2,128,4,64]{3,2,1,0}, f32[2,4,128]{2,1,0}, u8[0]{0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config":{"mask_type":"MASK"}}
+  %s = f32[2,4,128]{2,1,0} get-tuple-element(%fmha), index=1
+  %o = bf16[2,128,4,64]{3,2,1,0} get-tuple-element(%fmha), index=0
+  %bwd = (bf16[2,128,4,64]{3,2,1,0}, bf16[2,128,2,64]{3,2,1,0}, bf16[2,128,2,64]{3,2,1,0}, u8[0]{0}) custom-call(%q, %k, %v, %s, %o, %o), custom_call_target="__cudnn$fmhaSoftmaxBackward", backend_config={"cudnn_fmha_backend_config":{"mask_type":"MASK"}}
+  ROOT %dq = bf16[2,128,4,64]{3,2,1,0} get-tuple-element(%bwd), index=0
+}
+"""
+
+
+@pytest.mark.parametrize("mask,fraction", [("CAUSAL", 0.5), ("NO_MASK", 1.0)])
+def test_a_cudnn_flash_attention_call_counts_its_products_and_no_score_bytes(mask, fraction):
+    """cuDNN's fused attention (jax.nn.dot_product_attention on a GPU) prints no dimension numbers: its
+    products are counted from its query and key, two forward and five backward, half of them under a causal
+    mask; its score matrices stay on chip."""
+    kernels = find_kernels(FLASH_HLO.replace("MASK", mask))
+    one_product = 2.0 * 2 * 4 * 128 * 128 * 64  # batch x heads x length x kv_length x head_dim
+    flops = sorted(k.flops for k in kernels)
+    assert flops == [2 * one_product * fraction, 5 * one_product * fraction]
+    assert all(k.dtype == "bfloat16" and k.attention_bytes == 0 for k in kernels)

@@ -88,7 +88,7 @@ def test_default_config_and_variants_load():
         assert cfg.data == tiny.data and cfg.optimizer == tiny.optimizer and cfg.train.steps == tiny.train.steps
         assert cfg.model == tiny.model, name  # one model for every layout: any checkpoint resumes on any
         assert cfg.layout.num_devices == 8, name
-    for name in ("gpu_small", "gpu_medium"):
+    for name in ("gpu_small", "gpu_medium", "gpu_1b"):
         cfg = load_config(name)
         assert cfg.model.dtype == "bfloat16" and cfg.layout.num_devices == 1
 

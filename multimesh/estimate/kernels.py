@@ -13,7 +13,13 @@ every iteration: a fused parameter read only through ``dynamic-slice`` (or
 buffer updated in place counts the update's bytes, not the buffer's. Flops
 are the matrix products' (``dot``, and a library call such as a cuBLAS gemm
 whose dimension numbers it prints): 2 x result elements x contracted size,
-in the dtype of the product's operands (a fusion's: its first product's).
+in the dtype of the product's operands (a fusion's: its first product's). A
+cuDNN flash-attention call (``__cudnn$fmha...``, what
+``jax.nn.dot_product_attention(implementation="cudnn")`` compiles to) prints
+no dimension numbers: its products are counted from its query
+``[batch, length, heads, head_dim]`` and key ``[batch, kv_length, kv_heads,
+head_dim]`` operands (`_flash_flops`), and its score matrices never leave the
+chip, so it has no attention bytes.
 Elementwise arithmetic is left to the program's total (its bytes dominate
 such a kernel's time). A kernel in a loop body counts once per iteration.
 """
@@ -73,6 +79,25 @@ def _product_flops(ins: Instruction, module: Module) -> float:
     if any(d >= len(lhs) for d in dims):
         return 0.0
     return 2.0 * math.prod(_dims(ins.shape)) * math.prod(lhs[d] for d in dims)
+
+
+_FLASH = re.compile(r'custom_call_target="__cudnn\$fmha(\w*)"')
+
+
+def _flash_flops(ins: Instruction, module: Module) -> float:
+    """A cuDNN flash-attention call's matrix flops: ``Q K^T`` and ``P V`` forward, each
+    ``2 x batch x heads x length x kv_length x head_dim``; backward five (``Q K^T`` again, ``dO V^T``,
+    ``P^T dO``, ``dS K``, ``dS^T Q``); half of each where a causal mask skips the blocks above the diagonal.
+    0 for any other instruction."""
+    m = _FLASH.search(ins.attributes) if ins.opcode == "custom-call" else None
+    if m is None or len(ins.operands) < 2:
+        return 0.0
+    q, k = _dims(module.shape(ins.operands[0])), _dims(module.shape(ins.operands[1]))
+    if len(q) != 4 or len(k) != 4:
+        return 0.0
+    products = 5 if "Backward" in m.group(1) else 2
+    causal = 0.5 if "CAUSAL" in ins.attributes.upper() else 1.0
+    return products * 2.0 * math.prod(q) * k[1] * causal
 
 
 def _product_dtype(ins: Instruction, module: Module) -> str:
@@ -186,6 +211,7 @@ def _kernel_io(ins: Instruction, module: Module) -> Kernel | None:
     if ins.opcode in _SLICES:
         return Kernel(0.0, 2 * shape_bytes(ins.shape))
     flops = _product_flops(ins, module) if ins.opcode in ("dot", "custom-call") else 0.0
+    flops = flops or _flash_flops(ins, module)
     return Kernel(flops, shape_bytes(ins.shape) + sum(shape_bytes(module.shape(o)) for o in ins.operands),
                   dtype=_product_dtype(ins, module) if flops else "")
 

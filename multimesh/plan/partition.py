@@ -24,15 +24,12 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 from jax.extend import source_info_util
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
+from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal, Var
 
 from ..core.fmt import format_bytes
-from ..core.meshes import explicit_axes
 from ..schedules import Schedule
 from ..trace.implicit import implicit_placement, is_backprop, microbatch_of
-from ..trace.interpret import bind_equation, interpret
 from ..trace.knobs import current_knobs
 from ..trace.microbatch import Pipeline
 from ..trace.task import Placement, task_call_p
@@ -168,32 +165,67 @@ _CUSTOM = ("custom_vjp_call", "custom_jvp_call")
 _REMAT = ("checkpoint", "remat2")  # jax.checkpoint's primitive (its body: an open jaxpr)
 
 
-def _eval_inlined(jaxpr: Jaxpr, consts: Sequence, *args: Any) -> list:
-    """Evaluate ``jaxpr``, expanding nested jit calls in place (under a trace: inline them).
+def _inlined_body(eqn: Any, name_stack: Any) -> tuple[Jaxpr, Sequence] | None:
+    """The body (jaxpr, consts) that inlining ``eqn`` puts in its place, or None to keep the equation."""
+    if eqn.primitive.name in _INLINED and "jaxpr" in eqn.params:
+        inner = eqn.params["jaxpr"]
+        return inner.jaxpr, inner.consts
+    if eqn.primitive.name in _CUSTOM and has_tasks(eqn.params["call_jaxpr"].jaxpr):
+        # Not differentiated any further (the trace is final): its primal body is the program.
+        inner = eqn.params["call_jaxpr"]
+        return inner.jaxpr, inner.consts
+    if eqn.primitive.name in _REMAT and _unplaced_around_tasks(eqn, name_stack):
+        # A checkpoint outside every task around scopes that are tasks (`nnx.remat` of a block):
+        # placed piece by piece; its recomputation stays on the block's stage (under `microbatch`,
+        # in the backward's unit; without, the segment order may put it next to the forward).
+        inner = eqn.params["jaxpr"]
+        return getattr(inner, "jaxpr", inner), getattr(inner, "consts", ())
+    return None
 
-    Each equation is re-bound under its own scope stack (appended to the
-    caller's), so implicit tasks and microbatch indices survive inlining.
+
+class _Inliner:
+    """Copies a jaxpr's equations into one flat list, nested calls expanded in place.
+
+    Equations are copied, not re-traced: each copy gets fresh output variables
+    (a body called once per microbatch is copied once per call) and the scope
+    stack of its call site followed by its own, so implicit tasks and
+    microbatch indices survive inlining. A body's constants become constants
+    of the flat program, once each.
     """
 
-    def inline(eqn: Any, ins: list) -> list:
-        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
-            if eqn.primitive.name in _INLINED and "jaxpr" in eqn.params:
-                inner = eqn.params["jaxpr"]
-                return _eval_inlined(inner.jaxpr, inner.consts, *ins)
-            if eqn.primitive.name in _CUSTOM and has_tasks(eqn.params["call_jaxpr"].jaxpr):
-                # Not differentiated any further (the trace is final): its primal body is the program.
-                inner = eqn.params["call_jaxpr"]
-                return _eval_inlined(inner.jaxpr, inner.consts, *ins)
-            if eqn.primitive.name in _REMAT and _unplaced_around_tasks(eqn, name_stack):
-                # A checkpoint outside every task around scopes that are tasks (`nnx.remat` of a block):
-                # placed piece by piece; its recomputation stays on the block's stage (under `microbatch`,
-                # in the backward's unit; without, the segment order may put it next to the forward).
-                inner = eqn.params["jaxpr"]
-                return _eval_inlined(getattr(inner, "jaxpr", inner), getattr(inner, "consts", ()), *ins)
-            return bind_equation(eqn, ins)
+    def __init__(self) -> None:
+        self.eqns: list = []
+        self.constvars: list[Var] = []
+        self.consts: list = []
+        self._const_var: dict[int, Var] = {}
 
-    return interpret(jaxpr, consts, args, inline)
+    def const(self, value: Any, aval: Any) -> Var:
+        v = self._const_var.get(id(value))
+        if v is None:
+            v = self._const_var[id(value)] = Var(aval)
+            self.constvars.append(v)
+            self.consts.append(value)
+        return v
+
+    def copy(self, jaxpr: Jaxpr, consts: Sequence, args: Sequence, outer_stack: Any) -> list:
+        env: dict = {v: self.const(c, v.aval) for v, c in zip(jaxpr.constvars, consts)}
+        env.update(zip(jaxpr.invars, args))
+
+        def read(x: Any) -> Any:
+            return x if isinstance(x, Literal) else env[x]
+
+        for eqn in jaxpr.eqns:
+            name_stack = outer_stack + eqn.source_info.name_stack
+            ins = [read(x) for x in eqn.invars]
+            body = _inlined_body(eqn, name_stack)
+            if body is not None:
+                env.update(zip(eqn.outvars, self.copy(body[0], body[1], ins, name_stack)))
+                continue
+            outs = [v if isinstance(v, DropVar) else Var(v.aval) for v in eqn.outvars]
+            self.eqns.append(eqn.replace(invars=ins, outvars=outs,
+                                         source_info=eqn.source_info.replace(name_stack=name_stack)))
+            env.update(zip(eqn.outvars, outs))
+        return [read(v) for v in jaxpr.outvars]
 
 
 def _unplaced_around_tasks(eqn: Any, name_stack: Any) -> bool:
@@ -208,16 +240,11 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
     A library's jitted helper (optax's tree-wide updates, say) may touch the
     parameters of every stage at once; inlined, each piece is placed alone.
     """
-    avals = [_typed_like(v.aval) for v in closed.jaxpr.invars]
-    return jax.make_jaxpr(lambda *a: _eval_inlined(closed.jaxpr, closed.consts, *a))(*avals)
-
-
-def _typed_like(aval: Any) -> jax.ShapeDtypeStruct:
-    """An input as the trace typed it: on Explicit axes its sharding is part of its type, and the equations
-    re-bound after it (an attention mask's ``select_n`` of a head-sharded and a replicated case) check it."""
-    sharding = getattr(aval, "sharding", None)
-    typed = sharding is not None and explicit_axes(sharding.mesh)
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding if typed else None)
+    jaxpr = closed.jaxpr
+    inliner = _Inliner()
+    outvars = inliner.copy(jaxpr, closed.consts, jaxpr.invars, source_info_util.new_name_stack())
+    flat = Jaxpr(inliner.constvars, jaxpr.invars, outvars, inliner.eqns, jaxpr.effects, jaxpr.debug_info)
+    return ClosedJaxpr(flat, inliner.consts)
 
 
 def _initial_colours(eqns: Sequence, placed: dict[int, Placement]) -> list[Placement | None]:
