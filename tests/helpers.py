@@ -320,13 +320,20 @@ def train_steps(step_fn: Callable, init_fn: Callable, batch_fn: Callable, steps:
 
 def assert_trees_close(got: Any, want: Any, *, rtol: float = RTOL, atol: float = ATOL, what: str = "",
                        as_float32: bool = False) -> None:
-    """Same structure (boxes included), every leaf close (compared in float32 with ``as_float32``: a
-    bfloat16 leaf against its float32 reference)."""
-    assert jax.tree.structure(got) == jax.tree.structure(want), (
-        f"{what}: structures differ:\n{jax.tree.structure(got)}\n{jax.tree.structure(want)}"
+    """The same leaves at the same paths (a box's metadata aside: NNX records how a variable was sharded
+    there), every leaf close (compared in float32 with ``as_float32``: a bfloat16 leaf against its float32
+    reference)."""
+    got_leaves = jax.tree_util.tree_flatten_with_path(got)[0]
+    want_leaves = jax.tree_util.tree_flatten_with_path(want)[0]
+    got_paths = [jax.tree_util.keystr(p) for p, _ in got_leaves]
+    want_paths = [jax.tree_util.keystr(p) for p, _ in want_leaves]
+    assert got_paths == want_paths, (
+        f"{what}: leaf paths differ: only in the result {sorted(set(got_paths) - set(want_paths))}, only in "
+        f"the reference {sorted(set(want_paths) - set(got_paths))}"
+        + ("" if set(got_paths) != set(want_paths) else " (the same paths in another order)")
     )
     dtype = np.float32 if as_float32 else None
-    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want), strict=True):
+    for (path, g), (_, w) in zip(got_leaves, want_leaves, strict=True):
         np.testing.assert_allclose(np.asarray(g, dtype), np.asarray(w, dtype), rtol=rtol, atol=atol,
                                    err_msg=f"{what} {jax.tree_util.keystr(path)}")
 

@@ -122,7 +122,8 @@ def constrain_hint(x: jax.Array, spec: tuple, flax_rules: tuple[tuple[str, MeshA
     if mine:
         return with_sharding_constraint(x, PartitionSpec(*spec))
     rules = _rules_on_submesh(rules, placement, tuple(spec), x, step_axes)
-    try:
+    try:  # Flax's rules in force name the mesh they expect: an axis this mesh lacks is refused at once
+        Rules(rules).require_mesh(dict(placement.mesh.shape))
         by_these = Placement(placement.mesh, Rules(rules, strict=placement.rules.strict), placement.name)
     except RuleError as e:
         raise RuleError(f"{e} (a rule of Flax's rules in force, which resolve nn.with_logical_constraint(x, "
