@@ -15,6 +15,12 @@ relay copies bytes both ways, and when process 0's side closes (or cannot be rea
 client's side open and silent. JAX's client then learns of the loss only from its heartbeat timeout,
 while presence has named the lost process within a third of it. The client still closes its own side
 as it would (a normal shutdown, a connection it gives up), and the relay follows it.
+
+Only a connection on which the service has answered is held: gRPC's server opens every connection with
+an HTTP/2 SETTINGS frame. A connection refused or closed before that (process 0 not listening yet, or
+another program on the same port: the roll call's port is shared with ``SO_REUSEPORT``) is closed on
+the client's side as well, so that JAX's client connects again as it would without the relay; once a
+service has answered in this process, a refused connection means process 0 is gone, and it is held.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ import threading
 __all__ = ["relay_to"]
 
 _HELD: list[socket.socket] = []  # the client's connections kept open after process 0's side closed
+_ANSWERED = threading.Event()  # the coordination service has answered on a connection of this process
+
+#: the type of an HTTP/2 SETTINGS frame, the 4th byte of the first frame a gRPC server sends
+_HTTP2_SETTINGS = 0x04
 
 
 def relay_to(coordinator_address: str) -> str:
@@ -50,8 +60,8 @@ def _accept(server: socket.socket, upstream: tuple[str, int]) -> None:
 def _connect(client: socket.socket, upstream: tuple[str, int]) -> None:
     try:
         service = socket.create_connection(upstream, timeout=10.0)
-    except OSError:  # process 0 is gone: the client waits on, until its own timeout or presence ends us
-        _HELD.append(client)
+    except OSError:  # process 0 is gone (the client waits on, until its timeout or presence ends us), or
+        _hold_or_close(client)  # not listening yet (the client connects again)
         return
     service.settimeout(None)
     for sock in (client, service):
@@ -59,17 +69,25 @@ def _connect(client: socket.socket, upstream: tuple[str, int]) -> None:
     client_closed = threading.Event()
     threading.Thread(target=_copy, args=(client, service, client_closed), daemon=True,
                      name="multimesh-coordinator-relay-up").start()
-    _copy(service, client, None)
-    if client_closed.is_set():
+    answered = _copy(service, client, None)
+    if client_closed.is_set() or not answered:
         client.close()
     else:
         _HELD.append(client)
 
 
-def _copy(source: socket.socket, target: socket.socket, closed: threading.Event | None) -> None:
+def _hold_or_close(client: socket.socket) -> None:
+    if _ANSWERED.is_set():
+        _HELD.append(client)
+    else:
+        client.close()
+
+
+def _copy(source: socket.socket, target: socket.socket, closed: threading.Event | None) -> bool:
     """Copy ``source`` to ``target`` until either closes. The client closing (``closed`` given): the
     service is told. The service closing, or failing to take what the client sends: the client is not
-    (see the module's docstring)."""
+    (see the module's docstring). Whether the source spoke gRPC's server first frame (service -> client)."""
+    answered = False
     while True:
         try:
             data = source.recv(1 << 16)
@@ -77,14 +95,19 @@ def _copy(source: socket.socket, target: socket.socket, closed: threading.Event 
             data = b""
         if not data:
             break
+        if closed is None and not answered:
+            answered = len(data) > 3 and data[3] == _HTTP2_SETTINGS
+            if answered:
+                _ANSWERED.set()
         try:
             target.sendall(data)
         except OSError:
-            return  # the service is gone (client -> service) or the client is (service -> client)
+            return answered  # the service is gone (client -> service) or the client is (service -> client)
     if closed is None:
-        return
+        return answered
     closed.set()
     try:
         target.shutdown(socket.SHUT_WR)
     except OSError:
         pass
+    return answered
