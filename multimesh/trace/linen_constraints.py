@@ -49,9 +49,6 @@ rest of the model does.
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 from flax.core import meta as flax_meta
@@ -63,6 +60,7 @@ from .._compat.flax import linen_constraint_functions, set_linen_constraint_func
 from ..core.placement import current_placement, while_placed
 from ..core.rules import RuleError, Rules
 from .constraints import constrain_hint, with_sharding_constraint
+from .shared_hook import SharedHook
 
 __all__ = ["flax_context_rules", "routing_linen_constraints"]
 
@@ -152,26 +150,19 @@ def _placeable(box: flax_meta.Partitioned, physical: bool) -> bool:
 
 
 _FLAX: list = []  # Flax's own four functions, while ours replace them
-_DEPTH = 0
-_LOCK = threading.Lock()
 
 
-@contextlib.contextmanager
-def routing_linen_constraints() -> Iterator[None]:
+def _route_to_multimesh() -> None:
+    _FLAX[:] = linen_constraint_functions()
+    set_linen_constraint_functions(_rules_in_force, _constrain_leaf, _unbox_partitioned, _unbox_logical)
+
+
+_ROUTING = SharedHook(_route_to_multimesh, lambda: set_linen_constraint_functions(*_FLAX))
+
+
+def routing_linen_constraints() -> SharedHook:
     """Linen's logical constraints go to multimesh while the block runs (nested blocks share one routing)."""
-    global _DEPTH
-    with _LOCK:
-        if _DEPTH == 0:
-            _FLAX[:] = linen_constraint_functions()
-            set_linen_constraint_functions(_rules_in_force, _constrain_leaf, _unbox_partitioned, _unbox_logical)
-        _DEPTH += 1
-    try:
-        yield
-    finally:
-        with _LOCK:
-            _DEPTH -= 1
-            if _DEPTH == 0:
-                set_linen_constraint_functions(*_FLAX)
+    return _ROUTING
 
 
 while_placed(routing_linen_constraints)

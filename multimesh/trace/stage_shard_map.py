@@ -31,9 +31,7 @@ Two places move it:
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -52,6 +50,7 @@ from ..core.placement import Placement, current_placement, while_placed
 from .implicit import placement_in_scope
 from .interpret import bind_equation, interpret
 from .scopes import scope_stack
+from .shared_hook import SharedHook
 
 __all__ = ["StageAxisError", "on_another_mesh", "onto_stage", "routing_stage_shard_maps"]
 
@@ -194,26 +193,13 @@ def _check_sizes(what: str, call: ShardMapCall, named: set[str], stage: Placemen
             f"sizes on every stage")
 
 
-_DEPTH = 0
-_LOCK = threading.Lock()
+_ROUTING = SharedHook(lambda: set_shard_map_router(_route), lambda: set_shard_map_router(None))
 
 
-@contextlib.contextmanager
-def routing_stage_shard_maps() -> Iterator[None]:
+def routing_stage_shard_maps() -> SharedHook:
     """A `shard_map` called while the block runs goes to the stage its trace is on (nested blocks share one
     routing)."""
-    global _DEPTH
-    with _LOCK:
-        if _DEPTH == 0:
-            set_shard_map_router(_route)
-        _DEPTH += 1
-    try:
-        yield
-    finally:
-        with _LOCK:
-            _DEPTH -= 1
-            if _DEPTH == 0:
-                set_shard_map_router(None)
+    return _ROUTING
 
 
 while_placed(routing_stage_shard_maps)
