@@ -15,8 +15,9 @@ published figure:
   peak where one was measured, alpha-beta collectives beside the compute
   unless critical: `multimesh.estimate.timing`);
 - ``at MAMF`` (GPUs only): the same with the bfloat16 peak replaced by an
-  independently measured *maximum achievable matmul* rate (``ACHIEVABLE``;
-  the built-in GPU profiles now carry the same fraction, so the two agree).
+  independently measured *maximum achievable matmul* rate (``ACHIEVABLE``:
+  torch's cuBLAS at its best shape; the A100 profile carries the same
+  fraction, the Hopper profiles the lower rate XLA reached on an H200).
   Nothing is fitted to the figures compared against.
 
 Depth: the step is compiled at 1 and at 2 layers (unrolled, not scanned) and

@@ -79,8 +79,10 @@ def test_collectives_beside_the_compute_on_gpus_and_tpus_and_after_it_on_a_cpu()
 
 def test_flops_take_the_measured_achievable_fraction_of_the_peak():
     h100 = get_profile("h100-sxm")
-    assert h100.achievable_matmul_fraction == pytest.approx(794.5 / 989)
-    assert any("794.5" in n and "ml-engineering" in n for n in h100.notes)
+    assert h100.achievable_matmul_fraction == pytest.approx(671.4 / 989.5)  # XLA's rate, measured on an H200
+    assert any("671.4" in n and "RESULTS.md" in n for n in h100.notes)
+    assert get_profile("h200").achievable_matmul_fraction == h100.achievable_matmul_fraction  # the same GH100
+    assert get_profile("a100-80gb").achievable_matmul_fraction == pytest.approx(271.2 / 312)
     t = program_time(_program(()), h100)
     assert t.compute == pytest.approx(1e12 / (h100.peak_flops["bfloat16"] * h100.achievable_matmul_fraction))
     assert get_profile("tpu-v5e").achievable_matmul_fraction == 1.0  # no independent measurement: the peak

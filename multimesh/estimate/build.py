@@ -168,8 +168,8 @@ def _time_note(programs: tuple[ProgramCost, ...], time: StepTime, profile: Hardw
                  f"{profile.platform or 'a profile of no platform'}: elementwise work fused into the products)")
     flash = ("; priced for another platform, a program's bytes leave out the attention scores a flash kernel "
              "keeps on chip" if any(p.attention_bytes for p in programs) and not native else "")
-    rate = (f"; flops at {profile.achievable_matmul_fraction:.1%} of the peak, the measured maximum achievable "
-            f"matmul rate" if profile.achievable_matmul_fraction < 1 else "")
+    rate = (f"; flops at {profile.achievable_matmul_fraction:.1%} of the peak, the measured achievable matmul "
+            f"rate" if profile.achievable_matmul_fraction < 1 else "")
     overlap = ("beside the compute, except those between two matrix products" if overlaps_collectives(profile)
                else "after the compute")
     return (f"time: {model} + alpha-beta collectives, {overlap}{rate}; a pipeline through its schedule's "

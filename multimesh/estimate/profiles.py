@@ -90,8 +90,9 @@ class HardwareProfile:
     #: reused (GPUs, TPUs, an allocator told to keep freed memory: see docs/planning.md).
     fresh_memory_rate: float = 0.0
     #: ``achievable_matmul_fraction``: the fraction of ``peak_flops`` a matrix product reaches at best, as an
-    #: independent measurement found it (the maximum achievable matmul rate over the peak); the step is
-    #: priced at that rate, utilisation is still reported against the peak. 1: not measured.
+    #: independent measurement found it (XLA's rate on the device where it was measured, else the maximum
+    #: achievable matmul rate over the peak); the step is priced at that rate, utilisation is still reported
+    #: against the peak. 1: not measured.
     achievable_matmul_fraction: float = 1.0
 
     def __post_init__(self) -> None:
@@ -155,6 +156,16 @@ _T, _G = 1e12, 1e9
 #: mamf-finder.py: https://github.com/stas00/ml-engineering, compute/accelerator/README.md, "Maximum
 #: Achievable Matmul FLOPS comparison table".
 _MAMF = "achievable_matmul_fraction: maximum achievable matmul FLOPS {} of the datasheet's {} ({}), ml-engineering"
+#: The rate a JAX program's matrix products reach on Hopper (H100 SXM and H200 share the GH100's SMs and clocks,
+#: and so the datasheet's 989.5 TFLOP/s): XLA's bfloat16 product of 8192 x 8192 measured on an H200 by
+#: `multimesh.estimate.calibrate` (benchmarks/RESULTS.md, "The planner against a GPU: estimate vs measured on an
+#: H200": 633 to 711 TFLOP/s over the runs, 671.4 in the recorded profile, benchmarks/gpu_estimate_h200.json).
+#: The planner prices programs XLA compiles, so XLA's rate, not the best a hand-picked shape reaches with
+#: another library (torch's cuBLAS: 794.5, ml-engineering's MAMF table), is the one a step is priced at.
+_HOPPER_XLA_MATMUL = 671.4
+_XLA_RATE = ("achievable_matmul_fraction: {} TFLOP/s of the datasheet's 989.5 ({:.1%}), the rate XLA reached for a "
+             "bfloat16 product of 8192 on an H200 (multimesh.estimate.calibrate, benchmarks/RESULTS.md; torch's "
+             "cuBLAS reaches 794.5 at its best shape, ml-engineering's MAMF table)")
 _LATENCY_ASSUMPTION = "every latency is an assumption of a typical cluster, not a documented value"
 #: The node as wired: the vendor's reference 8-GPU system.
 _DGX_H100_NET = (
@@ -190,8 +201,8 @@ PROFILES: dict[str, HardwareProfile] = {
         intra_node_bandwidth=450 * _G, intra_node_latency=5e-6,  # NVLink 4: 900 GB/s both directions
         inter_node_bandwidth=50 * _G, inter_node_latency=10e-6, nics_per_node=8,  # 8 x ConnectX-7 400 Gb/s
         source="https://www.nvidia.com/en-us/data-center/h100/ (H100 Tensor Core GPU datasheet, SXM column)",
-        notes=(*_DGX_H100_NET, _LATENCY_ASSUMPTION, _MAMF.format("794.5", "989", "80.3%, torch 2.7.0+cu126")),
-        achievable_matmul_fraction=794.5 / 989,
+        notes=(*_DGX_H100_NET, _LATENCY_ASSUMPTION, _XLA_RATE.format(_HOPPER_XLA_MATMUL, _HOPPER_XLA_MATMUL / 989.5)),
+        achievable_matmul_fraction=_HOPPER_XLA_MATMUL / 989.5,
     ),
     "h200": HardwareProfile(
         name="h200",
@@ -203,7 +214,8 @@ PROFILES: dict[str, HardwareProfile] = {
         intra_node_bandwidth=450 * _G, intra_node_latency=5e-6,
         inter_node_bandwidth=50 * _G, inter_node_latency=10e-6, nics_per_node=8,  # 8 x ConnectX-7 400 Gb/s
         source="https://www.nvidia.com/en-us/data-center/h200/ (H200 Tensor Core GPU datasheet, SXM column)",
-        notes=(*_DGX_H100_NET, _LATENCY_ASSUMPTION),
+        notes=(*_DGX_H100_NET, _LATENCY_ASSUMPTION, _XLA_RATE.format(_HOPPER_XLA_MATMUL, _HOPPER_XLA_MATMUL / 989.5)),
+        achievable_matmul_fraction=_HOPPER_XLA_MATMUL / 989.5,
     ),
     "a100-80gb": HardwareProfile(
         name="a100-80gb",
