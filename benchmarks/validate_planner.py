@@ -472,12 +472,13 @@ def band_label(r: ValidationRun) -> str:
 
 
 def _kind(r: ValidationRun) -> tuple[str, str]:
-    """(platform, kind of layout) of ``r``, as `multimesh.estimate.trust` keys its bands."""
+    """(platform, kind of layout) of ``r``, as `multimesh.estimate.trust` keys its bands; a model with experts
+    is a kind of its own (``MoE, pipeline``), kept out of the dense layouts' bands."""
     from multimesh.estimate import get_profile
     from multimesh.estimate.trust import layout_kind
 
-    return (get_profile(r.devices["kind"]).platform,
-            layout_kind(pipeline_stages=r.layout["pipeline"], tensor=r.layout["tensor"]))
+    kind = layout_kind(pipeline_stages=r.layout["pipeline"], tensor=r.layout["tensor"])
+    return get_profile(r.devices["kind"]).platform, f"MoE, {kind}" if r.is_moe else kind
 
 
 def _splits_in_order(runs: Sequence[ValidationRun]) -> list[str]:
