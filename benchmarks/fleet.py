@@ -70,6 +70,8 @@ class PublishedRun:
     notes: str = ""
     num_kv_heads: int | None = None  # grouped-query attention's key/value heads (None: num_heads)
     grad_accum: int = 1  # micro-steps whose gradients one step accumulates (the trainer's train.grad_accum)
+    num_experts: int = 0  # routed experts per block (models.moe; 0: a dense MLP, d_ff wide), each d_ff wide
+    experts_per_token: int = 2  # the top-k of an MoE block
 
 
 def megatron_flops(r: PublishedRun) -> float:
@@ -203,6 +205,7 @@ def trainer_overrides(run: PublishedRun, layers: int, out_dir: str) -> list[str]
         f"data.max_bytes={40 * run.global_batch * (run.seq_len + 1)}",  # checked, never read: nothing is loaded
         f"layout.mesh={mesh}", "layout.pipeline=null", f"train.out_dir={out_dir}",
         f"train.grad_accum={run.grad_accum}",
+        f"model.num_experts={run.num_experts}", f"model.experts_per_token={run.experts_per_token}",
     ]
 
 

@@ -25,7 +25,7 @@ skipped: a stage of more devices than ``--max-devices`` (each simulated device a
 here), or a context-parallel layout.
 
 A row with ``micro_batch`` (sequences per data-parallel replica in one micro-step) is built with the trainer's
-gradient accumulation over ``global_batch / (micro_batch x data x fsdp)`` micro-steps, and priced as that
+gradient accumulation over ``global_batch / (micro_batch x data x fsdp x expert)`` micro-steps, and priced as that
 program runs (its micro-steps' work and collectives once each, the update once).
 
 ``--runs FILE`` prices any file of rows in ``published_runs.yaml``'s schema (a field the schema does not have
@@ -35,7 +35,11 @@ every run priced at the median published MFU of this project's own ``dev`` rows.
 
 Mapping onto the example transformer (RMSNorm, RoPE, SwiGLU, no biases, no dropout): a two-matrix MLP
 (GELU, ReLU) of width ``ffn`` becomes a SwiGLU of width ``2 ffn / 3`` rounded to 64, the same parameters
-and flops; attention is the example's plain (materialised) attention whatever kernel the source used.
+and flops; attention is the example's plain (materialised) attention whatever kernel the source used. A
+Mixture-of-Experts row (``model.experts``) becomes the example's MoE layer in every block (`models.moe`:
+``experts`` SwiGLU experts of width ``expert_ffn``, top-``top_k`` routing, tokens sent to their experts'
+devices by all-to-all over the ``expert`` mesh axis, which also splits the batch); a row with shared experts is
+not built (the example has none).
 """
 
 from __future__ import annotations
@@ -59,11 +63,16 @@ __all__ = ["FLOP_COUNTS", "RUNS_FILE", "RunsFileError", "ValidationRun", "load_r
            "published_step", "source_flops", "why_not_compiled"]
 
 RUNS_FILE = Path(__file__).with_name("published_runs.yaml")
-SPLITS = ("dev", "held_out", "fresh", "unseen")
+SPLITS = ("dev", "held_out", "fresh", "unseen", "unseen_moe")
 LAYOUT_AXES = ("data", "fsdp", "tensor", "pipeline", "context")
+#: layout axes a row may leave out (then 1): the experts' axis, only for a model with experts
+LAYOUT_OPTIONAL = ("expert",)
 #: MLP kinds and how many ``d_model x ffn`` matrices each has.
 FFN_MATRICES = {"gelu": 2, "relu": 2, "swiglu": 3}
 MODEL_FIELDS = ("layers", "d_model", "heads", "kv_heads", "head_dim", "ffn", "ffn_kind", "vocab", "tied")
+#: a Mixture-of-Experts model's fields in place of ``ffn`` (every layer an MoE layer), and its optional one
+MOE_FIELDS = ("experts", "top_k", "expert_ffn")
+MOE_OPTIONAL = ("shared_experts",)
 DEVICE_FIELDS = ("kind", "count", "per_node")
 REQUIRED = ("name", "split", "source", "model", "devices", "layout", "global_batch", "seq_len", "precision",
             "remat", "published", "flop_count")
@@ -96,11 +105,20 @@ class ValidationRun:
     micro_batch: int | None = None
 
     @property
+    def replicas(self) -> int:
+        """The ways the batch is split: data x fsdp x expert (the example splits it over expert as over data)."""
+        return self.layout["data"] * self.layout["fsdp"] * self.layout["expert"]
+
+    @property
     def grad_accum(self) -> int:
         """Micro-steps whose gradients one optimizer step accumulates (1: none)."""
         if self.micro_batch is None:
             return 1
-        return self.global_batch // (self.micro_batch * self.layout["data"] * self.layout["fsdp"])
+        return self.global_batch // (self.micro_batch * self.replicas)
+
+    @property
+    def is_moe(self) -> bool:
+        return "experts" in self.model
 
     @property
     def device_count(self) -> int:
@@ -125,20 +143,37 @@ def _llmfoundry_flops(r: ValidationRun) -> float:
     return 6 * parameter_count(r) * tokens + 12 * m["layers"] * m["d_model"] * r.seq_len ** 2 * r.global_batch
 
 
+def _megatron_bridge_flops(r: ValidationRun) -> float:
+    """Megatron Bridge's model FLOP count, per token as the row's two published figures give it (TFLOP/s per
+    GPU over tokens/s per GPU), times the step's tokens."""
+    per_token = r.published["tflops_per_device"] * 1e12 / r.published["tokens_per_s_per_device"]
+    return per_token * r.global_batch * r.seq_len
+
+
 #: The sources' FLOP counts for one training step, all devices together.
 FLOP_COUNTS: dict[str, Callable[[ValidationRun], float]] = {
     "megatron": lambda r: fleet.megatron_flops(as_fleet_run(r, whole=True)),  # Narayanan et al. 2021, eq. (3)
     "maxtext": _maxtext_flops,
     "llmfoundry": _llmfoundry_flops,
+    "megatron_bridge": _megatron_bridge_flops,
 }
+#: FLOP counts that need a published figure besides tflops_per_device
+FLOP_COUNT_NEEDS = {"megatron_bridge": "tokens_per_s_per_device"}
+#: FLOP counts that know a Mixture of Experts (the others count a dense model's parameters)
+MOE_FLOP_COUNTS = ("megatron_bridge",)
 
 
 def parameter_count(r: ValidationRun) -> int:
-    """The published model's parameters: embedding (and an untied output), attention, MLP and norm scales."""
+    """The published model's parameters: embedding (and an untied output), attention, MLP and norm scales (an
+    MoE layer's MLP: all its experts, routed and shared, and its router)."""
     m = r.model
     e, hd = m["d_model"], m["head_dim"]
     attention = e * hd * (2 * m["heads"] + 2 * m["kv_heads"])
-    mlp = FFN_MATRICES[m["ffn_kind"]] * e * m["ffn"]
+    if r.is_moe:
+        experts = m["experts"] + m.get("shared_experts", 0)
+        mlp = experts * FFN_MATRICES[m["ffn_kind"]] * e * m["expert_ffn"] + e * m["experts"]
+    else:
+        mlp = FFN_MATRICES[m["ffn_kind"]] * e * m["ffn"]
     embedding = m["vocab"] * e * (1 if m["tied"] else 2)
     return m["layers"] * (attention + mlp + 2 * e) + embedding + e
 
@@ -154,11 +189,34 @@ def published_step(r: ValidationRun) -> float:
 
 
 def swiglu_width(r: ValidationRun) -> int:
-    """The example transformer's SwiGLU width for the run's MLP: the same, or of equal parameters."""
+    """The example transformer's SwiGLU width for the run's MLP (an MoE model's: each expert's): the same, or
+    of equal parameters."""
     m = r.model
+    width = m["expert_ffn"] if r.is_moe else m["ffn"]
     if m["ffn_kind"] == "swiglu":
-        return m["ffn"]
-    return round(FFN_MATRICES[m["ffn_kind"]] * m["ffn"] / 3 / 64) * 64
+        return width
+    return round(FFN_MATRICES[m["ffn_kind"]] * width / 3 / 64) * 64
+
+
+def _model_fields(model: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The fields a row's ``model`` must have and may have: a dense model's, or an MoE model's (``experts``
+    present) with the experts' fields in place of ``ffn``."""
+    if isinstance(model, dict) and "experts" in model:
+        return tuple(f for f in MODEL_FIELDS if f != "ffn") + MOE_FIELDS, MOE_OPTIONAL
+    return MODEL_FIELDS, ()
+
+
+def _check_group(where: str, group: str, got: Any, fields: Sequence[str], optional: Sequence[str] = ()) -> None:
+    """``got`` has every field of ``fields``, and no field but those and ``optional`` (each named if not)."""
+    if not isinstance(got, dict):
+        raise RunsFileError(f"{where}: {group} must be a mapping of the fields {list(fields)}, got {got!r}")
+    missing = [f for f in fields if f not in got]
+    unknown = sorted(set(got) - set(fields) - set(optional))
+    if missing or unknown:
+        said = [f"missing field(s) {missing}" if missing else "", f"unknown field(s) {unknown}" if unknown else ""]
+        more = f" and optionally {list(optional)}" if optional else ""
+        raise RunsFileError(f"{where}: {group} has {' and '.join(s for s in said if s)}; it has the fields "
+                            f"{list(fields)}{more} (see the comment at the top of {RUNS_FILE.name})")
 
 
 def _check_run(raw: Any, index: int, seen: set[str], file_name: str = RUNS_FILE.name) -> ValidationRun:
@@ -179,14 +237,13 @@ def _check_run(raw: Any, index: int, seen: set[str], file_name: str = RUNS_FILE.
         raise RunsFileError(f"{where}: split={raw['split']!r} must be a name, such as one of {SPLITS}")
     if not isinstance(raw["source"], str) or len(raw["source"].split()) < 5:
         raise RunsFileError(f"{where}: source must cite where every figure is written, got {raw['source']!r}")
-    for group, fields in (("model", MODEL_FIELDS), ("devices", DEVICE_FIELDS), ("layout", LAYOUT_AXES)):
-        got = raw[group]
-        if not isinstance(got, dict) or sorted(got) != sorted(fields):
-            raise RunsFileError(f"{where}: {group} must have exactly the fields {list(fields)}, got "
-                                f"{sorted(got) if isinstance(got, dict) else got!r}")
-    m = raw["model"]
-    positive = {f"model.{k}": m[k] for k in MODEL_FIELDS if k not in ("ffn_kind", "tied")}
-    positive.update({f"layout.{k}": v for k, v in raw["layout"].items()})
+    model_fields, model_optional = _model_fields(raw["model"])
+    _check_group(where, "model", raw["model"], model_fields, model_optional)
+    _check_group(where, "devices", raw["devices"], DEVICE_FIELDS)
+    _check_group(where, "layout", raw["layout"], LAYOUT_AXES, LAYOUT_OPTIONAL)
+    m, layout = raw["model"], {**raw["layout"], "expert": raw["layout"].get("expert", 1)}
+    positive = {f"model.{k}": m[k] for k in model_fields if k not in ("ffn_kind", "tied")}
+    positive.update({f"layout.{k}": v for k, v in layout.items()})
     positive.update({"devices.count": raw["devices"]["count"], "devices.per_node": raw["devices"]["per_node"],
                      "global_batch": raw["global_batch"], "seq_len": raw["seq_len"]})
     bad = {k: v for k, v in positive.items() if not (isinstance(v, int) and not isinstance(v, bool) and v > 0)}
@@ -198,33 +255,68 @@ def _check_run(raw: Any, index: int, seen: set[str], file_name: str = RUNS_FILE.
         raise RunsFileError(f"{where}: model.tied and remat must be true or false")
     if m["heads"] % m["kv_heads"]:
         raise RunsFileError(f"{where}: model.heads={m['heads']} is not a multiple of kv_heads={m['kv_heads']}")
-    product = math.prod(raw["layout"].values())
+    _check_experts(where, m, layout["expert"])
+    product = math.prod(layout.values())
     if product != raw["devices"]["count"]:
         raise RunsFileError(f"{where}: the layout {raw['layout']} covers {product} devices, not "
                             f"devices.count={raw['devices']['count']}")
-    if raw["global_batch"] % (raw["layout"]["data"] * raw["layout"]["fsdp"]):
-        raise RunsFileError(f"{where}: global_batch={raw['global_batch']} does not divide over data x fsdp = "
-                            f"{raw['layout']['data'] * raw['layout']['fsdp']}")
-    pub = raw["published"]
-    if not isinstance(pub, dict) or not isinstance(pub.get("tflops_per_device"), (int, float)) \
-            or pub["tflops_per_device"] <= 0 \
-            or sorted(pub) not in (["tflops_per_device"], ["mfu", "tflops_per_device"]):
-        raise RunsFileError(f"{where}: published must be {{tflops_per_device: >0[, mfu: 0..1]}}, got {pub!r}")
-    if "mfu" in pub and not 0 < pub["mfu"] <= 1:
-        raise RunsFileError(f"{where}: published.mfu={pub['mfu']} is not a fraction")
-    if raw["flop_count"] not in FLOP_COUNTS:
-        raise RunsFileError(f"{where}: flop_count={raw['flop_count']!r}; use one of {sorted(FLOP_COUNTS)}")
+    replicas = layout["data"] * layout["fsdp"] * layout["expert"]
+    if raw["global_batch"] % replicas:
+        raise RunsFileError(f"{where}: global_batch={raw['global_batch']} does not divide over data x fsdp x "
+                            f"expert = {replicas}")
+    _check_published(where, raw["published"], raw["flop_count"])
+    if "experts" in m and raw["flop_count"] not in MOE_FLOP_COUNTS:
+        raise RunsFileError(f"{where}: flop_count={raw['flop_count']} counts a dense model's parameters; a model "
+                            f"with experts needs one of {list(MOE_FLOP_COUNTS)}")
     from multimesh.estimate import get_profile
 
     get_profile(raw["devices"]["kind"])  # UnknownProfileError names the profiles there are
     micro = raw.get("micro_batch")
     if micro is not None:
-        replicas = raw["layout"]["data"] * raw["layout"]["fsdp"]
         if not (isinstance(micro, int) and not isinstance(micro, bool) and micro > 0) \
                 or raw["global_batch"] % (micro * replicas):
             raise RunsFileError(f"{where}: micro_batch={micro!r} must be a positive integer whose product with "
-                                f"data x fsdp = {replicas} divides global_batch={raw['global_batch']}")
-    return ValidationRun(**{k: raw[k] for k in REQUIRED}, notes=str(raw.get("notes", "")), micro_batch=micro)
+                                f"data x fsdp x expert = {replicas} divides global_batch={raw['global_batch']}")
+    return ValidationRun(**{**{k: raw[k] for k in REQUIRED}, "layout": layout}, notes=str(raw.get("notes", "")),
+                         micro_batch=micro)
+
+
+def _check_experts(where: str, m: dict[str, Any], expert: int) -> None:
+    """An MoE model's top_k and shared_experts in range, its experts split evenly over the expert axis; no
+    expert axis on a dense model."""
+    if "experts" not in m:
+        if expert > 1:
+            raise RunsFileError(f"{where}: layout.expert={expert} but the model has no experts (model.experts); "
+                                f"drop layout.expert or give the model's experts, top_k and expert_ffn")
+        return
+    if m["top_k"] > m["experts"]:
+        raise RunsFileError(f"{where}: model.top_k={m['top_k']} exceeds model.experts={m['experts']}")
+    shared = m.get("shared_experts", 0)
+    if not (isinstance(shared, int) and not isinstance(shared, bool) and shared >= 0):
+        raise RunsFileError(f"{where}: model.shared_experts={shared!r} must be an integer >= 0")
+    if m["experts"] % expert:
+        raise RunsFileError(f"{where}: model.experts={m['experts']} do not split evenly over layout.expert={expert}")
+
+
+def _check_published(where: str, pub: Any, flop_count: Any) -> None:
+    """``published`` holds tflops_per_device > 0 and, optionally, an MFU fraction and tokens/s per device; the
+    FLOP count is known, with the figures it needs."""
+    allowed = {"tflops_per_device", "mfu", "tokens_per_s_per_device"}
+    if not isinstance(pub, dict) or not isinstance(pub.get("tflops_per_device"), (int, float)) \
+            or pub["tflops_per_device"] <= 0 or not set(pub) <= allowed:
+        raise RunsFileError(f"{where}: published must be {{tflops_per_device: >0[, mfu: 0..1][, "
+                            f"tokens_per_s_per_device: >0]}}, got {pub!r}")
+    if "mfu" in pub and not 0 < pub["mfu"] <= 1:
+        raise RunsFileError(f"{where}: published.mfu={pub['mfu']} is not a fraction")
+    tokens = pub.get("tokens_per_s_per_device")
+    if tokens is not None and not (isinstance(tokens, (int, float)) and tokens > 0):
+        raise RunsFileError(f"{where}: published.tokens_per_s_per_device={tokens!r} must be > 0")
+    if flop_count not in FLOP_COUNTS:
+        raise RunsFileError(f"{where}: flop_count={flop_count!r}; use one of {sorted(FLOP_COUNTS)}")
+    needs = FLOP_COUNT_NEEDS.get(flop_count)
+    if needs and needs not in pub:
+        raise RunsFileError(f"{where}: flop_count={flop_count} is taken from published.{needs}, which the row "
+                            f"lacks")
 
 
 def load_runs(path: str | os.PathLike = RUNS_FILE) -> list[ValidationRun]:
@@ -255,6 +347,8 @@ def load_runs(path: str | os.PathLike = RUNS_FILE) -> list[ValidationRun]:
 def why_not_compiled(r: ValidationRun, max_devices: int) -> str | None:
     """Why this machine does not build ``r`` (None: it does)."""
     reasons = []
+    if r.model.get("shared_experts", 0):
+        reasons.append(f"shared_experts={r.model['shared_experts']}: the example's MoE layer has no shared expert")
     if r.layout["context"] > 1:
         reasons.append(f"context={r.layout['context']}: the example transformer has no context parallelism")
     if r.layout["pipeline"] > 1 and r.model["layers"] % r.layout["pipeline"]:
@@ -269,7 +363,7 @@ def why_not_compiled(r: ValidationRun, max_devices: int) -> str | None:
 def as_fleet_run(r: ValidationRun, whole: bool = False) -> fleet.PublishedRun:
     """``r`` as `fleet.PublishedRun`, the example transformer's config at the published sizes and layout (a
     pipelined run's: one stage, its share of the layers on its share of the devices; ``whole``: all of them)."""
-    mesh = {k: r.layout[k] for k in ("data", "fsdp", "tensor") if r.layout[k] > 1} or {"data": 1}
+    mesh = {k: r.layout[k] for k in ("data", "fsdp", "tensor", "expert") if r.layout[k] > 1} or {"data": 1}
     m, stages = r.model, 1 if whole else r.layout["pipeline"]
     return fleet.PublishedRun(
         name=r.name, source=r.source, profile=r.devices["kind"], devices=r.device_count // stages, mesh=mesh,
@@ -277,7 +371,7 @@ def as_fleet_run(r: ValidationRun, whole: bool = False) -> fleet.PublishedRun:
         head_dim=m["head_dim"], d_ff=swiglu_width(r), vocab=m["vocab"], seq_len=r.seq_len,
         global_batch=r.global_batch, tie_embeddings=m["tied"], remat=r.remat,
         published_tflops=float(r.published["tflops_per_device"]), source_flops=lambda _: source_flops(r),
-        notes=r.notes, grad_accum=r.grad_accum)
+        notes=r.notes, grad_accum=r.grad_accum, num_experts=m.get("experts", 0), experts_per_token=m.get("top_k", 2))
 
 
 @dataclass(frozen=True)
@@ -299,7 +393,7 @@ def pipelined(r: ValidationRun, stage: fleet.Prediction) -> PipelinePrediction:
     from multimesh.schedules import get_schedule
 
     stages = r.layout["pipeline"]
-    m = r.global_batch // (r.layout["data"] * r.layout["fsdp"])
+    m = r.global_batch // r.replicas
     per = stage.step_time / m
     sent = r.seq_len * r.model["d_model"] * 2 // r.layout["tensor"]  # bfloat16 activations, split over tensor
     send = transfer_time(sent, get_profile(r.devices["kind"]), inside_node=False)
@@ -378,12 +472,13 @@ def band_label(r: ValidationRun) -> str:
 
 
 def _kind(r: ValidationRun) -> tuple[str, str]:
-    """(platform, kind of layout) of ``r``, as `multimesh.estimate.trust` keys its bands."""
+    """(platform, kind of layout) of ``r``, as `multimesh.estimate.trust` keys its bands; a model with experts
+    is a kind of its own (``MoE, pipeline``), kept out of the dense layouts' bands."""
     from multimesh.estimate import get_profile
     from multimesh.estimate.trust import layout_kind
 
-    return (get_profile(r.devices["kind"]).platform,
-            layout_kind(pipeline_stages=r.layout["pipeline"], tensor=r.layout["tensor"]))
+    kind = layout_kind(pipeline_stages=r.layout["pipeline"], tensor=r.layout["tensor"])
+    return get_profile(r.devices["kind"]).platform, f"MoE, {kind}" if r.is_moe else kind
 
 
 def _splits_in_order(runs: Sequence[ValidationRun]) -> list[str]:

@@ -33,6 +33,21 @@ def test_products_loops_and_branches_are_counted_from_their_shapes():
     assert matmul_flops(batched) == 2 * 3 * 5 * 2 * 7
 
 
+def test_a_grouped_product_counts_each_row_through_its_own_group_only():
+    """``ragged_dot`` (a Mixture of Experts' experts): M rows, each through one of G groups' [K, N] matrices,
+    is 2 M K N flops, and so is each of its two gradients (the weights' one contracts the ragged rows into one
+    block per group), not G times that."""
+    m, k, n, g = 64, 32, 16, 8
+    sizes = jnp.array([8, 0, 16, 8, 8, 8, 8, 8], jnp.int32)  # uneven groups, one empty: the count is the same
+
+    def grouped(x, w):
+        return jnp.sum(jax.lax.ragged_dot(x, w, sizes) ** 2)
+
+    x, w = jnp.zeros((m, k)), jnp.zeros((g, k, n))
+    assert matmul_flops(jax.make_jaxpr(grouped)(x, w)) == 2 * m * k * n
+    assert matmul_flops(jax.make_jaxpr(jax.grad(grouped, argnums=(0, 1)))(x, w)) == 3 * (2 * m * k * n)
+
+
 @pytest.mark.devices(8)
 def test_a_scanned_step_counts_every_layers_products_per_device():
     def init():

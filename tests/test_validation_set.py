@@ -140,3 +140,98 @@ def test_a_pipelined_run_is_one_stage_through_the_1f1b_schedule():
     send = transfer_time(2048 * 8192 * 2 // 8, get_profile("a100-80gb"), inside_node=False)
     bubble = 4.8 * (m + stages - 1) / m
     assert bubble < p.step_time <= bubble + 2 * (m + stages - 1) * send + 1e-9
+
+
+TINY_MOE = """runs:
+  - name: tiny-moe-0.001b
+    split: mine
+    source: a tiny Mixture of Experts row written for this test, no source
+    model: {layers: 2, d_model: 64, heads: 4, kv_heads: 4, head_dim: 16, ffn_kind: swiglu, vocab: 256, tied: true,
+            experts: 8, top_k: 2, expert_ffn: 128}
+    devices: {kind: h100-sxm, count: 8, per_node: 8}
+    layout: {data: 2, fsdp: 1, tensor: 1, pipeline: 1, context: 1, expert: 4}
+    global_batch: 16
+    seq_len: 32
+    precision: BF16
+    remat: false
+    published: {tflops_per_device: 100, tokens_per_s_per_device: 1000}
+    flop_count: megatron_bridge
+"""
+
+
+def test_the_moe_rows_parse_and_price_from_their_own_figures():
+    """The MoE rows: experts, top-k and the experts' width in place of ffn, an expert axis in the layout that
+    splits the batch, the source's FLOP count per token from its TFLOP/s and tokens/s (so the published step is
+    the tokens over the published tokens/s), and every parameter of every expert counted."""
+    moe = [r for r in vp.load_runs() if r.split == "unseen_moe"]
+    assert len(moe) >= 2 and all(r.is_moe for r in moe)
+    for r in moe:
+        assert vp.published_step(r) == pytest.approx(
+            r.global_batch * r.seq_len / (r.device_count * r.published["tokens_per_s_per_device"]))
+        run = vp.as_fleet_run(r)
+        assert run.num_experts == r.model["experts"] and run.experts_per_token == r.model["top_k"]
+        assert run.d_ff == r.model["expert_ffn"] and run.mesh["expert"] == r.layout["expert"]
+    qwen = next(r for r in moe if r.name == "mbridge-qwen3-30b-a3b-h100x16-ep16")
+    assert qwen.replicas == 16 and qwen.grad_accum == 1024 // 16  # micro batch 1 on each of 16 batch shards
+    assert vp.parameter_count(qwen) == pytest.approx(30.5e9, rel=0.01)  # Qwen3-30B-A3B's model card: 30.5B
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.replace("expert_ffn: 128}", "expert_ffn: 128, capacity_factor: 1.0}"),
+     r"tiny-moe.*model has unknown field\(s\) \['capacity_factor'\].*optionally \['shared_experts'\]"),
+    (lambda t: t.replace("expert: 4}", "experts: 4}"), r"layout has unknown field\(s\) \['experts'\]"),
+    (lambda t: t.replace(", expert_ffn: 128}", "}"), r"model has missing field\(s\) \['expert_ffn'\]"),
+    (lambda t: t.replace("top_k: 2", "top_k: 9"), r"model.top_k=9 exceeds model.experts=8"),
+    (lambda t: t.replace("data: 2,", "data: 1,").replace("expert: 4}", "expert: 8}")
+     .replace("experts: 8", "experts: 12"), r"model.experts=12 do not split evenly over layout.expert=8"),
+    (lambda t: t.replace("flop_count: megatron_bridge", "flop_count: maxtext"),
+     r"flop_count=maxtext counts a dense model's parameters"),
+    (lambda t: t.replace(", tokens_per_s_per_device: 1000", ""), r"published.tokens_per_s_per_device, which the row"),
+])
+def test_a_malformed_moe_row_is_refused_with_its_field_named(tmp_path, edit, message):
+    path = tmp_path / "runs.yaml"
+    path.write_text(TINY_MOE)
+    assert [r.name for r in vp.load_runs(path)] == ["tiny-moe-0.001b"]  # unedited, the row loads
+    path.write_text(edit(TINY_MOE))
+    with pytest.raises(vp.RunsFileError, match=message):
+        vp.load_runs(path)
+
+
+def test_an_expert_axis_needs_a_model_with_experts(tmp_path):
+    good = (REPO / "benchmarks" / "published_runs.yaml").read_text().split("\n  - name:")[1]
+    path = tmp_path / "runs.yaml"
+    dense = "data: 32, fsdp: 1, tensor: 1, pipeline: 1, context: 1"
+    path.write_text("runs:\n  - name:" + good.replace(dense, dense.replace("32", "16") + ", expert: 2"))
+    with pytest.raises(vp.RunsFileError, match=r"megatron-1\.7b.*layout.expert=2 but the model has no experts"):
+        vp.load_runs(path)
+
+
+@pytest.mark.devices(8)
+def test_a_tiny_moe_row_is_built_and_priced_with_its_all_to_alls(tmp_path):
+    """The row becomes the example's MoE transformer on {data: 2, expert: 4}: tokens go to their experts'
+    devices and back by all-to-all over the expert axis, in every block (two each way, forward and backward),
+    and each block's grouped expert products are counted: each row of the receive buffer through its one
+    expert (not every expert), the buffer holding a slot for every copy on every expert device (models.moe:
+    no token dropped), so n = 4 times the k copies of each token."""
+    path = tmp_path / "runs.yaml"
+    path.write_text(TINY_MOE)
+    (r,) = vp.load_runs(path)
+    run = vp.as_fleet_run(r)
+    assert run.mesh == {"data": 2, "expert": 4}
+    estimates, _ = fleet.compile_depths(run)
+    counts = []
+    for e in estimates:
+        (program,) = e.programs
+        a2a = [c for c in program.collectives if c.kind == "all-to-all"]
+        assert a2a and all(c.axes == ("expert",) and c.group_size == 4 for c in a2a), program.collectives
+        counts.append(sum(c.count for c in a2a))
+    assert counts[1] > counts[0] >= 4  # another block, more all-to-alls
+    b, s, d, heads, hd, experts_per_layer, f, k, n = r.global_batch, r.seq_len, 64, 4, 16, 8, 128, 2, 4
+    rows = n * b * s * k  # the experts' receive buffers, all devices
+    experts = 3 * 2 * rows * d * f  # gate, up and down of each row
+    attention = 2 * b * s * d * hd * 4 * heads + 2 * 2 * b * heads * s * s * hd  # projections; scores and values
+    router = 2 * b * s * d * experts_per_layer
+    one, two = (sum(dict(e.programs[0].matmul_dtypes).values()) * 8 for e in estimates)
+    assert two - one == pytest.approx(3 * (experts + attention + router), rel=0.01)  # forward and two gradients
+    p = fleet.predict(run, estimates, "h100-sxm")
+    assert p.step_time > 0 and p.communication > 0

@@ -5,6 +5,8 @@ XLA's cost analysis of a compiled program misses some of them: a loop's body
 on a GPU the products that became library calls (cuBLAS) count nothing. The
 jaxpr has every product with its shapes, and every loop with its length, so
 its count is exact for the matrix work, which dominates a model's flops.
+A grouped product (``ragged_dot_general``: a Mixture of Experts' experts)
+counts each row through its one group, as a grouped GEMM computes it.
 """
 
 from __future__ import annotations
@@ -26,8 +28,25 @@ def _dot_flops(eqn: Any) -> float:
     return 2.0 * math.prod(eqn.outvars[0].aval.shape) * contracted
 
 
+def _ragged_dot_flops(eqn: Any) -> float:
+    """A grouped product's flops: each row of ``lhs`` through its own group only. Where the ragged dimension is
+    contracted (a gradient of the groups' weights) the output holds one block per group, each of which sums
+    only its own rows: the dense count over the output divided by the number of groups."""
+    numbers = eqn.params["ragged_dot_dimension_numbers"]
+    (lhs_contract, _), _ = numbers.dot_dimension_numbers
+    lhs = eqn.invars[0].aval.shape
+    groups = eqn.invars[2].aval.shape[-1]
+    dense = 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in lhs_contract)
+    ragged_contracted = any(d in lhs_contract for d in numbers.lhs_ragged_dimensions)
+    return dense / groups if ragged_contracted else dense
+
+
+_PRODUCTS = {"dot_general": _dot_flops, "ragged_dot_general": _ragged_dot_flops}
+
+
 def matmul_flops(jaxpr: Any) -> float:
-    """Flops of every ``dot_general`` in ``jaxpr`` (`matmul_flops_by_dtype`, all dtypes together)."""
+    """Flops of every ``dot_general`` and ``ragged_dot_general`` in ``jaxpr`` (`matmul_flops_by_dtype`, all dtypes
+    together)."""
     return sum(matmul_flops_by_dtype(jaxpr).values())
 
 
@@ -37,7 +56,8 @@ def _add(into: dict[str, float], more: dict[str, float], times: float = 1.0) -> 
 
 
 def matmul_flops_by_dtype(jaxpr: Any) -> dict[str, float]:
-    """Flops of every ``dot_general`` in ``jaxpr`` (a `Jaxpr` or `ClosedJaxpr`) and the jaxprs it nests, by
+    """Flops of every ``dot_general`` and grouped ``ragged_dot_general`` in ``jaxpr`` (a `Jaxpr` or `ClosedJaxpr`)
+    and the jaxprs it nests, by
     the dtype its operands run in (`precision.dot_dtype`: bf16 operands accumulated in f32 are bfloat16),
     over the whole (global) arrays: a ``scan`` body counted ``length`` times, a ``while`` body once (its
     trip count is not known before it runs), a ``cond`` as its costliest branch, a ``shard_map`` body (its
@@ -45,10 +65,10 @@ def matmul_flops_by_dtype(jaxpr: Any) -> dict[str, float]:
     total: dict[str, float] = {}
     for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
         name = eqn.primitive.name
-        if name == "dot_general":
+        if name in _PRODUCTS:
             dtype = dot_dtype(eqn.invars[0].aval.dtype.name, eqn.invars[1].aval.dtype.name,
                               eqn.params.get("precision"))
-            _add(total, {dtype: _dot_flops(eqn)})
+            _add(total, {dtype: _PRODUCTS[name](eqn)})
             continue
         inner = [matmul_flops_by_dtype(j) for j in subjaxprs(eqn)]
         if not inner:
