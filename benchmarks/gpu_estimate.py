@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import subprocess
 import sys
 import time
@@ -30,10 +30,13 @@ import time
 import jax
 import numpy as np
 
-from multimesh.estimate import calibrate, get_profile
-from trainers.config import load_config
-from trainers.plan_estimate import model_flops_of
-from trainers.step import program_for
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_rounds import timed_rounds  # noqa: E402  (benchmarks/ is not a package)
+
+from multimesh.estimate import calibrate, get_profile  # noqa: E402
+from trainers.config import load_config  # noqa: E402
+from trainers.plan_estimate import model_flops_of  # noqa: E402
+from trainers.step import program_for  # noqa: E402
 
 DATASHEET = {"H200": "h200", "H100": "h100-sxm", "A100": "a100-80gb"}
 
@@ -71,14 +74,7 @@ def measure(name: str, steps: int, rounds: int, overrides: list[str]) -> dict:
     for _ in range(3):
         metrics, state = program.step(state, placed)
     jax.block_until_ready((metrics, state))
-    per_round = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(steps):
-            metrics, state = program.step(state, placed)
-        jax.block_until_ready((metrics, state))
-        per_round.append((time.perf_counter() - start) / steps)
-    measured = statistics.median(per_round)
+    measured, per_round, metrics, state = timed_rounds(program.step, state, placed, rounds=rounds, steps=steps)
     stats = device.memory_stats() or {}
     loss = float(metrics["loss"])
     del state, metrics, placed

@@ -26,10 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_rounds import timed_rounds  # noqa: E402  (benchmarks/ is not a package)
 
 #: Datasheet profiles by device kind (`multimesh.estimate.get_profile`).
 DATASHEET = {"H200": "h200", "H100": "h100-sxm", "A100": "a100-80gb"}
@@ -82,14 +84,7 @@ def measure(name: str, steps: int, rounds: int, dry_run: bool) -> dict:
         metrics, state = program.step(state, placed)
     jax.block_until_ready((metrics, state))
     first_s = time.perf_counter() - t0
-    per_round = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(steps):
-            metrics, state = program.step(state, placed)
-        jax.block_until_ready((metrics, state))
-        per_round.append((time.perf_counter() - start) / steps)
-    step_s = statistics.median(per_round)
+    step_s, per_round, metrics, state = timed_rounds(program.step, state, placed, rounds=rounds, steps=steps)
     dtype = np.dtype(cfg.model.dtype).name
     peak = get_profile(profile).flops_rate(dtype) if profile else float("nan")
     params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(program.abstract_state["params"]))
