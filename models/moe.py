@@ -36,7 +36,7 @@ Parameters of one layer (``E = num_experts``, ``F = d_ff``)::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -46,8 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from multimesh.jax import mesh_in_scope, shard_map
 
-if TYPE_CHECKING:
-    from .transformer import TransformerConfig
+from .config import TransformerConfig
 
 __all__ = [
     "AUX_LOSS_NAME",
