@@ -55,7 +55,7 @@ SAVE_AT, STEPS = 2, 4
 TX = optax.adam(1e-2)
 AUTO = (AxisType.Auto,) * 3
 #: by the parameters' paths (the model opens no scope per layer)
-STAGES = (r"embedding|layers\.[01]\.", r"layers\.2\.|gamma_final|lm_head")
+STAGES = (r"embedding|layers\.[01]", r"layers\.2|gamma_final|lm_head")
 EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down")
 
 
