@@ -18,8 +18,9 @@ b. a 2-stage 1F1B pipeline by ``register_task(params=...)`` (the model opens no 
 c. an SPMD checkpoint restored onto that pipeline, trained on.
 
 Each is compared with the same step on one device (plain `jax.jit`, the model's mesh a 1-device one): losses, parameters
-and adam's state after each of four steps (two after the restore), each to the larger of 1e-4 and twice the
-model's own jit's difference from one device after that step (its RMS norm rounds activations to bfloat16).
+and adam's state after each of four steps (two after the restore), each leaf to the larger of 1e-5 and twice the
+model's own jit's difference from one device on that leaf after that step (its RMS norm rounds activations to
+bfloat16, `tolerances`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import optax
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from jax.tree_util import keystr
 
 from multimesh.checkpoint import CheckpointManager
 from multimesh.jax import microbatch, parallelize, register_task
@@ -52,7 +54,8 @@ THIRDPARTY = Path(__file__).resolve().parent / "thirdparty" / "deepseek_r1_jax"
 BATCH, LENGTH, VOCAB, LAYERS, DENSE, EXPERTS = 16, 8, 32, 3, 1, 8
 MICROBATCHES = 4
 SAVE_AT, STEPS = 2, 4
-TX = optax.adam(1e-2)
+LR = 1e-2
+TX = optax.adam(LR, eps=1e-3)
 AUTO = (AxisType.Auto,) * 3
 #: by the parameters' paths (the model opens no scope per layer)
 STAGES = (r"embedding|layers\.[01]", r"layers\.2|gamma_final|lm_head")
@@ -143,21 +146,25 @@ def reference() -> tuple[list[float], list[Any]]:
     return train(jax.jit(make_step(loss)), jax.jit(init)(), get_batch(), STEPS)
 
 
-def max_difference(state: Any, ref_state: Any) -> float:
-    return max(float(np.max(np.abs(np.asarray(a, np.float64) - b), initial=0.0))
-               for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)))
+def leaf_differences(state: Any, ref_state: Any) -> list[float]:
+    """Each leaf's largest absolute difference from the reference's, in leaf order."""
+    return [float(np.max(np.abs(np.asarray(a, np.float64) - b), initial=0.0))
+            for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state))]
 
 
 @functools.cache
-def tolerances() -> list[tuple[float, float]]:
-    """Per step, (loss's relative, state's absolute) tolerance: the larger of 1e-5 (1e-4) and twice the model's
-    own jit's difference from one device after that step (plain `jax.jit` with its 8-device mesh in its
-    config, as its own tests run it). Its RMS norm rounds to bfloat16, and the rounding grows with the steps."""
+def tolerances() -> list[tuple[float, list[float]]]:
+    """Per step, the loss's relative tolerance and each state leaf's absolute one: the larger of 1e-5 and twice
+    the model's own jit's difference from one device after that step, on that leaf (plain `jax.jit` with its
+    8-device mesh in its config, as its own tests run it). Its RMS norm rounds activations, and so their
+    gradients, to bfloat16; adam divides each gradient by its own size (up to ``eps``), so a rounding of a small
+    gradient moves its parameter by up to ``lr / eps`` times as much; and a routing decided by a near tie after
+    a step may pick another expert. Leaf by leaf, the rounding of one leaf does not widen the others'."""
     init, loss = program(config(model_mesh()))
     losses, states = train(jax.jit(make_step(loss)), init(), get_batch(), STEPS)
     ref_losses, ref_states = reference()
-    return [(max(1e-5, 2 * abs(got - want) / abs(want)), max(1e-4, 2 * max_difference(state, ref_state)))
-            for got, want, state, ref_state in zip(losses, ref_losses, states, ref_states)]
+    return [(max(1e-5, 2 * abs(got - want) / abs(want)), [max(1e-5, 2 * d) for d in leaf_differences(state, ref)])
+            for got, want, state, ref in zip(losses, ref_losses, states, ref_states)]
 
 
 def assert_matches_reference(losses: list[float], states: list[Any], first: int = 0) -> None:
@@ -165,22 +172,26 @@ def assert_matches_reference(losses: list[float], states: list[Any], first: int 
     each to its step's tolerance, leaf path by leaf path."""
     ref_losses, ref_states = reference()
     for i, (loss, state) in enumerate(zip(losses, states)):
-        loss_rtol, state_atol = tolerances()[first + i]
+        loss_rtol, leaf_atols = tolerances()[first + i]
         np.testing.assert_allclose(loss, ref_losses[first + i], rtol=loss_rtol)
         got = jax.tree_util.tree_leaves_with_path(jax.device_get(state))
         want = jax.tree.leaves(ref_states[first + i])
-        assert len(got) == len(want)
-        for (path, a), b in zip(got, want):
-            np.testing.assert_allclose(a, b, rtol=0, atol=state_atol, err_msg=jax.tree_util.keystr(path))
+        assert len(got) == len(want) == len(leaf_atols)
+        for (path, a), b, atol in zip(got, want, leaf_atols):
+            np.testing.assert_allclose(a, b, rtol=0, atol=atol, err_msg=f"step {first + i + 1} {keystr(path)}")
 
 
 @pytest.mark.slow
 def test_the_tolerances_are_small():
-    """The model's own jit stays close to one device: the tolerances say float rounding, not a wrong result."""
-    for step, (loss_rtol, state_atol) in enumerate(tolerances()):
-        print(f"tolerances after step {step + 1}: losses rtol {loss_rtol:.2g}, state atol {state_atol:.2g}")
-    first_rtol, first_atol = tolerances()[0]
-    assert first_rtol < 1e-4 and first_atol < 1e-2
+    """The model's own jit stays close to one device: the tolerances say float rounding, not a wrong result.
+    After one step the losses agree to 1e-5 and most leaves to 1e-4; no leaf differs by as much as an adam
+    step moves a parameter (``lr``)."""
+    for step, (loss_rtol, atols) in enumerate(tolerances()):
+        print(f"tolerances after step {step + 1}: losses rtol {loss_rtol:.2g}, state atol median "
+              f"{np.median(atols):.2g}, max {max(atols):.2g}")
+    first_rtol, first_atols = tolerances()[0]
+    assert first_rtol <= 1e-5 and max(first_atols) < LR
+    assert np.mean(np.array(first_atols) <= 1e-4) > 0.5
 
 
 # ----------------------------------------------------------------- the layouts, built once
