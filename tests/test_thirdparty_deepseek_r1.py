@@ -42,10 +42,10 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import keystr
+from vendored import import_or_skip
 
 from multimesh.checkpoint import CheckpointManager
 from multimesh.jax import microbatch, parallelize, register_task
-from vendored import import_or_skip
 
 pytestmark = [pytest.mark.devices(8),   # the model imports Pallas kernels JAX has deprecated
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -251,7 +251,7 @@ def check_stages(state: dict) -> None:
         check_experts(tree, lambda i: on_stage[stage_of[i]])
         for i, layer in enumerate(tree.layers):
             for path, array in jax.tree_util.tree_leaves_with_path(layer):
-                assert array.sharding.device_set == on_stage[stage_of[i]], (i, jax.tree_util.keystr(path))
+                assert array.sharding.device_set == on_stage[stage_of[i]], (i, keystr(path))
         assert tree.embedding.sharding.device_set == on_stage[0]
         assert tree.lm_head.sharding.device_set == on_stage[1]
 

@@ -19,14 +19,18 @@ Two places move it:
   `register_task` matches (a named scope, an NNX path) on a mesh of Auto
   axes, and on the stage's abstract mesh on which a pipeline of Explicit
   axes is traced again (`run.parallelize._retrace_on_stages`), where JAX
-  would refuse a mesh other than the one in context. The function is traced
-  on the stage's submesh, so its shapes are the stage's;
+  would refuse a mesh other than the one in context; and, for stages chosen
+  by ``register_task(params=...)`` on Auto axes, in the trace again on the
+  stages' one shape (`traced_on_stage`) where the first trace gave a
+  `shard_map` axis sizes its stage lacks (`traced_for_other_sizes`). The
+  function is traced on the stage's submesh, so its shapes are the stage's;
 * where a segment's program is compiled (`onto_stage`, a rule of
   `constraints.resolve_deferred`): an equation traced on another mesh (the
   whole mesh, for stages chosen by ``register_task(params=...)``, which are
   known only once the step is traced; or another stage's) is bound on the
   submesh, its body as traced. There the axes its specs name must have the
-  same sizes on both meshes (the body's shapes are per device).
+  same sizes on both meshes (the body's shapes are per device): stages of
+  two shapes cannot be traced again on one.
 """
 
 from __future__ import annotations
