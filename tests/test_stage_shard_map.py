@@ -23,6 +23,7 @@ size on stages of two shapes known only after tracing.
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from collections.abc import Callable
@@ -87,6 +88,15 @@ FORMS["jit in the body"] = lambda f, mesh, spec: jax.shard_map(rms_norm_calling_
                                                                out_specs=spec)
 FORMS["remat around"] = lambda f, mesh, spec: jax.checkpoint(jax.shard_map(f, mesh=mesh, in_specs=spec,
                                                                            out_specs=spec))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _normed_in_a_jit(h: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
+    """`rms_norm`'s shard_map inside a jit defined once (its trace cached by JAX across calls)."""
+    return jax.shard_map(rms_norm, mesh=mesh, in_specs=spec, out_specs=spec)(h)
+
+
+FORMS["module jit around"] = lambda f, mesh, spec: functools.partial(_normed_in_a_jit, mesh=mesh, spec=spec)
 
 
 def forward(params: dict, x: jax.Array, mesh: Mesh, form: str, scopes: bool, spec: P = SPEC) -> jax.Array:
@@ -242,13 +252,15 @@ def test_an_axis_the_stages_split_keeps_its_meaning_by_scope():
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
 
 
-def test_an_axis_the_stages_split_keeps_its_meaning_by_params():
+@pytest.mark.parametrize("form", ["jax.shard_map", "module jit around"])
+def test_an_axis_the_stages_split_keeps_its_meaning_by_params(form):
     """Specs naming ``x``, the axis the stages split, stages by ``params=`` on Auto axes (known only after the
     first trace, which traced the body for ``x`` of size 2): the step is traced again on the stages' shape,
-    the body for ``x`` of size 1, and the result is one device's."""
+    the body for ``x`` of size 1 (inside a jit defined once too, whose first trace JAX has cached), and the
+    result is one device's."""
     spec = P("x", "z")
-    want_losses, want = reference(AxisType.Auto, "jax.shard_map", spec)
-    losses, state, devices = pipelined(AxisType.Auto, "jax.shard_map", "params", spec)
+    want_losses, want = reference(AxisType.Auto, form, spec)
+    losses, state, devices = pipelined(AxisType.Auto, form, "params", spec)
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)

@@ -206,6 +206,10 @@ def _check_sizes(what: str, call: ShardMapCall, named: set[str], stage: Placemen
 #: The stage whose shape a pipeline of Auto axes is traced again on (`traced_on_stage`), else None.
 _RETRACED_ON: contextvars.ContextVar[Placement | None] = contextvars.ContextVar("multimesh_retraced_on",
                                                                                 default=None)
+#: Part of `jax.jit`'s cache key while traced again on a stage: the model's own jits (a shard_map inside one
+#: defined once) are traced again there, not taken from the first trace, and what they trace there is not
+#: given to the model's later calls of them elsewhere.
+_STAGE_TRACE_KEY = jax.make_user_context(None)
 
 
 @contextlib.contextmanager
@@ -215,7 +219,8 @@ def traced_on_stage(stage: Placement) -> Iterator[None]:
     stage's shapes (where its segment is compiled it moves onto its own stage's devices, of that shape)."""
     token = _RETRACED_ON.set(stage)
     try:
-        yield
+        with _STAGE_TRACE_KEY(stage.mesh.abstract_mesh):
+            yield
     finally:
         _RETRACED_ON.reset(token)
 
