@@ -140,7 +140,7 @@ def parallelize_on_mesh(
             fun, placement, *_typed(placement, abstract_params, abstract_batch, path_rules, batch_spec))
         closed, out_shape = traced if traced is not None else (None, None)
         plan = make_plan(closed, placement, pipelines) if closed is not None else None
-        if plan is not None and plan.placements != [placement] and _retraced_on_stages(closed, plan, the_mesh):
+        if plan is not None and plan.placements != [placement] and _needs_retrace_on_stages(closed, plan, the_mesh):
             closed, out_shape, plan = _retrace_on_stages(fun, plan, placement, abstract_params, abstract_batch,
                                                          path_rules, batch_spec)
     if plan is not None and plan.placements == [placement] and registered_tasks():
@@ -186,7 +186,7 @@ def _typed_by(layouts: tuple[Layout, Layout], abstract_params: Any, abstract_bat
     return params, batch
 
 
-def _retraced_on_stages(closed: Any, plan: Plan, mesh: Any) -> bool:
+def _needs_retrace_on_stages(closed: Any, plan: Plan, mesh: Any) -> bool:
     """Whether a pipeline is traced again on its stages' mesh: always on Explicit axes; on Auto axes where its
     stages have one shape and a `shard_map` the model called with its mesh was traced for axis sizes its stage
     lacks (its body's shapes are per device: stages by ``params=`` are known only after the first trace)."""
@@ -198,7 +198,7 @@ def _retraced_on_stages(closed: Any, plan: Plan, mesh: Any) -> bool:
 
 def _retrace_on_stages(fun: Callable, plan: Plan, placement: Placement, abstract_params: Any, abstract_batch: Any,
                        path_rules: PathRules, batch_spec: tuple) -> tuple[Any, Any, Plan]:
-    """A pipeline traced again on its stages' mesh (`_retraced_on_stages`).
+    """A pipeline traced again on its stages' mesh (`_needs_retrace_on_stages`).
 
     Each stage runs its part of the step as a program on its own submesh, whose
     values are typed on that submesh; traced on the whole mesh, the step's
