@@ -1,4 +1,4 @@
-"""jax-llm-examples' DeepSeek-R1/V3 (plain JAX, explicit sharding, MLA attention, shared and routed experts in a
+"""jax-llm-examples' DeepSeek-R1/V3 (plain JAX on a mesh of Auto axes, MLA attention, shared and routed experts in a
 `shard_map`), unmodified, through multimesh's public API.
 
 ``tests/thirdparty/deepseek_r1_jax/`` holds the model as its repository has it. It differs from Qwen3-MoE
@@ -8,13 +8,15 @@ rest MoE layers (a layer list of two pytree types); group-limited sigmoid routin
 that constrains the tokens to ``P(('y', 'z'), None)`` of the model's mesh by name; a shared expert beside the
 routed ones; and its experts split over the mesh axis ``y`` (tensor ``z``, batch ``x``) inside a
 ``jax.shard_map`` over the model's own mesh (``cfg.mesh``) with ``axis_index`` of both axes and a ``psum``
-over both. Trained as a user would, with the model's mesh and its rule for the batch, adam:
+over both, its tokens split over the batch axis ``x`` by its specs. Its own tests make that mesh of Auto axes.
+Trained as a user would, with the model's mesh and its rule for the batch, adam:
 
 a. SPMD on the model's mesh;
 b. a 2-stage 1F1B pipeline by ``register_task(params=...)`` (the model opens no scope per layer): the
    embedding, the dense layer 0 and the MoE layer 1 on devices 0-3, the MoE layer 2, the final norm and the
    logits on devices 4-7, each stage a ``{'x': 1, 'y': 2, 'z': 2}`` submesh, the experts split over the
-   stage's ``y``: the model's `shard_map` and its routing's constraint run on each stage's submesh;
+   stage's ``y``: the model's `shard_map` and its routing's constraint run on each stage's submesh (the
+   `shard_map`, traced first for ``x`` of size 2, is traced again on the stages' shape, ``x`` of size 1);
 c. an SPMD checkpoint restored onto that pipeline, trained on.
 
 Each is compared with the same step on one device (plain `jax.jit`, the model's mesh a 1-device one): losses, parameters
@@ -55,6 +57,8 @@ BATCH, LENGTH, VOCAB, LAYERS, DENSE, EXPERTS = 16, 8, 32, 3, 1, 8
 MICROBATCHES = 4
 SAVE_AT, STEPS = 2, 4
 LR = 1e-2
+#: eps above the gradients' bfloat16 rounding (the model's RMS norm): adam divides a gradient by its own size, so
+#: a gradient of rounding noise would otherwise move its parameter by a whole step, either way
 TX = optax.adam(LR, eps=1e-3)
 AUTO = (AxisType.Auto,) * 3
 #: by the parameters' paths (the model opens no scope per layer)
