@@ -15,13 +15,15 @@ context mesh, ``jax.set_mesh`` on one device); stages chosen by named scope or b
 ``register_task(params=...)``; a jit inside the body, a ``jax.checkpoint``
 around it; a Flax NNX model by attribute path. Each is a 1F1B pipeline compared
 with the same step on one device (a 1x1x1 mesh): losses, parameters and
-optimizer state after three steps. Then the bad inputs: a stage lacking an
-axis the specs name; an axis of another size on a stage known only after
-tracing.
+optimizer state after three steps; an axis the stages split named by the
+specs, by scope and by ``params=`` (traced again on the stages' shape). Then
+the bad inputs: a stage lacking an axis the specs name; an axis of another
+size on stages of two shapes known only after tracing.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from collections.abc import Callable
@@ -86,6 +88,15 @@ FORMS["jit in the body"] = lambda f, mesh, spec: jax.shard_map(rms_norm_calling_
                                                                out_specs=spec)
 FORMS["remat around"] = lambda f, mesh, spec: jax.checkpoint(jax.shard_map(f, mesh=mesh, in_specs=spec,
                                                                            out_specs=spec))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _normed_in_a_jit(h: jax.Array, mesh: Mesh, spec: P) -> jax.Array:
+    """`rms_norm`'s shard_map inside a jit defined once (its trace cached by JAX across calls)."""
+    return jax.shard_map(rms_norm, mesh=mesh, in_specs=spec, out_specs=spec)(h)
+
+
+FORMS["module jit around"] = lambda f, mesh, spec: functools.partial(_normed_in_a_jit, mesh=mesh, spec=spec)
 
 
 def forward(params: dict, x: jax.Array, mesh: Mesh, form: str, scopes: bool, spec: P = SPEC) -> jax.Array:
@@ -241,11 +252,30 @@ def test_an_axis_the_stages_split_keeps_its_meaning_by_scope():
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
 
 
-def test_an_axis_of_another_size_on_a_stage_chosen_by_params_is_refused():
-    """Stages by ``params=`` are known after the trace: the body, traced for ``x`` of size 2, cannot run on a
-    stage where it has size 1; the error says so and names the ways that work."""
-    with pytest.raises(ValueError, match=r"shard_map of 'rms_norm'.*'x': 2 -> 1.*Choose the stages by scope"):
-        pipelined(AxisType.Auto, "jax.shard_map", "params", P("x", "z"))
+@pytest.mark.parametrize("form", ["jax.shard_map", "module jit around"])
+def test_an_axis_the_stages_split_keeps_its_meaning_by_params(form):
+    """Specs naming ``x``, the axis the stages split, stages by ``params=`` on Auto axes (known only after the
+    first trace, which traced the body for ``x`` of size 2): the step is traced again on the stages' shape,
+    the body for ``x`` of size 1 (inside a jit defined once too, whose first trace JAX has cached), and the
+    result is one device's."""
+    spec = P("x", "z")
+    want_losses, want = reference(AxisType.Auto, form, spec)
+    losses, state, devices = pipelined(AxisType.Auto, form, "params", spec)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    for i, layer in enumerate(state["params"]["layers"]):
+        assert layer["w"].sharding.device_set == devices[i]
+
+
+def test_an_axis_of_another_size_on_stages_of_different_shapes_is_refused():
+    """Stages by ``params=`` of two shapes (``{x: 1, y: 2, z: 2}`` and ``{x: 1, y: 4, z: 1}``): the step cannot
+    be traced again on one shape, and the body, traced for ``x`` of size 2, cannot run where it has size 1;
+    the error says so and names the ways that work."""
+    mesh = model_mesh(AxisType.Auto)
+    stages = [Mesh(mesh.devices[0:1], mesh.axis_names), Mesh(mesh.devices[1].reshape(1, 4, 1), mesh.axis_names)]
+    with pytest.raises(ValueError, match=r"shard_map of 'rms_norm'.*'x': 2 -> 1.*one submesh shape"):
+        pipelined(AxisType.Auto, "jax.shard_map", "params", P("x", "z"), stages)
 
 
 # ----------------------------------------------------------------- Flax NNX: stages by attribute path

@@ -30,6 +30,7 @@ from ..trace.linen_constraints import flax_context_rules
 from ..trace.microbatch import collect_pipelines
 from ..trace.nnx_scopes import StepScopes
 from ..trace.pattern_alternatives import unmatched_alternatives
+from ..trace.stage_shard_map import traced_for_other_sizes, traced_on_stage
 from ..trace.step_context import traced_in_context
 from ..trace.taskspec import current_global_mesh, use_global_mesh
 from .advice import mesh_axes_of, warn_everything_replicated, warn_replicated_batch
@@ -139,7 +140,7 @@ def parallelize_on_mesh(
             fun, placement, *_typed(placement, abstract_params, abstract_batch, path_rules, batch_spec))
         closed, out_shape = traced if traced is not None else (None, None)
         plan = make_plan(closed, placement, pipelines) if closed is not None else None
-        if plan is not None and plan.placements != [placement] and explicit_axes(the_mesh):
+        if plan is not None and plan.placements != [placement] and _needs_retrace_on_stages(closed, plan, the_mesh):
             closed, out_shape, plan = _retrace_on_stages(fun, plan, placement, abstract_params, abstract_batch,
                                                          path_rules, batch_spec)
     if plan is not None and plan.placements == [placement] and registered_tasks():
@@ -185,17 +186,30 @@ def _typed_by(layouts: tuple[Layout, Layout], abstract_params: Any, abstract_bat
     return params, batch
 
 
+def _needs_retrace_on_stages(closed: Any, plan: Plan, mesh: Any) -> bool:
+    """Whether a pipeline is traced again on its stages' mesh: always on Explicit axes; on Auto axes where its
+    stages have one shape and a `shard_map` the model called with its mesh was traced for axis sizes its stage
+    lacks (its body's shapes are per device: stages by ``params=`` are known only after the first trace)."""
+    if explicit_axes(mesh):
+        return True
+    shapes = {p.mesh.abstract_mesh for p in plan.placements}
+    return len(shapes) == 1 and traced_for_other_sizes(closed.jaxpr, plan.placements[0].mesh)
+
+
 def _retrace_on_stages(fun: Callable, plan: Plan, placement: Placement, abstract_params: Any, abstract_batch: Any,
                        path_rules: PathRules, batch_spec: tuple) -> tuple[Any, Any, Plan]:
-    """A pipeline on a mesh with Explicit axes, traced again on its stages' mesh.
+    """A pipeline traced again on its stages' mesh (`_needs_retrace_on_stages`).
 
     Each stage runs its part of the step as a program on its own submesh, whose
     values are typed on that submesh; traced on the whole mesh, the step's
     values are typed there, and JAX refuses to mix meshes in one program. When
     every stage has one shape, axis names and types (its abstract mesh), the
     step is traced again with its inputs typed on that mesh, so that each
-    stage's equations already carry the types its program gives them.
+    stage's equations already carry the types its program gives them. On Auto
+    axes the inputs carry no mesh: the model's `shard_map`s are traced on the
+    stage's submesh (`traced_on_stage`), their bodies with its shapes.
     """
+    explicit = explicit_axes(placement.mesh)
     shapes = {p.mesh.abstract_mesh for p in plan.placements}
     if len(shapes) != 1:
         shown = "; ".join(f"{p.name}: {dict(p.mesh.shape)} {p.mesh.axis_types}" for p in plan.placements)
@@ -207,11 +221,16 @@ def _retrace_on_stages(fun: Callable, plan: Plan, placement: Placement, abstract
             f"stage the same submesh shape (e.g. slices of the mesh along a 'stage' axis), or use a mesh of Auto "
             f"axes")
     stage = plan.placements[0]
-    layouts = _input_layouts(plan, placement, abstract_params, abstract_batch, path_rules, batch_spec, advise=False)
+    inputs = (abstract_params, abstract_batch)
+    if explicit:
+        layouts = _input_layouts(plan, placement, abstract_params, abstract_batch, path_rules, batch_spec,
+                                 advise=False)
+        inputs = _typed_by(layouts, abstract_params, abstract_batch)
     with use_placement(placement):
         whole = current_global_mesh()  # what tasks' mesh slices sliced in the first trace
-    with use_global_mesh(whole), use_placement(stage.deferring()), collect_pipelines() as pipelines:
-        closed, out_shape = _trace(fun, *_typed_by(layouts, abstract_params, abstract_batch))
+    with use_global_mesh(whole), use_placement(stage.deferring()), traced_on_stage(stage), \
+            collect_pipelines() as pipelines:
+        closed, out_shape = _trace(fun, *inputs)
     return closed, out_shape, make_plan(closed, placement, pipelines)
 
 

@@ -19,19 +19,25 @@ Two places move it:
   `register_task` matches (a named scope, an NNX path) on a mesh of Auto
   axes, and on the stage's abstract mesh on which a pipeline of Explicit
   axes is traced again (`run.parallelize._retrace_on_stages`), where JAX
-  would refuse a mesh other than the one in context. The function is traced
-  on the stage's submesh, so its shapes are the stage's;
+  would refuse a mesh other than the one in context; and, for stages chosen
+  by ``register_task(params=...)`` on Auto axes, in the trace again on the
+  stages' one shape (`traced_on_stage`) where the first trace gave a
+  `shard_map` axis sizes its stage lacks (`traced_for_other_sizes`). The
+  function is traced on the stage's submesh, so its shapes are the stage's;
 * where a segment's program is compiled (`onto_stage`, a rule of
   `constraints.resolve_deferred`): an equation traced on another mesh (the
   whole mesh, for stages chosen by ``register_task(params=...)``, which are
   known only once the step is traced; or another stage's) is bound on the
   submesh, its body as traced. There the axes its specs name must have the
-  same sizes on both meshes (the body's shapes are per device).
+  same sizes on both meshes (the body's shapes are per device): stages of
+  two shapes cannot be traced again on one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -45,6 +51,7 @@ from .._compat.shard_map import (
     shard_map_moved,
     shard_map_rebound,
 )
+from ..core.jaxprs import subjaxprs
 from ..core.meshes import abstract_mesh_context
 from ..core.placement import Placement, current_placement, while_placed
 from .implicit import placement_in_scope
@@ -52,7 +59,8 @@ from .interpret import bind_equation, interpret
 from .scopes import scope_stack
 from .shared_hook import SharedHook
 
-__all__ = ["StageAxisError", "on_another_mesh", "onto_stage", "routing_stage_shard_maps"]
+__all__ = ["StageAxisError", "on_another_mesh", "onto_stage", "routing_stage_shard_maps", "traced_for_other_sizes",
+           "traced_on_stage"]
 
 
 class StageAxisError(ValueError):
@@ -103,6 +111,8 @@ def _target(given: Any) -> Placement | None:
     in_scope = placement_in_scope() if placement is None or placement.defer else placement
     if context.empty:   # no mesh given either: the placement's, as JAX's context would have given it
         where = in_scope if given is not None or in_scope is not None else placement
+        if where is None and given is not None:   # a pipeline of Auto axes traced again on its stages' shape
+            where = _RETRACED_ON.get()
         return None if where is None or given == where.mesh else where
     if given is None or given.abstract_mesh == context:
         return None
@@ -187,10 +197,49 @@ def _check_sizes(what: str, call: ShardMapCall, named: set[str], stage: Placemen
         raise StageAxisError(
             f"{what}, traced on the mesh {sizes}, runs on the stage {stage.describe()}, whose axes its specs name "
             f"have other sizes ({shown}): its body was traced for each device's part on the first, and stages "
-            f"chosen by register_task(params=...) are known only after tracing. Choose the stages by scope "
-            f"(register_task of a named scope or module around the shard_map), which traces it on the stage, use "
-            f"a mesh of Explicit axes (the pipeline is traced again on its stages' mesh), or keep these axes' "
-            f"sizes on every stage")
+            f"chosen by register_task(params=...) are known only after tracing; the step is traced again on the "
+            f"stages' mesh only where they have one submesh shape. Give every stage the same submesh shape, "
+            f"choose the stages by scope (register_task of a named scope or module around the shard_map), which "
+            f"traces it on the stage, or keep these axes' sizes on every stage")
+
+
+#: The stage whose shape a pipeline of Auto axes is traced again on (`traced_on_stage`), else None.
+_RETRACED_ON: contextvars.ContextVar[Placement | None] = contextvars.ContextVar("multimesh_retraced_on",
+                                                                                default=None)
+#: Part of `jax.jit`'s cache key while traced again on a stage: the model's own jits (a shard_map inside one
+#: defined once) are traced again there, not taken from the first trace, and what they trace there is not
+#: given to the model's later calls of them elsewhere.
+_STAGE_TRACE_KEY = jax.make_user_context(None)
+
+
+@contextlib.contextmanager
+def traced_on_stage(stage: Placement) -> Iterator[None]:
+    """While a pipeline of Auto axes is traced again with its stages known (`run.parallelize`): a `shard_map`
+    given a mesh, in no scope `register_task` matched, runs on ``stage``'s submesh, its body traced with the
+    stage's shapes (where its segment is compiled it moves onto its own stage's devices, of that shape)."""
+    token = _RETRACED_ON.set(stage)
+    try:
+        with _STAGE_TRACE_KEY(stage.mesh.abstract_mesh):
+            yield
+    finally:
+        _RETRACED_ON.reset(token)
+
+
+def traced_for_other_sizes(jaxpr: Any, stage_mesh: Any) -> bool:
+    """Whether ``jaxpr`` (or a jaxpr it nests) holds a `shard_map` whose specs name an axis that has another
+    size on ``stage_mesh`` than on the mesh it was traced on: its body, traced for each device's part there,
+    cannot run on such a stage as it is (`onto_stage`)."""
+    here = dict(stage_mesh.shape)
+    for eqn in jaxpr.eqns:
+        call = shard_map_call(eqn)
+        if call is None:
+            if any(traced_for_other_sizes(inner, stage_mesh) for inner in subjaxprs(eqn)):
+                return True
+            continue
+        sizes = dict(call.mesh.shape)   # (a shard_map inside its body is on its manual mesh: moved with it)
+        if any(sizes.get(a) != here.get(a) for a in _spec_axes((call.in_specs, call.out_specs))):
+            return True
+    return False
 
 
 _ROUTING = SharedHook(lambda: set_shard_map_router(_route), lambda: set_shard_map_router(None))
