@@ -23,8 +23,9 @@ T, G = 1e12, 1e9
 GPU_SOURCES = {
     # A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf), A100 40GB SXM column; DGX A100: eight
     # single-port ConnectX-6 200 Gb/s HDR; MAMF row "NVIDIA A100 SXM | 271.2 | 312"
-    "a100-40gb": dict(sparse={"bfloat16": 624, "float16": 624, "tfloat32": 312}, plain={"float32": 19.5, "float64": 19.5},
-                      memory_gbps=1555, memory_gb=40, nvlink=600, nics=8, nic_gbit=200, mamf=(271.2, 312)),
+    "a100-40gb": dict(sparse={"bfloat16": 624, "float16": 624, "tfloat32": 312},
+                      plain={"float32": 19.5, "float64": 19.5}, memory_gbps=1555, memory_gb=40, nvlink=600, nics=8,
+                      nic_gbit=200, mamf=(271.2, 312)),
     # HGX page, HGX B200 column: FP16/BF16 4.5 PFLOPS, FP8 9, TF32 2.2 (with sparsity), FP32 75 TFLOPS, FP64 37,
     # 180GB HBM3E at 7.7TB/s; DGX B200 User Guide: 1,440 GB over 8 GPUs, NVSwitches of 14.4 TB/s aggregate over 8
     # GPUs, 8 ConnectX-7 up to 400 Gb/s; MAMF row "NVIDIA B200 SXM | 1745.0 | 2250"
@@ -85,7 +86,8 @@ def test_a_tpu_profile_holds_its_pages_figures_and_its_node_is_a_slice(name):
     assert p.memory_bandwidth == pytest.approx(cited["memory_gbps"] * G) and p.memory_bytes == cited["memory_bytes"]
     assert p.intra_node_bandwidth == pytest.approx(cited["ici_per_direction"])
     # the node is the slice: every chip of it on the ICI, the network between slices shared by a host's chips
-    assert p.devices_per_node == cited["slice"] and p.node_of(cited["slice"] - 1) == 0 and p.node_of(cited["slice"]) == 1
+    assert p.devices_per_node == cited["slice"]
+    assert (p.node_of(cited["slice"] - 1), p.node_of(cited["slice"])) == (0, 1)
     assert p.network_share == pytest.approx(cited["dcn_per_host"] / cited["chips_per_host"])
     assert p.achievable_matmul_fraction == 1.0 and any("no row for this chip" in n for n in p.notes)
     assert p.platform == "tpu" and p.source.startswith(f"https://cloud.google.com/tpu/docs/{name[4:]} ")
