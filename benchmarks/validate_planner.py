@@ -268,9 +268,13 @@ def _check_run(raw: Any, index: int, seen: set[str], file_name: str = RUNS_FILE.
     if "experts" in m and raw["flop_count"] not in MOE_FLOP_COUNTS:
         raise RunsFileError(f"{where}: flop_count={raw['flop_count']} counts a dense model's parameters; a model "
                             f"with experts needs one of {list(MOE_FLOP_COUNTS)}")
-    from multimesh.estimate import get_profile
+    from multimesh.estimate import PROFILES
 
-    get_profile(raw["devices"]["kind"])  # UnknownProfileError names the profiles there are
+    kind = raw["devices"]["kind"]
+    if not isinstance(kind, str) or kind.lower() not in PROFILES:
+        raise RunsFileError(f"{where}: devices.kind={kind!r} is no hardware profile; known: "
+                            f"{', '.join(sorted(PROFILES))} (multimesh.estimate.PROFILES: add a HardwareProfile "
+                            f"there for another device)")
     micro = raw.get("micro_batch")
     if micro is not None:
         if not (isinstance(micro, int) and not isinstance(micro, bool) and micro > 0) \

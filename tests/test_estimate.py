@@ -207,7 +207,7 @@ def test_profiles_and_step_times_have_short_reprs(fsdp, pipeline):
 
 def test_an_unknown_profile_is_a_clear_error(fsdp):
     fn, _, _ = fsdp
-    with pytest.raises(UnknownProfileError, match=r"'h100-pcie'.*a100-80gb, h100-sxm, h200"):
+    with pytest.raises(UnknownProfileError, match=r"'h100-pcie'.*a100-40gb, a100-80gb, b200, h100-sxm, h200"):
         fn.estimate("h100-pcie")
     assert get_profile("H200") is PROFILES["h200"]
     with pytest.raises(TypeError, match="profile must be a name or a HardwareProfile"):

@@ -49,8 +49,8 @@ def test_tpu_profiles_hold_the_pages_numbers():
     for p in (v5e, v5p):
         assert p.source.startswith("https://cloud.google.com/tpu/docs/v5")
         assert any("assum" in n for n in p.notes)  # link figures and latencies are said to be assumptions
-    with pytest.raises(UnknownProfileError, match=r"'tpu-v4'.*tpu-v5e, tpu-v5p"):
-        get_profile("tpu-v4")
+    with pytest.raises(UnknownProfileError, match=r"'tpu-v3'.*tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e"):
+        get_profile("tpu-v3")
 
 
 def test_a_collective_inside_a_tpu_slice_runs_over_ici():

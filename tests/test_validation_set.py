@@ -64,7 +64,9 @@ def test_the_sizes_agree_with_the_names_the_sources_give():
     (lambda t: re.sub(r"    source: &megatron >-\n(      .*\n)+", "", t), r"missing field\(s\) \['source'\]"),
     (lambda t: t.replace("data: 32, fsdp: 1", "data: 16, fsdp: 1"), r"covers 16 devices, not devices.count=32"),
     (lambda t: t.replace("heads: 24, kv_heads: 24", "heads: 24, kv_heads: 0"), r"positive integers.*model.kv_heads"),
-    (lambda t: t.replace("kind: a100-80gb", "kind: a100-40gb"), r"a100-40gb"),
+    (lambda t: t.replace("kind: a100-80gb", "kind: v100-32gb"),
+     r"row 0 \(megatron-1\.7b\): devices.kind='v100-32gb' is no hardware profile; known: a100-40gb, a100-80gb, b200, "
+     r"h100-sxm, h200, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e"),
 ])
 def test_a_malformed_row_is_named_with_its_field(tmp_path, edit, message):
     good = (REPO / "benchmarks" / "published_runs.yaml").read_text().split("\n  - name:")[1]
@@ -74,6 +76,22 @@ def test_a_malformed_row_is_named_with_its_field(tmp_path, edit, message):
     path.write_text("runs:\n  - name:" + edit(good))
     with pytest.raises(Exception, match=message):
         vp.load_runs(path)
+
+
+@pytest.mark.parametrize("kind", ["a100-40gb", "b200", "tpu-v4", "tpu-v6e"])
+def test_a_row_on_each_profiles_devices_loads_and_is_read_against_its_peak(tmp_path, kind):
+    """A runs file may name any profile's devices: the row loads, its published MFU is over that profile's
+    bfloat16 peak, and its table row names the kind."""
+    from multimesh.estimate import PROFILES
+
+    good = (REPO / "benchmarks" / "published_runs.yaml").read_text().split("\n  - name:")[1]
+    path = tmp_path / "runs.yaml"
+    path.write_text("runs:\n  - name:" + good.replace("kind: a100-80gb", f"kind: {kind}"))
+    (r,) = vp.load_runs(path)
+    assert r.devices["kind"] == kind and vp.as_fleet_run(r).profile == kind
+    assert vp.published_mfu(r) == pytest.approx(r.published["tflops_per_device"] * 1e12
+                                                / PROFILES[kind].peak_flops["bfloat16"])
+    assert vp.format_row(r, None, "not built here").startswith(f"| megatron-1.7b | 32 {kind} |")
 
 
 def test_the_script_prices_a_file_of_rows_and_says_why_it_skips_one(tmp_path):

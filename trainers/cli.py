@@ -75,8 +75,8 @@ def _train_parser() -> argparse.ArgumentParser:
                    help="with --plan: also estimate the layout's train step on N devices (simulated CPU devices, "
                         "in a fresh process, when this machine has another number): memory per device")
     p.add_argument("--profile", default=None, metavar="NAME",
-                   help="with --plan: price that estimate on a hardware profile (h100-sxm, h200, a100-80gb, "
-                        "tpu-v5e, tpu-v5p): predicted step time and MFU")
+                   help="with --plan: price that estimate on a hardware profile (h100-sxm, h200, b200, "
+                        "a100-80gb, a100-40gb, tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e): predicted step time and MFU")
     p.add_argument("--report", action="store_true",
                    help="print where every parameter and batch array lives (sharding.txt; a pipeline: on which "
                         "stage) before training starts")

@@ -4,21 +4,23 @@ Compute and memory figures are NVIDIA's published datasheet numbers, dense
 (NVIDIA's tables show Tensor Core rates *with* 2:4 sparsity; dense is half).
 Link figures are per direction (NVLink's "900 GB/s" is both directions
 together). A GPU profile's node is the vendor's reference 8-GPU system, wired
-as its documentation says (each profile's ``notes`` cite it): a DGX H100's
-eight 400 Gb/s ConnectX-7 compute NICs, a DGX A100's eight 200 Gb/s HDR
-ConnectX-6; ``nics_per_node`` NICs of ``inter_node_bandwidth`` each, shared
-by the node's devices (`network`). Every latency is an *assumption*, not a
-documented value: measure your own and pass a profile.
+as its documentation says (each profile's ``notes`` cite it): a DGX H100's and
+a DGX B200's eight 400 Gb/s ConnectX-7 compute NICs, a DGX A100's eight
+200 Gb/s HDR ConnectX-6; ``nics_per_node`` NICs of ``inter_node_bandwidth``
+each, shared by the node's devices (`network`). Every latency is an
+*assumption*, not a documented value: measure your own and pass a profile.
 
 TPU figures are Google Cloud's TPU documentation pages (one per generation).
 There the "node" is the ICI domain: every chip of a slice is linked by the
-inter-chip interconnect (a 2-D torus on v5e, 3-D on v5p), so
+inter-chip interconnect (a 2-D torus on v5e and v6e, 3-D on v4 and v5p), so
 ``devices_per_node`` is the largest single slice and the inter-node figures
 are the data-center network between slices (Multislice). A collective over
 one mesh axis is taken to run as a bidirectional ring over one torus
 dimension, i.e. over two of the chip's ICI ports: that per-direction bandwidth
-is derived from the page's per-chip total and port count, an *assumption* of
-the model (XLA may route over more links), as are every TPU latency.
+is derived from the page's per-chip total and port count (v4's page gives
+none: a per-link figure Google publishes elsewhere, cited in its ``notes``),
+an *assumption* of the model (XLA may route over more links), as are every
+TPU latency.
 """
 
 from __future__ import annotations
@@ -182,12 +184,39 @@ _DGX_A100_NET = (
     "direction each, one per GPU",
     "NVLink 3: 600 GB/s per GPU, both directions together (A100 datasheet, SXM column): 300 GB/s per direction "
     "through the node's NVSwitches")
+_DGX_B200_NET = (
+    "node: a DGX B200, 'Network (Cluster) card: 4 x OSFP ports for 8 x NVIDIA ConnectX-7 Single Port Cards ... "
+    "InfiniBand (default): Up to 400Gbps' (DGX B200 User Guide, Introduction to NVIDIA DGX B200 Systems, Hardware "
+    "Overview: https://docs.nvidia.com/dgx/dgxb200-user-guide/introduction-to-dgxb200.html): 8 NICs x 400 Gb/s = 50 "
+    "GB/s per direction each, one per GPU",
+    "NVLink 5: '2 x 5th generation NVLink switches that provide 14.4 TB/s aggregate bandwidth' for 8 GPUs (the same "
+    "table), 1.8 TB/s per GPU both directions together as the HGX page's 'Interconnect: 5th Generation NVLink: "
+    "1.8TB/s': 900 GB/s per direction through the node's NVSwitches",
+    "memory: '8 x NVIDIA B200 GPUs that provide 1,440 GB total GPU memory' (the same table), 180 GB each as the "
+    "HGX page's HGX B200 column ('180GB HBM3E | 7.7TB/s')")
+#: TPU v4's page gives no ICI or data-center network figure; these two are from Google's 'How to Scale Your Model'
+#: (https://github.com/jax-ml/scaling-book, tpus.md, commit 0819a7d8c55d).
+_TPU_V4_LINKS = (
+    "ICI: 4.5e10 bytes/s per link one way ('ICI BW/link (one-way, bytes/s)' row 'TPU v4p', Google's 'How to Scale "
+    "Your Model', tpus.md, https://jax-ml.github.io/scaling-book/tpus/; the Cloud TPU v4 page gives no ICI "
+    "bandwidth); a collective is taken to run as a bidirectional ring over one torus dimension's 2 links (an "
+    "assumption, as are the latencies): 2 x 45 GB/s = 90 GB/s per direction",
+    "data-center network: 'DCN bandwidth is typically around 2.5e10 bytes / second per host' (the same page; the "
+    "Cloud TPU v4 page gives no DCN figure), shared by a host's 4 chips (2x2x1, the same page's table): 6.25 GB/s "
+    "per chip, an assumption of a typical host",
+    "node: the page's 'TPU Pod size 4096 chips', taken as the largest single slice (a 3-D torus where each "
+    "dimension is a multiple of 4)",
+)
+_NO_MAMF = ("achievable_matmul_fraction: 1, the peak: ml-engineering's MAMF table has no row for this chip and no "
+            "other independent measurement is cited")
+_TPU_FLOAT32 = ("float32 is listed at the bfloat16 rate: XLA's DEFAULT matmul precision on TPU multiplies float32 "
+                "in one bfloat16 pass (precision=HIGHEST takes several passes: give a profile with a lower float32 "
+                "peak for that)")
 _TPU_ASSUMPTIONS = (
     "intra-node (ICI) bandwidth per direction assumes a collective runs as a bidirectional ring over one torus "
     "dimension: 2 of the chip's ICI ports (the page's per-chip bidirectional total / ports x 2 ports / 2 "
     "directions); latencies are assumptions, not documented values",
-    "float32 is listed at the bfloat16 rate: XLA's DEFAULT matmul precision on TPU multiplies float32 in one "
-    "bfloat16 pass (precision=HIGHEST takes several passes: give a profile with a lower float32 peak for that)",
+    _TPU_FLOAT32,
 )
 
 PROFILES: dict[str, HardwareProfile] = {
@@ -217,6 +246,22 @@ PROFILES: dict[str, HardwareProfile] = {
         notes=(*_DGX_H100_NET, _LATENCY_ASSUMPTION, _XLA_RATE.format(_HOPPER_XLA_MATMUL, _HOPPER_XLA_MATMUL / 989.5)),
         achievable_matmul_fraction=_HOPPER_XLA_MATMUL / 989.5,
     ),
+    "b200": HardwareProfile(
+        name="b200",
+        platform="gpu",
+        # HGX page, HGX B200 column, Tensor Core rates with sparsity: FP16/BF16 4.5 PFLOPS, FP8 9, TF32 2.2 (dense:
+        # half); FP32 75 TFLOPS, FP64/FP64 Tensor Core 37
+        peak_flops={"bfloat16": 2250 * _T, "float16": 2250 * _T, "float8": 4500 * _T, "tfloat32": 1100 * _T,
+                    "float32": 75 * _T, "float64": 37 * _T},
+        memory_bandwidth=7700 * _G, memory_bytes=180 * 10**9,
+        intra_node_bandwidth=900 * _G, intra_node_latency=5e-6,  # NVLink 5: 1.8 TB/s both directions
+        inter_node_bandwidth=50 * _G, inter_node_latency=10e-6, nics_per_node=8,  # 8 x ConnectX-7 400 Gb/s
+        source="https://www.nvidia.com/en-us/data-center/hgx/ (HGX B200 column: Individual Blackwell GPU "
+               "Specifications) and https://docs.nvidia.com/dgx/dgxb200-user-guide/introduction-to-dgxb200.html "
+               "(DGX B200 Hardware Overview)",
+        notes=(*_DGX_B200_NET, _LATENCY_ASSUMPTION, _MAMF.format("1745.0", "2250", "77.6%, torch 2.7.1+cu128")),
+        achievable_matmul_fraction=1745.0 / 2250,
+    ),
     "a100-80gb": HardwareProfile(
         name="a100-80gb",
         platform="gpu",
@@ -230,6 +275,37 @@ PROFILES: dict[str, HardwareProfile] = {
                "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf (A100 80GB SXM column)",
         notes=(*_DGX_A100_NET, _LATENCY_ASSUMPTION, _MAMF.format("271.2", "312", "86.9%, torch 2.6.0+cu126")),
         achievable_matmul_fraction=271.2 / 312,
+    ),
+    "a100-40gb": HardwareProfile(
+        name="a100-40gb",
+        platform="gpu",
+        # datasheet: the A100 80GB's compute (BF16/FP16 312 TFLOPS dense, 624 sparse; TF32 156; FP32 19.5); 40GB HBM2
+        # at 1,555 GB/s (SXM)
+        peak_flops={"bfloat16": 312 * _T, "float16": 312 * _T, "tfloat32": 156 * _T, "float32": 19.5 * _T,
+                    "float64": 19.5 * _T},
+        memory_bandwidth=1555 * _G, memory_bytes=40 * 10**9,
+        intra_node_bandwidth=300 * _G, intra_node_latency=5e-6,  # NVLink 3: 600 GB/s both directions
+        inter_node_bandwidth=25 * _G, inter_node_latency=10e-6, nics_per_node=8,  # 8 x ConnectX-6 200 Gb/s
+        source="https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/"
+               "nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf (A100 40GB SXM column)",
+        notes=(*_DGX_A100_NET, _LATENCY_ASSUMPTION,
+               _MAMF.format("271.2", "312", "86.9%, torch 2.6.0+cu126") + "; the row, 'NVIDIA A100 SXM', names no "
+               "memory size: the 40GB and 80GB share the GA100's SMs and clocks"),
+        achievable_matmul_fraction=271.2 / 312,
+    ),
+    "tpu-v4": HardwareProfile(
+        name="tpu-v4",
+        platform="tpu",
+        # page: 275 teraflops (bf16 or int8) per chip; HBM2 32 GiB at 1200 GBps; TPU Pod size 4096 chips; 3-D
+        # mesh, a 3-D torus on slices whose dimensions are multiples of 4; no ICI or DCN figure (see _TPU_V4_LINKS)
+        peak_flops={"bfloat16": 275 * _T, "float32": 275 * _T, "int8": 275 * _T},
+        memory_bandwidth=1200 * _G, memory_bytes=32 * 2**30,
+        intra_node_bandwidth=90 * _G, intra_node_latency=5e-6,  # 2 links x 45 GB/s one way (scaling book)
+        inter_node_bandwidth=25 * _G / 4, inter_node_latency=20e-6,  # DCN 2.5e10 B/s per host, 4 chips a host
+        devices_per_node=4096,
+        source="https://cloud.google.com/tpu/docs/v4 (Cloud TPU v4, system architecture: key specifications; 3D mesh "
+               "and 3D torus)",
+        notes=(*_TPU_V4_LINKS, _TPU_FLOAT32, _NO_MAMF),
     ),
     "tpu-v5e": HardwareProfile(
         name="tpu-v5e",
@@ -260,12 +336,27 @@ PROFILES: dict[str, HardwareProfile] = {
         source="https://cloud.google.com/tpu/docs/v5p (Cloud TPU v5p, system architecture: key specifications)",
         notes=_TPU_ASSUMPTIONS,
     ),
+    "tpu-v6e": HardwareProfile(
+        name="tpu-v6e",
+        platform="tpu",
+        # page: 918 TFLOPs bf16 and 1836 TOPs int8 per chip; 32 GB HBM at 1638 GBps; ICI 800 GBps per chip
+        # (bidirectional) over 4 ports, 2-D torus, 256 chips per Pod (the largest slice, 16x16); per host of 8 chips
+        # 4 x 200 Gbps NICs. No fp8 rate is on the page, so none here.
+        peak_flops={"bfloat16": 918 * _T, "float32": 918 * _T, "int8": 1836 * _T},
+        memory_bandwidth=1638 * _G, memory_bytes=32 * 10**9,
+        intra_node_bandwidth=200 * _G, intra_node_latency=5e-6,  # 800 GB/s / 4 ports x 2 ports / 2 directions
+        inter_node_bandwidth=100 * _G / 8, inter_node_latency=20e-6,  # 4 x 200 Gb/s per host, shared by 8 chips
+        devices_per_node=256,
+        source="https://cloud.google.com/tpu/docs/v6e (Cloud TPU v6e (Trillium), system architecture: "
+               "specifications; supported configurations)",
+        notes=(*_TPU_ASSUMPTIONS, _NO_MAMF),
+    ),
 }
 
 
 def get_profile(profile: str | HardwareProfile) -> HardwareProfile:
-    """A profile by name (``"h100-sxm"``, ``"h200"``, ``"a100-80gb"``, ``"tpu-v5e"``, ``"tpu-v5p"``), or
-    ``profile`` itself."""
+    """A profile by name (``"h100-sxm"``, ``"h200"``, ``"b200"``, ``"a100-80gb"``, ``"a100-40gb"``,
+    ``"tpu-v4"``, ``"tpu-v5e"``, ``"tpu-v5p"``, ``"tpu-v6e"``), or ``profile`` itself."""
     if isinstance(profile, HardwareProfile):
         return profile
     if not isinstance(profile, str):
