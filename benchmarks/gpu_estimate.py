@@ -31,18 +31,12 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_rounds import timed_rounds  # noqa: E402  (benchmarks/ is not a package)
+from gpu_common import datasheet_profile, timed_rounds  # noqa: E402  (benchmarks/ is not a package)
 
 from multimesh.estimate import calibrate, get_profile  # noqa: E402
 from trainers.config import load_config  # noqa: E402
 from trainers.plan_estimate import model_flops_of  # noqa: E402
 from trainers.step import program_for  # noqa: E402
-
-DATASHEET = {"H200": "h200", "H100": "h100-sxm", "A100": "a100-80gb"}
-
-
-def datasheet_profile(device) -> str | None:
-    return next((name for key, name in DATASHEET.items() if key in device.device_kind), None)
 
 
 def synthetic_batch(cfg, seed: int = 0) -> dict[str, np.ndarray]:
@@ -59,7 +53,7 @@ def measure(name: str, steps: int, rounds: int, overrides: list[str]) -> dict:
     batch = synthetic_batch(cfg)
     program = program_for(cfg, [device], batch)
     dtype = np.dtype(cfg.model.dtype).name
-    sheet = datasheet_profile(device)
+    sheet = datasheet_profile(device.device_kind)
     t0 = time.perf_counter()
     flops = model_flops_of(cfg)  # 6 x parameters x tokens + attention (PaLM's MFU count)
     # each product priced in the dtype it runs in, read from the program
@@ -117,7 +111,7 @@ def main() -> None:
         return
     device = jax.devices()[0]
     print(f"jax {jax.__version__}, {device.platform} {device.device_kind}, "
-          f"datasheet profile {datasheet_profile(device)}", flush=True)
+          f"datasheet profile {datasheet_profile(device.device_kind)}", flush=True)
     rows = []
     for name in args.configs:
         cmd = [sys.executable, __file__, "--one", name, "--steps", str(args.steps), "--rounds", str(args.rounds)]

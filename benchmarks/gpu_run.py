@@ -31,18 +31,13 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_rounds import timed_rounds  # noqa: E402  (benchmarks/ is not a package)
+from gpu_common import datasheet_profile, timed_rounds  # noqa: E402  (benchmarks/ is not a package)
 
-#: Datasheet profiles by device kind (`multimesh.estimate.get_profile`).
-DATASHEET = {"H200": "h200", "H100": "h100-sxm", "A100": "a100-80gb"}
 #: What ``--dry-run`` changes in each config: a model small enough for a CPU, the same code path.
 DRY_RUN = ["model.num_layers=2", "model.d_model=64", "model.num_heads=4", "model.num_kv_heads=2",
            "model.max_len=32", "data.seq_len=32", "data.batch_size=2"]
 DRY_RUN_PROFILE = "h100-sxm"
 
-
-def datasheet_profile(device_kind: str) -> str | None:
-    return next((name for key, name in DATASHEET.items() if key in device_kind), None)
 
 
 def attention_kernel(cfg) -> str:
