@@ -26,9 +26,8 @@ from helpers import in_a_small_tmpfs
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from multimesh.checkpoint import CheckpointCorruptError, CheckpointManager, CheckpointSaveError, checksum
+from multimesh.checkpoint import CheckpointCorruptError, CheckpointManager, CheckpointSaveError, checksum, release
 from multimesh.checkpoint import inspect as ckpt_inspect
-from multimesh.checkpoint import release
 
 pytestmark = [
     pytest.mark.devices(8),
