@@ -481,7 +481,8 @@ def first_save_failing_while_its_state_is_written(most_s: float = 30.0) -> Itera
     """A test double of the checkpoint writing layer: the first save's document write fails with ENOSPC in
     its background thread at once, while the save's arrays are still being written in theirs (held until the
     yielded ``written`` event is set, or ``most_s`` seconds after the failure; ``failed_at`` receives the
-    failure's time): a disk that fills while a large item is still written. Later saves write as usual."""
+    time the failed part ended): a disk that fills while a large item is still written. Later saves write as
+    usual."""
     import asyncio
     import errno
     import threading
@@ -503,7 +504,9 @@ def first_save_failing_while_its_state_is_written(most_s: float = 30.0) -> Itera
     async def failing_prepare(self: Any, x: Any) -> Any:  # in the document's writer thread
         if not failed.is_set():
             failed.set()
-            double.failed_at.append(time.monotonic())
+            part = threading.current_thread()  # the part ends (its failure known) once it has recorded the error
+            threading.Thread(target=lambda: (threading.Thread.join(part), double.failed_at.append(time.monotonic())),
+                             daemon=True).start()
             threading.Timer(most_s, go.set).start()
             raise OSError(errno.ENOSPC, "No space left on device")
         return await prepare(self, x)

@@ -215,9 +215,9 @@ def test_a_full_disk_stops_the_run_at_a_step_and_it_resumes_from_the_last_checkp
 def test_a_first_save_failing_while_its_arrays_are_written_stops_the_run_at_the_next_step(tmp_path, monkeypatch):
     """The first checkpoint (step 4) hits a full disk in its document while its arrays are still being
     written (a test double of the writing layer, `first_save_failing_while_its_state_is_written`): the
-    trainer's check before each step raises `CheckpointSaveError` at the first step after the failure (or
-    the one after, where it began as the failure was being recorded), without waiting for the arrays (held
-    6 s), not at the next save nor at the end; no step 4 is left that looks complete."""
+    trainer's check before each step raises `CheckpointSaveError` at the first step that begins after the
+    failed part ended, without waiting for the arrays (held 6 s), not at the next save nor at the end; no
+    step 4 is left that looks complete."""
     from helpers import first_save_failing_while_its_state_is_written
 
     from multimesh.checkpoint import CheckpointManager, CheckpointSaveError
@@ -241,7 +241,7 @@ def test_a_first_save_failing_while_its_arrays_are_written_stops_the_run_at_the_
         train(cfg, quiet=True)
     assert raised == [False], raised  # raised by a step's check, while the arrays were still written
     first_after = next(i for i, t in enumerate(polls) if t > double.failed_at[0])
-    assert len(polls) - 1 in (first_after, first_after + 1), (len(polls), first_after)  # at most a step later
+    assert len(polls) - 1 <= first_after, (len(polls), first_after)  # the first check after the part failed
     assert len(polls) < 8  # before the next save (step 8)
     assert not any(p.name.startswith("4") for p in (run / "checkpoints").iterdir())  # removed once written
 
