@@ -19,6 +19,7 @@ from .autolayout.building import PipelineFactory
 from .autolayout.front import parallelize_auto
 from .autolayout.layouts import RULE_SETS
 from .autolayout.model_axes import AxisTypes
+from .core.keyword_hints import keyword_hints
 from .core.meshes import MeshLike
 from .core.rules import MeshAxes, PathRules, Rules
 from .estimate import HardwareProfile
@@ -73,6 +74,7 @@ def parallelize(fun: Callable, *, get_input_batch: Callable[[], Any],
 def parallelize(fun: Callable, *, initial_batch: Any, **options: Unpack[ParallelizeOptions]) -> StepOnly: ...
 
 
+@keyword_hints
 def parallelize(
     fun: Callable,
     *,
@@ -221,6 +223,6 @@ def _reissue(pending: list) -> None:
     one of them) names the line that called `parallelize` instead."""
     for w in pending:
         if w.filename in _WRAPPERS:
-            warnings.warn(w.message, stacklevel=4)  # _reissue, _call, parallelize, its caller
+            warnings.warn(w.message, stacklevel=5)  # _reissue, _call, parallelize, keyword_hints, its caller
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)

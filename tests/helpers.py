@@ -474,3 +474,46 @@ def stages(first: str, second: str) -> Iterator[tuple[Any, Any]]:
     devs = jax.devices()
     with register_task(first, devices=devs[:4]) as a, register_task(second, devices=devs[4:]) as b:
         yield a, b
+
+
+@contextlib.contextmanager
+def first_save_failing_while_its_state_is_written(most_s: float = 30.0) -> Iterator[Any]:
+    """A test double of the checkpoint writing layer: the first save's document write fails with ENOSPC in
+    its background thread at once, while the save's arrays are still being written in theirs (held until the
+    yielded ``written`` event is set, or ``most_s`` seconds after the failure; ``failed_at`` receives the
+    time the failed part ended): a disk that fills while a large item is still written. Later saves write as
+    usual."""
+    import asyncio
+    import errno
+    import threading
+    import time
+    import types
+
+    from multimesh._compat.orbax import LeanByteLimit
+    from multimesh.checkpoint.handlers import DocHandler
+
+    go, failed = threading.Event(), threading.Event()
+    double = types.SimpleNamespace(written=go, failed_at=[])
+    reserve, prepare = LeanByteLimit.wait_for_bytes, DocHandler.prepare
+
+    async def slow_reserve(self: Any, requested_bytes: int) -> None:  # in the arrays' writer thread
+        if not go.is_set():
+            await asyncio.to_thread(go.wait, 2 * most_s)
+        await reserve(self, requested_bytes)
+
+    async def failing_prepare(self: Any, x: Any) -> Any:  # in the document's writer thread
+        if not failed.is_set():
+            failed.set()
+            part = threading.current_thread()  # the part ends (its failure known) once it has recorded the error
+            threading.Thread(target=lambda: (threading.Thread.join(part), double.failed_at.append(time.monotonic())),
+                             daemon=True).start()
+            threading.Timer(most_s, go.set).start()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return await prepare(self, x)
+
+    LeanByteLimit.wait_for_bytes, DocHandler.prepare = slow_reserve, failing_prepare  # type: ignore[method-assign]
+    try:
+        yield double
+    finally:
+        go.set()
+        LeanByteLimit.wait_for_bytes, DocHandler.prepare = reserve, prepare  # type: ignore[method-assign]

@@ -26,7 +26,7 @@ from helpers import in_a_small_tmpfs
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from multimesh.checkpoint import CheckpointCorruptError, CheckpointManager, CheckpointSaveError, checksum
+from multimesh.checkpoint import CheckpointCorruptError, CheckpointManager, CheckpointSaveError, checksum, release
 from multimesh.checkpoint import inspect as ckpt_inspect
 
 pytestmark = [
@@ -507,6 +507,7 @@ def test_poll_never_waits_for_a_save_in_flight_and_raises_its_failure_at_the_fir
     failed = OSError(errno.ENOSPC, "No space left on device")
     mgr.save(1, {"w": jax.numpy.arange(8.0)})  # Orbax's own save waits for the one before: patched after it
     monkeypatch.setattr(orbax, "is_saving_in_progress", writing.is_set)
+    monkeypatch.setattr(release, "running", lambda threads: writing.is_set())  # its writer threads, alike
     real_wait = orbax.wait_until_finished
 
     def wait_until_finished():
@@ -521,6 +522,36 @@ def test_poll_never_waits_for_a_save_in_flight_and_raises_its_failure_at_the_fir
         mgr.poll()
     assert mgr.poll() is None  # reported once
     monkeypatch.undo()
+    mgr.close()
+
+
+def test_a_part_of_the_first_save_that_failed_is_raised_by_the_next_poll_while_another_still_writes(tmp_path):
+    """The first save's document hits a full disk at once while its arrays are still being written (a
+    large item on a slow disk): the next `poll` raises the failure without waiting for them (Orbax
+    reports it only once every part before it has ended); the step never looks complete, and is removed
+    once its writers end; the next save works."""
+    from helpers import first_save_failing_while_its_state_is_written
+
+    directory = str(tmp_path / "ck")
+    values = {"w": jax.numpy.arange(64.0)}
+    with first_save_failing_while_its_state_is_written() as double:
+        arrays_written = double.written
+        mgr = CheckpointManager(directory)
+        mgr.save(1, values)
+        deadline, polls = time.monotonic() + 10, []
+        with pytest.raises(CheckpointSaveError, match=r"could not save checkpoint step 1 .*No space left on device"):
+            while time.monotonic() < deadline:
+                polls.append(mgr.poll())
+                time.sleep(0.01)
+        assert not arrays_written.is_set() and set(polls) <= {1}, polls  # raised while the arrays were written
+        assert mgr.poll() is None and mgr.all_steps() == []  # reported once; nothing listed
+        assert not any(n == "1" for n in os.listdir(directory))  # nothing that looks like a complete step
+        arrays_written.set()
+        mgr.save(2, values)
+        mgr.wait_until_finished()
+    assert mgr.all_steps() == [2]
+    assert sorted(os.listdir(directory)) == [".multimesh-writer.lock", "2"]  # step 1's partial save removed
+    _assert_bitwise(mgr.restore(2, target=values).state, values)
     mgr.close()
 
 

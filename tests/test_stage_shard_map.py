@@ -18,7 +18,9 @@ with the same step on one device (a 1x1x1 mesh): losses, parameters and
 optimizer state after three steps; an axis the stages split named by the
 specs, by scope and by ``params=`` (traced again on the stages' shape). Then
 the bad inputs: a stage lacking an axis the specs name; an axis of another
-size on stages of two shapes known only after tracing.
+size on stages of two shapes known only after tracing. A stage lacking an
+axis of size 1 on the model's mesh drops it, with a warning, and still equals
+one device.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh.jax as mmj
 from multimesh.jax import microbatch, parallelize, register_task
+from multimesh.trace import stage_shard_map
 
 pytestmark = pytest.mark.devices(8)
 
@@ -63,8 +66,8 @@ FORMS: dict[str, Callable] = {
 }
 
 
-def model_mesh(axis_type: AxisType, shape=(2, 2, 2)) -> Mesh:
-    return jax.make_mesh(shape, ("x", "y", "z"), axis_types=(axis_type,) * 3)
+def model_mesh(axis_type: AxisType, shape=(2, 2, 2), names=("x", "y", "z")) -> Mesh:
+    return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
 
 
 def rms_norm(h: jax.Array) -> jax.Array:
@@ -152,9 +155,9 @@ def registrations(mesh: Mesh, by: str, stages: list[Mesh] | None = None) -> list
     return [register_task(params=rf"layers\.{i}", mesh=m, name=f"stage{i}") for i, m in enumerate(stages)]
 
 
-def reference(axis_type: AxisType, form: str, spec: P = SPEC) -> tuple[list, dict]:
+def reference(axis_type: AxisType, form: str, spec: P = SPEC, names=("x", "y", "z")) -> tuple[list, dict]:
     """Losses and the final state of STEPS steps on one device (the model's mesh 1x1x1)."""
-    one = model_mesh(axis_type, (1, 1, 1))
+    one = model_mesh(axis_type, (1,) * len(names), names)
     step = jax.jit(make_step(one, form, False, None, spec))
     with jax.set_mesh(one):
         state, batch = jax.device_put((init(), get_batch()), jax.sharding.NamedSharding(one, P()))
@@ -166,8 +169,8 @@ def reference(axis_type: AxisType, form: str, spec: P = SPEC) -> tuple[list, dic
 
 
 def pipelined(axis_type: AxisType, form: str, by: str, spec: P = SPEC,
-              stages: list[Mesh] | None = None) -> tuple[list, dict, dict]:
-    mesh = model_mesh(axis_type)
+              stages: list[Mesh] | None = None, mesh: Mesh | None = None) -> tuple[list, dict, dict]:
+    mesh = mesh or model_mesh(axis_type)
     regs = registrations(mesh, by, stages)
     with regs[0], regs[1]:
         step_fn, init_fn, batch_fn = parallelize(make_step(mesh, form, by == "scope", BATCH // MICRO, spec),
@@ -340,3 +343,47 @@ def test_shard_map_in_nnx_stages_by_attribute_path_equals_one_device():
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
     for i in range(2):
         assert got["params"]["layers"][i]["w"]["kernel"][...].sharding.device_set == set(stages[i].devices.flat)
+
+
+def rms_norm_over_e(h: jax.Array) -> jax.Array:
+    """`rms_norm` summed over ``z`` and the size-1 axis ``e`` (an expert axis of one expert), adding its
+    ``axis_index`` (0)."""
+    total = jax.lax.psum(jnp.sum(h * h, axis=-1, keepdims=True), ("z", "e"))
+    return h * jax.lax.rsqrt(total / WIDTH + 1e-6) + jax.lax.axis_index("e")
+
+
+FORMS["over e"] = lambda f, mesh, spec: jax.shard_map(rms_norm_over_e, mesh=mesh, in_specs=spec, out_specs=spec)
+NAMES_E, SPEC_E = ("x", "y", "z", "e"), P("y", ("z", "e"))
+DROPPED = [(AxisType.Auto, "scope"), (AxisType.Auto, "params")]
+
+
+@pytest.mark.parametrize("axis_type,by", DROPPED, ids=[f"{t.name}-{b}" for t, b in DROPPED])
+def test_a_size_one_axis_the_stage_lacks_is_dropped_with_a_warning(axis_type, by, monkeypatch):
+    """The model's mesh ``{x: 2, y: 2, z: 2, e: 1}``, the specs and the psum naming ``e``; stages of ``x, y, z``
+    lack it: it is dropped (a psum over a size-1 axis is the identity), warned about once per function and
+    stage, and the result is one device's."""
+    mesh = model_mesh(axis_type, (2, 2, 2, 1), NAMES_E)
+    stages = [Mesh(mesh.devices[i:i + 1, :, :, 0], ("x", "y", "z"), axis_types=mesh.axis_types[:3]) for i in range(2)]
+    want_losses, want = reference(axis_type, "over e", SPEC_E, NAMES_E)
+    monkeypatch.setattr(stage_shard_map, "_WARNED", set())   # warned once per process: not by an earlier test
+    with pytest.warns(mmj.StageAxisDropped) as caught:
+        losses, state, _ = pipelined(axis_type, "over e", by, SPEC_E, stages, mesh)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(jax.device_get(state)), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    messages = [str(w.message) for w in caught if w.category is mmj.StageAxisDropped]
+    assert all("shard_map of 'rms_norm_over_e'" in m and "axis 'e' of size 1" in m for m in messages), messages
+    per_stage = [sum(bool(re.search(rf"stage stage{i} on \{{'x': 1, 'y': 2, 'z': 2\}}", m)) for m in messages)
+                 for i in range(2)]
+    # once per function and stage: by scope each layer's shard_map runs on its stage; by params= a shard_map
+    # reads no parameter, and the planner puts it with what consumes its result
+    assert per_stage == ([1, 1] if by == "scope" else [0, 1]), messages
+
+
+def test_an_axis_the_stage_lacks_of_size_above_one_is_still_refused():
+    """The same model on ``{x: 2, y: 2, z: 1, e: 2}``: ``e`` has size 2, so leaving it out would change the
+    sum; it is refused, naming it."""
+    mesh = model_mesh(AxisType.Auto, (2, 2, 1, 2), NAMES_E)
+    stages = [Mesh(mesh.devices[i:i + 1, :, :, 0], ("x", "y", "z")) for i in range(2)]
+    with pytest.raises(mmj.StageAxisError, match=r"shard_map of 'rms_norm_over_e'.*'e' \(size 2 on its own mesh\)"):
+        pipelined(AxisType.Auto, "over e", "scope", SPEC_E, stages, mesh)

@@ -212,6 +212,40 @@ def test_a_full_disk_stops_the_run_at_a_step_and_it_resumes_from_the_last_checkp
     shutil.rmtree(mount, ignore_errors=True)
 
 
+def test_a_first_save_failing_while_its_arrays_are_written_stops_the_run_at_the_next_step(tmp_path, monkeypatch):
+    """The first checkpoint (step 4) hits a full disk in its document while its arrays are still being
+    written (a test double of the writing layer, `first_save_failing_while_its_state_is_written`): the
+    trainer's check before each step raises `CheckpointSaveError` at the first step that begins after the
+    failed part ended, without waiting for the arrays (held 6 s), not at the next save nor at the end; no
+    step 4 is left that looks complete."""
+    from helpers import first_save_failing_while_its_state_is_written
+
+    from multimesh.checkpoint import CheckpointManager, CheckpointSaveError
+
+    run = tmp_path / "run"
+    polls: list[float] = []  # when each step's check began
+    raised: list[bool] = []  # whether the arrays were written when it raised
+    poll = CheckpointManager.poll
+
+    def timed(self):
+        polls.append(time.monotonic())
+        try:
+            return poll(self)
+        except CheckpointSaveError:
+            raised.append(double.written.is_set())
+            raise
+    monkeypatch.setattr(CheckpointManager, "poll", timed)
+    cfg = load_config("tiny", [*TINY, "train.steps=12", "train.checkpoint_every=4", f"train.out_dir={run}"])
+    with first_save_failing_while_its_state_is_written(most_s=6.0) as double, \
+            pytest.raises(CheckpointSaveError, match=r"could not save checkpoint step 4 .*No space left on device"):
+        train(cfg, quiet=True)
+    assert raised == [False], raised  # raised by a step's check, while the arrays were still written
+    first_after = next(i for i, t in enumerate(polls) if t > double.failed_at[0])
+    assert len(polls) - 1 <= first_after, (len(polls), first_after)  # the first check after the part failed
+    assert len(polls) < 8  # before the next save (step 8)
+    assert not any(p.name.startswith("4") for p in (run / "checkpoints").iterdir())  # removed once written
+
+
 @pytest.mark.parametrize("damage", ["no state item", "unreadable manifest"])
 def test_a_damaged_newest_checkpoint_is_set_aside_and_the_run_resumes_from_the_one_before(tmp_path, capfd, damage):
     """Step 4's directory lost its ``state`` item (or its manifest is garbage): the resumed run names

@@ -4,12 +4,14 @@ subset on 0.12.3).
 multimesh saves and restores through Orbax's handlers; it reaches below their public API to save the
 arrays of pipeline stages held by one process of several, to read leaner than Orbax does, to write
 without Orbax's per-reservation debug formatting, to complete a JSON document in the background
-commit, and to release Orbax's signal-waiting threads after a failed save. Each function names the
+commit, to see that a part of a save failed while others still write, and to release Orbax's
+signal-waiting threads after a failed save. Each function names the
 public API that would replace it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,8 +34,10 @@ __all__ = [
     "cancel_signaling_thread",
     "handler_metadata_key",
     "is_orbax_byte_limiter",
+    "save_part_threads",
     "serialize_arrays_written_by",
     "signaling_thread_class",
+    "signaling_thread_error",
     "use_pytree_handler",
 ]
 
@@ -176,6 +180,38 @@ def signaling_thread_class() -> type | None:
     Public replacement: none. Tested on orbax-checkpoint 0.12.8.
     """
     return getattr(future, "_SignalingThread", None)
+
+
+def save_part_threads(manager: ocp.CheckpointManager) -> list[threading.Thread]:
+    """The threads running the parts of ``manager``'s last asynchronous save (its commit futures: the step
+    directory's creation, each item's writes), ended ones included; empty for a synchronous manager.
+
+    Public replacement: none (Orbax waits for the parts in order and reports a part's error only once every
+    part before it has ended). Tested on orbax-checkpoint 0.12.8.
+    """
+    checkpointer: Any = manager._checkpointer  # type: ignore[attr-defined]
+    pending = list(getattr(getattr(checkpointer, "_async_manager", None), "_commit_futures", None) or ())
+    threads = []
+    while pending:
+        f = pending.pop()
+        inner = getattr(f, "_f", f)  # CommitFutureAwaitingContractedSignals wraps a CommitFuture
+        if isinstance(getattr(inner, "_t", None), threading.Thread):
+            threads.append(inner._t)
+        pending.extend(getattr(f, "_futures", ()))  # a ChainedFuture's
+    return threads
+
+
+def signaling_thread_error(thread: threading.Thread) -> BaseException | None:
+    """The error one of Orbax's signal-waiting threads (of `signaling_thread_class`) ended with: a part of a
+    save that failed (None while it runs, once it succeeded, or when it was cancelled).
+
+    Public replacement: none (Orbax raises it only from ``result()``, which blocks until every part before it
+    in the save has ended). Tested on orbax-checkpoint 0.12.8.
+    """
+    if thread.is_alive():
+        return None
+    error = getattr(thread, "_exception", None)
+    return None if error is None or isinstance(error, concurrent.futures.CancelledError) else error
 
 
 def cancel_signaling_thread(thread: threading.Thread) -> None:

@@ -90,20 +90,22 @@ def set_shard_map_router(route: Router | None) -> None:
 
 
 def shard_map_rebound(eqn: JaxprEqn, ins: list, mesh: Any, manual_axes: frozenset[str],
-                      body: Callable[[Any, list], list]) -> list:
+                      body: Callable[[Any, list], list], specs: tuple[tuple, tuple] | None = None) -> list:
     """``eqn`` (a ``shard_map``) bound on ``ins`` over ``mesh``, manual over ``manual_axes``, its body traced
     again as ``body(jaxpr, inputs) -> outputs`` on that mesh's manual abstract mesh (the body's equations keep
-    the mesh they were traced under in their context, so they cannot be bound as they are).
+    the mesh they were traced under in their context, so they cannot be bound as they are); ``specs``: its flat
+    ``(in_specs, out_specs)`` instead of its own.
 
     Public replacement: none (see `shard_map_call`). Tested on jax 0.12.1 and 0.12.0.
     """
     params = eqn.params
-    jaxpr, out_specs = params["jaxpr"], params["out_specs"]
+    jaxpr = params["jaxpr"]
+    in_specs, out_specs = specs if specs is not None else (params["in_specs"], params["out_specs"])
 
     def traced_again(*args: Any) -> Any:
         return _ft.flatten(body(jaxpr, list(args))).with_aux(out_specs)
 
-    outs = _shard_map.shard_map_p.bind(*ins, subfuns=(traced_again,), mesh=mesh, in_specs=params["in_specs"],
+    outs = _shard_map.shard_map_p.bind(*ins, subfuns=(traced_again,), mesh=mesh, in_specs=tuple(in_specs),
                                        check_vma=params["check_vma"], newly_manual_axes=frozenset(manual_axes),
                                        debug_info=jaxpr.debug_info)
     return list(outs)

@@ -73,6 +73,9 @@ _READABLE = {"multimesh-checkpoint/1": _checksum.ALGORITHM_V1, FORMAT: None}
 _log = logging.getLogger(__name__)
 #: how long a failed save waits for Orbax's other item writers before removing its directory
 _WRITERS_TIMEOUT_S = 60.0
+#: how long a check (`poll`) waits for the other parts of a save of which one failed to end, so that the step
+#: is removed before the error is raised; parts still writing then are waited for at the next call
+_STRAGGLERS_S = 2.0
 
 if not ocp.__version__.startswith("0.12."):  # pragma: no cover - depends on the install
     warnings.warn(
@@ -199,7 +202,10 @@ class CheckpointManager:
         self._read_only = bool(read_only)
         self._pending: int | None = None  # the step saved whose commit is not yet confirmed
         self._pending_id: str | None = None  # its document's save_id
+        #: a save reported failed while parts of it still wrote: (step, error), ended by `_end_failed`
+        self._failed: tuple[int, BaseException] | None = None
         self._save_threads: set = set()  # Orbax's threads of the last save
+        self._save_parts: set = set()  # the threads of its parts (the step directory, each item), ended ones too
         self._closed = False
         # read-only: the options Orbax would otherwise reset, with a warning each
         options = ocp.CheckpointManagerOptions(
@@ -237,6 +243,8 @@ class CheckpointManager:
         self._settle(block=False)
         steps = set(self._mgr.all_steps())
         steps.discard(self._pending)
+        if self._failed is not None:  # a failed save whose other parts still write
+            steps.discard(self._failed[0])
         return sorted(steps)
 
     def latest_step(self) -> int | None:
@@ -252,7 +260,10 @@ class CheckpointManager:
     def poll(self) -> int | None:
         """Checks on a background save without waiting: returns the step still
         being saved (``None`` when none is), and raises its ``CheckpointSaveError``
-        once it has failed (a full disk...) or its step was not committed.
+        once it has failed (a full disk...) or its step was not committed. A
+        part of the save that failed (the document, one item) is raised while
+        other parts still write; its step is removed once they end (waited for
+        up to 2 s here, else at the next call).
 
         Cheap (no I/O while the save runs; one small read once it has ended):
         call it every training step, so that a failed save stops the run at
@@ -366,6 +377,7 @@ class CheckpointManager:
                 raise
             raise failure from None
         self._save_threads = release.signaling_threads() - before
+        self._save_parts = release.save_parts(self._mgr)
         if not saved:  # pragma: no cover - force=True always saves
             raise RuntimeError(f"Orbax declined to save step {step} in {self._directory}")
         self._pending, self._pending_id = step, save_id
@@ -417,20 +429,52 @@ class CheckpointManager:
         self._settle(block=True)
 
     def _settle(self, block: bool) -> None:
-        """Ends the bookkeeping of the pending save once Orbax is done with it
-        (at once when ``block``): raises its error, or checks its commit."""
+        """Ends the bookkeeping of the pending save once Orbax is done with it (at once when ``block``), or once
+        a part of it has failed although others still write (Orbax would report it only once every part before
+        it has ended): raises its error, or checks its commit. Parts still writing
+        `_STRAGGLERS_S` after a failure are left to end (`_end_failed`, at a later call) before the step is
+        removed."""
+        if self._failed is not None and (block or not self._saving()):
+            self._end_failed()
         step = self._pending
-        if step is None or (not block and self._mgr.is_saving_in_progress()):
+        if step is None:
+            return
+        # one process: a part that failed is seen at once (several: once Orbax, in step on every process, has
+        # ended the save, so that each raises at the same call)
+        failed = release.failure(self._save_parts) if jax.process_count() == 1 else None
+        if failed is None and not block and self._saving():
             return
         self._pending = None
+        if failed is not None:
+            release.release(self._save_threads)  # the parts waiting for the failed one's signal end at once
+            if not block and release.join(self._save_parts, timeout=_STRAGGLERS_S):
+                self._failed = (step, failed)  # raised now; removed once its writers end
+                raise as_save_error(failed, step, self._directory) or failed
         try:
             self._mgr.wait_until_finished()
         except Exception as e:
-            failure = self._save_failed(step, e)
-            if failure is e:
-                raise
+            failed = failed or e
+        if failed is not None:
+            failure = self._save_failed(step, failed)
+            if failure is failed:
+                raise failed
             raise failure from None
         self._check_committed(step, self._pending_id)
+
+    def _saving(self) -> bool:
+        """Whether the last save still runs: Orbax says so, or one of its writer threads still writes."""
+        return self._mgr.is_saving_in_progress() or release.running(self._save_parts)
+
+    def _end_failed(self) -> None:
+        """After a save reported failed while parts of it still wrote: waits for them and removes the step
+        (its error was raised already)."""
+        assert self._failed is not None
+        (step, error), self._failed = self._failed, None
+        try:
+            self._mgr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - the save's error, raised already
+            _log.debug("%s: the failed save of step %s ended: %s", self._directory, step, e)
+        self._save_failed(step, error)
 
     def _check_committed(self, step: int, save_id: str | None) -> None:
         """Raises ``CheckpointSaveError`` unless ``step`` is committed on disk with
@@ -468,7 +512,7 @@ class CheckpointManager:
         """
         release.release(self._save_threads)
         writing = release.join(self._save_threads, timeout=_WRITERS_TIMEOUT_S)
-        self._save_threads = set()
+        self._save_threads, self._save_parts = set(), set()
         if writing:
             _log.warning("%s: %d of Orbax's writer threads of step %s still run %.0f s after the save failed",
                          self._directory, len(writing), step, _WRITERS_TIMEOUT_S)

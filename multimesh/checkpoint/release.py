@@ -9,6 +9,10 @@ coordination timeout (300 s) before the process can exit. After a failed save
 we cancel the threads that save started and send the signals they wait for:
 a cancelled thread returns as soon as it wakes, without running its work.
 
+A part of a save that has failed is seen without waiting (`failure`), so
+that a failed save is reported at the next check although other parts (a
+large item still being written) have not ended.
+
 The threads that did get their signal are writing the save's items: Orbax
 reports the first item's error while the others may still be writing into
 the step's temporary directory, so ``join`` waits for them before that
@@ -21,7 +25,12 @@ import logging
 import threading
 import time
 
-from .._compat.orbax import cancel_signaling_thread, signaling_thread_class
+from .._compat.orbax import (
+    cancel_signaling_thread,
+    save_part_threads,
+    signaling_thread_class,
+    signaling_thread_error,
+)
 
 _log = logging.getLogger(__name__)
 
@@ -32,6 +41,23 @@ def signaling_threads() -> set[threading.Thread]:
     if cls is None:
         return set()
     return {t for t in threading.enumerate() if isinstance(t, cls) and t.is_alive()}
+
+
+def save_parts(manager: object) -> set[threading.Thread]:
+    """The threads of the parts of the Orbax manager's last asynchronous save, ended ones included."""
+    return set(save_part_threads(manager))  # type: ignore[arg-type]
+
+
+def failure(threads: set[threading.Thread]) -> BaseException | None:
+    """The error of one of ``threads`` (`save_parts`) that has ended with one, or None: without waiting,
+    and while the save's other parts may still write (Orbax reports a part's error only once every part
+    before it has ended)."""
+    return next((e for t in threads if (e := signaling_thread_error(t)) is not None), None)
+
+
+def running(threads: set[threading.Thread]) -> bool:
+    """Whether one of ``threads`` (a save's parts) still runs."""
+    return any(t.is_alive() for t in threads)
 
 
 def release(threads: set[threading.Thread]) -> int:

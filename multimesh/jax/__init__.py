@@ -51,6 +51,7 @@ from ..trace.knobs import (
 from ..trace.lifecycle import custom_partitioning, shutdown
 from ..trace.microbatch import MicrobatchMeanWarning, microbatch
 from ..trace.scope_mesh import mesh_in_scope
+from ..trace.stage_shard_map import StageAxisDropped, StageAxisError
 from ..trace.task import ignore_transforms, task
 from ..trace.taskspec import Task, TaskMesh, slice_global_mesh
 
@@ -82,6 +83,8 @@ __all__ = [
     "StepAndInit",
     "StepFunctions",
     "StepOnly",
+    "StageAxisDropped",
+    "StageAxisError",
     "StepInputError",
     "Task",
     "TaskMesh",

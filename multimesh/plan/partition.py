@@ -105,6 +105,18 @@ class Plan:
                     out.append((str(v), -1 if src is None else src, seg.index, v.aval, nbytes(v)))
         return out
 
+    def stage_names(self) -> list[str] | None:
+        """The name of each physical stage of the schedule (its tasks' names, a device group's several
+        joined by ``,``), or None without a schedule: ``plot_schedule(plan.schedule, path,
+        stage_names=plan.stage_names())`` draws them."""
+        if self.schedule is None:
+            return None
+        names: dict[int, list[str]] = {s: [] for s in range(self.schedule.num_stages)}
+        for seg in self.segments:
+            if seg.action is not None:
+                names[self.schedule.physical_stage(seg.action)].append(str(seg.placement.name))
+        return [",".join(dict.fromkeys(names[s])) or "?" for s in range(self.schedule.num_stages)]
+
     def __repr__(self) -> str:
         stages = ", ".join(p.name or "default" for p in self.placements)
         schedule = f", {self.schedule!r}" if self.schedule is not None else ""
@@ -136,6 +148,7 @@ class Plan:
         lines.append(f"  total resharded per step: {_mib(total)}")
         if self.schedule is not None:
             lines.append(f"  schedule: {self.schedule!r}")
+            lines.append("    " + ", ".join(f"stage {s}: {n}" for s, n in enumerate(self.stage_names() or ())))
             lines.extend("    " + row for row in self.schedule.render().splitlines())
         return "\n".join(lines)
 

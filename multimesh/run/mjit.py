@@ -21,6 +21,7 @@ import numpy as np
 from jax.extend.core import Var
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ..core.keyword_hints import keyword_hints
 from ..core.meshes import build_mesh
 from ..core.placement import Placement, use_placement
 from ..core.rules import MeshAxes, Rules
@@ -184,13 +185,16 @@ class MJitFunction:
             outs = jax.tree.map(_moved, outs, targets, is_leaf=lambda s: s is None)
         return outs
 
-    def estimate(self, *args: Any, profile: Any = None, **options: Any) -> Any:
+    @keyword_hints
+    def estimate(self, *args: Any, profile: Any = None, dtype: str | None = None, model_flops: float | None = None,
+                 optimizer_paths: str | None = None) -> Any:
         """Memory per device, work and (with a hardware ``profile``) predicted time of a call with ``args``
-        (arrays, or `jax.ShapeDtypeStruct`s with shardings), without running it: see
-        `multimesh.estimate.estimate` for the options and ``docs/planning.md``."""
+        (arrays, or `jax.ShapeDtypeStruct`s with shardings), without running it: the options are
+        `multimesh.estimate.estimate`'s (``optimizer_paths`` None: its default), see ``docs/planning.md``."""
         from ..estimate import estimate_mjit  # the estimate layer sits above this one: imported when asked
 
-        return estimate_mjit(self, args, profile, **options)
+        return estimate_mjit(self, args, profile, dtype=dtype, model_flops=model_flops,
+                             **({} if optimizer_paths is None else {"optimizer_paths": optimizer_paths}))
 
     def _compile(self, args: tuple, flat: list, tree: Any, placement: Placement) -> _Compiled:
         avals = [jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)) for x in flat]

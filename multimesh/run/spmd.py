@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 
+from ..core.keyword_hints import keyword_hints
 from ..core.layout import Layout
 from ..core.meshes import mesh_context
 from ..core.mirror import MirrorIndex
@@ -92,12 +93,16 @@ class Parallelized:
                                   abstract_batch=self._abstract_batch, param_shardings=param_shardings,
                                   donate=donate)
 
-    def estimate(self, profile: Any = None, **options: Any) -> Any:
-        """Memory per device, work and (with a hardware ``profile``) predicted step time, without running the
-        step: see `multimesh.estimate.estimate` for the options and ``docs/planning.md``."""
+    @keyword_hints
+    def estimate(self, profile: Any = None, *, args: tuple = (), dtype: str | None = None,
+                 model_flops: float | None = None, optimizer_paths: str | None = None) -> Any:
+        """Memory per device, work and (with a hardware ``profile``: a `HardwareProfile` or a name of
+        `multimesh.estimate.PROFILES`) predicted step time, without running the step: the options are
+        `multimesh.estimate.estimate`'s (``optimizer_paths`` None: its default), see ``docs/planning.md``."""
         from ..estimate import estimate  # the estimate layer sits above this one: imported when asked
 
-        return estimate(self, profile, **options)
+        return estimate(self, profile, args=args, dtype=dtype, model_flops=model_flops,
+                        **({} if optimizer_paths is None else {"optimizer_paths": optimizer_paths}))
 
     def report(self, *, batch: bool = False) -> ShardingReport:
         """Where each parameter (``batch=True``: each batch array) lives, built without running anything.

@@ -234,14 +234,15 @@ class Schedule:
 
     # ---------------------------------------------------------------- display
 
-    def render(self, backward_slots: int = 1) -> str:
+    def render(self, backward_slots: int = 1, stage_names: Sequence[str] | None = None) -> str:
         """Text diagram: one row per physical stage, one column per time slot.
 
         Every action takes one slot (a backward ``backward_slots``; in a split
         schedule ``B`` and ``W`` each ``backward_slots``); cells show
         ``F3``/``B3``/``W3`` (``F3.1`` = chunk 1) or ``.`` when the stage is idle.
+        ``stage_names``: one per physical stage, shown beside its number (a plan's stages').
         """
-        return _render.render(self.shape, self._per_stage, self.name, backward_slots)
+        return _render.render(self.shape, self._per_stage, self.name, backward_slots, stage_names)
 
     def __repr__(self) -> str:
         cls = type(self).__name__

@@ -17,10 +17,12 @@ left alone.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from .actions import BACKWARD, FORWARD
 from .order import Schedule
+from .render import stage_labels
 
 __all__ = ["plot_schedule"]
 
@@ -30,11 +32,13 @@ _NAMES: dict[str, str] = {FORWARD: "forward", BACKWARD: "backward", "W": "weight
 
 
 def plot_schedule(schedule: Schedule, path: str | os.PathLike, *, forward_time: float = 1.0,
-                  backward_time: float = 2.0, title: str | None = None, dpi: int = 110) -> int:
+                  backward_time: float = 2.0, title: str | None = None, dpi: int = 110,
+                  stage_names: Sequence[str] | None = None) -> int:
     """Write a PNG of ``schedule``'s simulated timeline to ``path``; returns the number of boxes drawn.
 
     Every action of the schedule is one box (so the return value equals
     ``len(schedule)``); time runs left to right in units of one forward pass.
+    ``stage_names``: one per physical stage, beside its number on the axis (a plan's stages').
     """
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -61,7 +65,7 @@ def plot_schedule(schedule: Schedule, path: str | os.PathLike, *, forward_time: 
         drawn += 1
     ax.set_xlim(0, sim.makespan)
     ax.set_ylim(n_stages - 0.5, -0.5)  # stage 0 on top, as in Schedule.render()
-    ax.set_yticks(range(n_stages), [f"stage {s}" for s in range(n_stages)])
+    ax.set_yticks(range(n_stages), stage_labels(n_stages, stage_names))
     ax.set_xlabel(f"time (a forward pass = {forward_time:g}, a backward = {backward_time:g})")
     peaks = ", ".join(str(v) for _, v in sorted(schedule.peak_live_activations.items()))
     ax.set_title(title or (f"{schedule.name}: {n_stages} stages x {n_micro} microbatches; "

@@ -47,6 +47,7 @@ from jax.sharding import Mesh
 from ..core.fmt import device_span
 from ..core.rules import MeshAxes, Rules
 from .scopes import scope_stack
+from .stage_names import readable_name
 from .task import Placement, make_placement
 from .taskspec import Task, current_global_mesh, loop_slices
 
@@ -150,7 +151,7 @@ class Registration:
             iteration = None
         mesh = self.global_mesh or current_global_mesh()  # relative device numbers index its devices
         if (key, iteration, mesh) not in self._cache:
-            default = match.group(0) if self.callback is not None else self.pattern.pattern
+            default = match.group(0) if self.callback is not None else readable_name(self.pattern)
             self._cache[(key, iteration, mesh)] = got.placement(self.name or default, global_mesh=mesh,
                                                                 iteration=iteration)
         return self._cache[(key, iteration, mesh)]
@@ -313,7 +314,10 @@ def register_task(
         that consumes them. A pattern matching no path is an error naming the
         paths there are. A scope name match (``regex``) outside it wins.
         See `trace.param_scopes`.
-      name: the task's name in plans and errors (default: ``regex``).
+      name: the task's name in plans, run stats, schedules and errors (default: the names ``regex``
+        matches, numbered ones as ranges, ``stem+block.0-1`` for ``r"stem|block\\.[01]"``; a pattern
+        matching unboundedly many by its fixed text, ``layers_*`` for ``r"layers_(\\d+)"``: see
+        `trace.stage_names`).
       task: where matches run, as a `Task` (MultiMesh v0.2); or
       mesh: a fixed placement's mesh, as for `task`.
       devices: instead of ``mesh``, as for `task`; integer device ids too,
@@ -417,7 +421,7 @@ def make_registration(
             raise ValueError(f"{who}: dims={tuple(dims)} needs {math.prod(dims)} devices, but devices= holds "
                              f"{arr.size}")
         devices = arr.reshape(tuple(dims))
-    return Registration(pattern, name, make_placement(name or regex, mesh, devices, axes, rules),
+    return Registration(pattern, name, make_placement(name or readable_name(regex), mesh, devices, axes, rules),
                         global_mesh=global_mesh, params=params)
 
 

@@ -10,7 +10,13 @@ does, such a `shard_map` runs on the submesh of the stage that runs it: its
 that splits the mesh along ``x`` keeps ``x`` with size 1), and a collective
 inside keeps its meaning on the stage's devices (a ``psum`` over ``expert``
 sums over the stage's expert group). An axis the specs name that the stage
-lacks is an error naming the function, the stage and the axis.
+lacks is an error naming the function, the stage and the axis, unless it has
+size 1 on the model's mesh of Auto axes: then splitting along it splits
+nothing, and it is dropped from the specs and from the body's collectives (a
+``psum`` over a size-1 axis is the identity, its ``axis_index`` 0), with a
+`StageAxisDropped` warning, once per function, stage and axes. (On Explicit
+axes the stage's arrays are typed by its own mesh, so the model's own
+``reshard`` to such specs fails there already: keep the axis on the stage.)
 
 Two places move it:
 
@@ -37,10 +43,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from .._compat.jax import equation_context
@@ -59,13 +68,22 @@ from .interpret import bind_equation, interpret
 from .scopes import scope_stack
 from .shared_hook import SharedHook
 
-__all__ = ["StageAxisError", "on_another_mesh", "onto_stage", "routing_stage_shard_maps", "traced_for_other_sizes",
-           "traced_on_stage"]
+__all__ = ["StageAxisDropped", "StageAxisError", "on_another_mesh", "onto_stage", "routing_stage_shard_maps",
+           "traced_for_other_sizes", "traced_on_stage"]
 
 
 class StageAxisError(ValueError):
     """A `shard_map` inside a pipeline stage names a mesh axis the stage's submesh lacks (or has at another
     size where the body's shapes depend on it)."""
+
+
+class StageAxisDropped(UserWarning):
+    """A `shard_map` inside a pipeline stage names a mesh axis the stage's submesh lacks and that has size 1
+    on the model's mesh: it is dropped from the specs and the collectives, the same computation."""
+
+
+#: (function, stage, axes) already warned about by `StageAxisDropped`
+_WARNED: set[tuple[str, str, tuple[str, ...]]] = set()
 
 
 def _spec_axes(specs: Any) -> set[str]:
@@ -80,19 +98,44 @@ def _what(function: Any, scope: str | None) -> str:
     return f"shard_map of {name!r}" + (f" (scope {scope!r})" if scope else "")
 
 
-def _check_axes(what: str, axes: set[str], given: Any, stage: Placement) -> None:
-    """Refuse an axis the specs (or ``axis_names``) name that the stage's submesh lacks."""
+def _check_axes(function: Any, scope: str | None, axes: set[str], given: Any, stage: Placement,
+                droppable: bool = True) -> frozenset[str]:
+    """Refuse an axis the specs (or ``axis_names``) name that the stage's submesh lacks, unless it has size 1
+    on the mesh the call was given (``given``) and ``droppable``: those are returned, to be dropped, and warned
+    about once."""
     missing = sorted(axes - set(stage.mesh.axis_names))
     if not missing:
-        return
+        return frozenset()
+    what = _what(function, scope)
     sizes = dict(given.shape) if given is not None and not given.empty else {}
-    shown = ", ".join(f"{a!r}" + (f" (size {sizes[a]} on its own mesh)" if a in sizes else "") for a in missing)
+    refused = [a for a in missing if sizes.get(a) != 1 or not droppable]
+    if not refused:
+        key = (_what(function, None), stage.describe(), tuple(missing))
+        if key not in _WARNED:
+            _WARNED.add(key)
+            warnings.warn(StageAxisDropped(
+                f"{what} names mesh ax{'is' if len(missing) == 1 else 'es'} {', '.join(map(repr, missing))} of "
+                f"size 1, which the stage {stage.describe()} lacks: dropped from its in_specs/out_specs and "
+                f"from its collectives (a psum over a size-1 axis is the identity), the same computation. Give "
+                f"the stage's submesh the axis (size 1) to keep it"), stacklevel=2)
+        return frozenset(missing)
+    shown = ", ".join(f"{a!r}" + (f" (size {sizes[a]} on its own mesh)" if a in sizes else "") for a in refused)
     raise StageAxisError(
-        f"{what} names mesh ax{'is' if len(missing) == 1 else 'es'} {shown} in its in_specs/out_specs, which "
+        f"{what} names mesh ax{'is' if len(refused) == 1 else 'es'} {shown} in its in_specs/out_specs, which "
         f"the stage {stage.describe()} lacks. Inside a pipeline stage a shard_map runs on the stage's submesh "
-        f"with its specs unchanged: give the stage's submesh the model's axis names (where stages split the "
-        f"mesh along an axis, keep it with size 1: Task(mesh_slice={{{missing[0]!r}: i}}) or a Mesh of the "
-        f"model's axes), or write the specs with the stage's axes {dict(stage.mesh.shape)}")
+        f"with its specs unchanged (an axis of size 1 on the model's mesh is dropped, but on Explicit axes, where "
+        f"the stage's arrays are typed by its mesh): give the stage's submesh "
+        f"the model's axis names (where stages split the mesh along an axis, keep it with size 1: "
+        f"Task(mesh_slice={{{refused[0]!r}: i}}) or a Mesh of the model's axes), or write the specs with the "
+        f"stage's axes {dict(stage.mesh.shape)}")
+
+
+def _with_axes(mesh: Mesh, axes: frozenset[str], given: Any) -> Mesh:
+    """``mesh`` with the size-1 axes ``axes`` added last (the same devices), typed as on ``given``."""
+    names = sorted(axes)
+    types = dict(zip(given.axis_names, given.axis_types))
+    return Mesh(np.asarray(mesh.devices).reshape(mesh.devices.shape + (1,) * len(names)),
+                (*mesh.axis_names, *names), axis_types=(*mesh.axis_types, *(types[a] for a in names)))
 
 
 def _target(given: Any) -> Placement | None:
@@ -127,10 +170,16 @@ def _route(given: Any, axis_names: Any, in_specs: Any, out_specs: Any, function:
     stage = _target(given)
     if stage is None or stage.mesh == given:
         return given, axis_names
-    _check_axes(_what(function, scope_stack() or None), _spec_axes((in_specs, out_specs)), given, stage)
+    mesh_of_call = given if given is not None else (current_placement() or stage).mesh
+    # on Explicit axes (JAX's context mesh the stage's) the call must be on the stage's own mesh
+    dropped = _check_axes(function, scope_stack() or None, _spec_axes((in_specs, out_specs)), mesh_of_call, stage,
+                          droppable=jax.sharding.get_abstract_mesh().empty)
+    # traced on the stage's devices with the dropped size-1 axes kept (the body's collectives name them); they
+    # are dropped where the segment's program is compiled on the stage's submesh (`onto_stage`)
+    mesh = _with_axes(stage.mesh, dropped, mesh_of_call) if dropped else stage.mesh
     if axis_names:   # manual over those of its axes the stage has (an axis no spec names may be gone)
-        axis_names = frozenset(axis_names) & set(stage.mesh.axis_names)
-    return stage.mesh, axis_names
+        axis_names = frozenset(axis_names) & set(mesh.axis_names)
+    return mesh, axis_names
 
 
 def on_another_mesh(eqn: Any) -> bool:
@@ -150,23 +199,36 @@ def _elsewhere(mesh: Any, here: Any) -> bool:
 
 def onto_stage(eqn: Any, ins: list) -> list:
     """``eqn``, a `shard_map` on another mesh, bound on the submesh of the placement in force (see the module
-    docstring): its specs and body unchanged, made manual over the same axes that the submesh has."""
+    docstring): its specs and body unchanged but for size-1 axes the submesh lacks, dropped; made manual over
+    the same axes that the submesh has."""
     call = shard_map_call(eqn)
     stage = current_placement()
     assert call is not None and stage is not None
     what = _what(call.function, None)
     named = _spec_axes((call.in_specs, call.out_specs))
-    _check_axes(what, named, call.mesh, stage)
-    _check_sizes(what, call, named, stage)
+    dropped = _check_axes(call.function, None, named, call.mesh, stage)
+    _check_sizes(what, call, named - dropped, stage)
     manual = call.manual_axes & set(stage.mesh.axis_names)
-    if not _elsewhere(call.mesh, stage.mesh.abstract_mesh):   # same shape: the body's types hold there
+    if not dropped and not _elsewhere(call.mesh, stage.mesh.abstract_mesh):   # same shape: the body's types hold
         return bind_equation(shard_map_moved(eqn, stage.mesh, manual), ins)
-    return shard_map_rebound(eqn, ins, stage.mesh, manual, _body_here)
+    specs = None if not dropped else (_without(call.in_specs, dropped), _without(call.out_specs, dropped))
+    return shard_map_rebound(eqn, ins, stage.mesh, manual, functools.partial(_body_here, dropped=dropped),
+                             specs=specs)
 
 
-def _body_here(jaxpr: Any, ins: list) -> list:
-    """A shard_map's body evaluated on the manual mesh in context (each equation in its own context but that)."""
-    return interpret(jaxpr, (), ins, _bind_here)
+def _without(specs: tuple, axes: frozenset[str]) -> tuple:
+    """Flat specs with ``axes`` left out (an entry left naming none: None, not split)."""
+    def entry(e: Any) -> Any:
+        kept = tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a not in axes)
+        return None if not kept else kept[0] if len(kept) == 1 and not isinstance(e, tuple) else kept
+    return tuple(s if not isinstance(s, PartitionSpec) else PartitionSpec(*(e if e is None else entry(e) for e in s))
+                 for s in specs)
+
+
+def _body_here(jaxpr: Any, ins: list, dropped: frozenset[str] = frozenset()) -> list:
+    """A shard_map's body evaluated on the manual mesh in context (each equation in its own context but that),
+    the size-1 axes ``dropped`` left out of its collectives."""
+    return interpret(jaxpr, (), ins, functools.partial(_bind_here, dropped=dropped))
 
 
 #: Calls whose body is inlined in a shard_map's body moved onto another mesh (its types were the old mesh's):
@@ -176,15 +238,53 @@ _INLINED = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "check
             "remat": "jaxpr", "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr"}
 
 
-def _bind_here(eqn: Any, ins: list) -> list:
+def _bind_here(eqn: Any, ins: list, dropped: frozenset[str] = frozenset()) -> list:
     body = eqn.params.get(_INLINED.get(eqn.primitive.name, ""))
     if body is not None:
         inner = getattr(body, "jaxpr", body)
-        return interpret(inner, getattr(body, "consts", ()), ins, _bind_here)
+        return interpret(inner, getattr(body, "consts", ()), ins, functools.partial(_bind_here, dropped=dropped))
+    params = eqn.primitive.get_bind_params(eqn.params)
+    if dropped:
+        done, params = _without_axes(eqn, ins, params, dropped)
+        if done is not None:
+            return done
     mesh = jax.sharding.get_abstract_mesh()
     with equation_context(eqn), abstract_mesh_context(mesh):
-        outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+        outs = eqn.primitive.bind(*ins, **params)
     return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+#: Collectives over named axes whose result over size-1 axes alone is their input (``axes``: the names)
+_IDENTITY_OVER_ONE = {"psum", "psum_invariant", "pmax", "pmin", "pvary", "pbroadcast"}
+
+
+def _without_axes(eqn: Any, ins: list, params: dict, dropped: frozenset[str]) -> tuple[list | None, dict]:
+    """A collective of the body with the size-1 axes ``dropped`` left out: ``(outputs, params)``, outputs
+    when that leaves nothing to do (a psum over them alone: its inputs; their axis_index: 0)."""
+    name = eqn.primitive.name
+    if "axes" in params and isinstance(params["axes"], tuple):
+        kept = tuple(a for a in params["axes"] if a not in dropped)
+        if kept == params["axes"]:
+            return None, params
+        if not kept and name in _IDENTITY_OVER_ONE:
+            return list(ins), params
+        if kept and name in _IDENTITY_OVER_ONE:
+            return None, {**params, "axes": kept}
+    elif "axis_name" in params:
+        given = params["axis_name"]
+        names = given if isinstance(given, tuple) else (given,)
+        kept = tuple(a for a in names if a not in dropped)
+        if kept == names:
+            return None, params
+        if name == "axis_index" and not kept:
+            return [jax.numpy.zeros((), jax.numpy.int32)], params
+        if kept and name in ("all_gather", "ppermute", "psum_scatter", "reduce_scatter", "all_to_all"):
+            return None, {**params, "axis_name": kept if isinstance(given, tuple) else kept[0]}
+    else:
+        return None, params
+    raise StageAxisError(f"a shard_map's {name} over the size-1 axes {sorted(dropped)}, which the stage lacks: "
+                         f"only psum/pmax/pmin over them and their axis_index can be dropped; keep the axes on "
+                         f"the stage's submesh (size 1)")
 
 
 def _check_sizes(what: str, call: ShardMapCall, named: set[str], stage: Placement) -> None:
