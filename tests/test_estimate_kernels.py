@@ -171,3 +171,39 @@ def test_a_cudnn_flash_attention_call_counts_its_products_and_no_score_bytes(mas
     flops = sorted(k.flops for k in kernels)
     assert flops == [2 * one_product * fraction, 5 * one_product * fraction]
     assert all(k.dtype == "bfloat16" and k.attention_bytes == 0 for k in kernels)
+
+
+@pytest.mark.devices(8)
+def test_a_grouped_product_is_priced_at_its_real_work_on_a_gpu_and_as_compiled_on_its_own_platform():
+    """XLA:CPU compiles ``ragged_dot`` into one dense product over every group, masked; a GPU runs a grouped
+    GEMM over the real rows. Priced on an H100 from a CPU compilation, the program's kernels carry the grouped
+    products' flops (forward and the weights' gradient, each 2 M K N) and bytes (operands and result once); priced
+    on the platform it was compiled for, the dense product XLA made."""
+    m, k, n, g = 64, 32, 16, 8
+    sizes = jnp.array([8, 0, 16, 8, 8, 8, 8, 8], jnp.int32)
+
+    def init():
+        return {"w": jax.random.normal(jax.random.key(0), (g, k, n)) * 0.1}
+
+    def step(p, batch):
+        return jax.grad(lambda p: jnp.sum(jax.lax.ragged_dot(batch["x"], p["w"], sizes) ** 2))(p)
+
+    fn, _, _ = parallelize(step, init_params=init, get_input_batch=lambda: {"x": jnp.ones((m, k))},
+                           mesh=build_mesh({"data": 1}, devices=jax.devices()[:1]), rules=[])
+    real = 2 * 2 * m * k * n  # the product and the weights' gradient, each row through its own group
+
+    def kernel_flops(est):
+        (program,) = est.programs
+        return sum(kern.flops * kern.count for kern in program.kernels)
+
+    gpu = fn.estimate(profile="h100-sxm")
+    assert kernel_flops(gpu) == real
+    (program,) = gpu.programs
+    assert not any(kern.grouped for kern in program.kernels)
+    x, w, out, sizes_b = m * k * 4, g * k * n * 4, m * n * 4, g * 4
+    # forward: x, w, sizes -> y; the weights' gradient: x, dy, sizes -> dw
+    assert sorted(kern.bytes for kern in program.grouped) == [x + w + sizes_b + out, x + out + sizes_b + w]
+    own = fn.estimate(profile=dataclasses.replace(get_profile("h100-sxm"), platform="cpu"))
+    assert kernel_flops(own) == g * real  # as compiled: the dense products over every group
+    assert any(kern.grouped for kern in own.programs[0].kernels)
+    assert gpu.time.programs[program.name].kernels < own.time.programs[program.name].kernels
