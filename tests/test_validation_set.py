@@ -227,8 +227,8 @@ def test_a_tiny_moe_row_is_built_and_priced_with_its_all_to_alls(tmp_path):
         assert a2a and all(c.axes == ("expert",) and c.group_size == 4 for c in a2a), program.collectives
         counts.append(sum(c.count for c in a2a))
     assert counts[1] > counts[0] >= 4  # another block, more all-to-alls
-    b, s, d, heads, hd, experts_per_layer, f, k, n = r.global_batch, r.seq_len, 64, 4, 16, 8, 128, 2, 4
-    rows = b * s * k  # the experts' receive buffers, all devices: n sources x E / n experts x 16 slots, 8 devices
+    b, s, d, heads, hd, experts_per_layer, f, k = r.global_batch, r.seq_len, 64, 4, 16, 8, 128, 2
+    rows = b * s * k  # the receive buffers of 8 devices: 4 sources x 2 experts x 16 slots each
     experts = 3 * 2 * rows * d * f  # gate, up and down of each row
     attention = 2 * b * s * d * hd * 4 * heads + 2 * 2 * b * heads * s * s * hd  # projections; scores and values
     router = 2 * b * s * d * experts_per_layer
