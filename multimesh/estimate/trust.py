@@ -28,6 +28,7 @@ BANDS: dict[tuple[str, str], tuple[float, float, int]] = {
     ("gpu", "pipeline"): (0.81, 0.86, 6),
     ("tpu", "data/FSDP"): (0.77, 0.86, 3),
     ("tpu", "tensor"): (1.05, 1.22, 4),
+    ("gpu", "MoE"): (0.70, 1.78, 4),
 }
 
 
