@@ -8,12 +8,12 @@ group: the rows are broadcast to ``[groups, ...]`` and masked by
 multiplied by all the groups' matrices at once, ``groups`` times the real
 work. `expanded_kernels` finds those instructions: an expansion (a
 ``select`` of a ``broadcast`` under a group mask, an ``and`` of two
-``compare``\\ s of an ``iota``, itself or in its fused computation; the mask
-computed in place or in a kernel of its own, which several expansions share),
-that mask's kernel, the data movement that carries the expansion (copies,
-transposes, conversions), and the matrix products that read it. `timing` prices a program compiled so for another platform with
-the traced program's grouped products (`matmuls.grouped_products`) in their
-place.
+compares of an ``iota``, itself or in its fused computation; the mask
+computed in place or in a kernel of its own, which several expansions
+share), that mask's kernel, the data movement that carries the expansion
+(copies, transposes, conversions), and the matrix products that read it.
+`timing` prices a program compiled so for another platform with the traced
+program's grouped products (`matmuls.grouped_products`) in their place.
 """
 
 from __future__ import annotations
