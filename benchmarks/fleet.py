@@ -72,6 +72,7 @@ class PublishedRun:
     grad_accum: int = 1  # micro-steps whose gradients one step accumulates (the trainer's train.grad_accum)
     num_experts: int = 0  # routed experts per block (models.moe; 0: a dense MLP, d_ff wide), each d_ff wide
     experts_per_token: int = 2  # the top-k of an MoE block
+    moe_capacity_factor: float | None = None  # each expert's capacity per device's tokens (models.moe; None: dropless)
 
 
 def megatron_flops(r: PublishedRun) -> float:
@@ -206,6 +207,7 @@ def trainer_overrides(run: PublishedRun, layers: int, out_dir: str) -> list[str]
         f"layout.mesh={mesh}", "layout.pipeline=null", f"train.out_dir={out_dir}",
         f"train.grad_accum={run.grad_accum}",
         f"model.num_experts={run.num_experts}", f"model.experts_per_token={run.experts_per_token}",
+        f"model.moe_capacity_factor={'null' if run.moe_capacity_factor is None else run.moe_capacity_factor}",
     ]
 
 

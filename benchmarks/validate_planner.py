@@ -39,7 +39,11 @@ and flops; attention is the example's plain (materialised) attention whatever ke
 Mixture-of-Experts row (``model.experts``) becomes the example's MoE layer in every block (`models.moe`:
 ``experts`` SwiGLU experts of width ``expert_ffn``, top-``top_k`` routing, tokens sent to their experts'
 devices by all-to-all over the ``expert`` mesh axis, which also splits the batch); a row with shared experts is
-not built (the example has none).
+not built (the example has none). It is built at the source's dispatch: Megatron's dropless token dispatcher
+sends each expert exactly the copies routed to it, and the sources force-balance the routing, so every expert
+gets ``tokens x top_k / experts`` copies: the example's capacity factor 1.0 (``model.moe_capacity_factor``,
+`MOE_CAPACITY_FACTOR`), whose all-to-all buffers and grouped products hold exactly that balanced load (the
+example's dropless default sizes them for the worst case, all of a device's copies to one device's experts).
 """
 
 from __future__ import annotations
@@ -65,6 +69,9 @@ __all__ = ["FLOP_COUNTS", "RUNS_FILE", "RunsFileError", "ValidationRun", "load_r
 RUNS_FILE = Path(__file__).with_name("published_runs.yaml")
 SPLITS = ("dev", "held_out", "fresh", "unseen", "unseen_moe")
 LAYOUT_AXES = ("data", "fsdp", "tensor", "pipeline", "context")
+#: The example MoE's capacity factor for a row with experts: 1.0, the balanced load an exact (dropless,
+#: force-balanced) dispatch sends (module docstring)
+MOE_CAPACITY_FACTOR = 1.0
 #: layout axes a row may leave out (then 1): the experts' axis, only for a model with experts
 LAYOUT_OPTIONAL = ("expert",)
 #: MLP kinds and how many ``d_model x ffn`` matrices each has.
@@ -375,7 +382,8 @@ def as_fleet_run(r: ValidationRun, whole: bool = False) -> fleet.PublishedRun:
         head_dim=m["head_dim"], d_ff=swiglu_width(r), vocab=m["vocab"], seq_len=r.seq_len,
         global_batch=r.global_batch, tie_embeddings=m["tied"], remat=r.remat,
         published_tflops=float(r.published["tflops_per_device"]), source_flops=lambda _: source_flops(r),
-        notes=r.notes, grad_accum=r.grad_accum, num_experts=m.get("experts", 0), experts_per_token=m.get("top_k", 2))
+        notes=r.notes, grad_accum=r.grad_accum, num_experts=m.get("experts", 0), experts_per_token=m.get("top_k", 2),
+        moe_capacity_factor=MOE_CAPACITY_FACTOR if r.is_moe else None)
 
 
 @dataclass(frozen=True)
@@ -477,12 +485,12 @@ def band_label(r: ValidationRun) -> str:
 
 def _kind(r: ValidationRun) -> tuple[str, str]:
     """(platform, kind of layout) of ``r``, as `multimesh.estimate.trust` keys its bands; a model with experts
-    is a kind of its own (``MoE, pipeline``), kept out of the dense layouts' bands."""
+    is a kind of its own (``MoE``, whatever else its layout does), kept out of the dense layouts' bands."""
     from multimesh.estimate import get_profile
     from multimesh.estimate.trust import layout_kind
 
-    kind = layout_kind(pipeline_stages=r.layout["pipeline"], tensor=r.layout["tensor"])
-    return get_profile(r.devices["kind"]).platform, f"MoE, {kind}" if r.is_moe else kind
+    kind = layout_kind(pipeline_stages=r.layout["pipeline"], tensor=r.layout["tensor"], experts=r.is_moe)
+    return get_profile(r.devices["kind"]).platform, kind
 
 
 def _splits_in_order(runs: Sequence[ValidationRun]) -> list[str]:

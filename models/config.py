@@ -35,7 +35,9 @@ class TransformerConfig:
     Mixture of Experts (:mod:`models.moe`): ``num_experts > 0`` replaces the MLP of every
     ``moe_every``-th block (blocks ``moe_every - 1``, ``2 * moe_every - 1``, ...) by ``num_experts``
     SwiGLU experts of hidden size ``d_ff``, each token routed to ``experts_per_token`` of them;
-    ``moe_aux_loss_coef`` weighs their load-balancing loss in the training loss.
+    ``moe_aux_loss_coef`` weighs their load-balancing loss in the training loss;
+    ``moe_capacity_factor`` (None: dropless) caps each expert's copies per group of tokens at
+    ``ceil(factor * tokens * experts_per_token / num_experts)`` and drops the rest (:mod:`models.moe`).
     """
 
     vocab_size: int = 256
@@ -58,6 +60,7 @@ class TransformerConfig:
     experts_per_token: int = 2
     moe_aux_loss_coef: float = 0.01
     moe_every: int = 1
+    moe_capacity_factor: float | None = None
     attention: str = "auto"
 
     def __post_init__(self) -> None:
@@ -107,6 +110,10 @@ class TransformerConfig:
             raise ValueError(f"moe_every must be >= 1 (1: MoE in every block), got {self.moe_every}")
         if self.moe_aux_loss_coef < 0:
             raise ValueError(f"moe_aux_loss_coef must be >= 0, got {self.moe_aux_loss_coef}")
+        if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
+            raise ValueError(f"moe_capacity_factor={self.moe_capacity_factor} must be > 0: each expert takes at most "
+                             f"ceil(factor x tokens x experts_per_token / num_experts) token copies (1.0: a balanced "
+                             f"load, 1.25 a common choice); leave it unset (null) to drop none")
         if self.num_experts and self.scan_layers and self.moe_every != 1:
             raise ValueError(f"scan_layers stacks identical blocks, so moe_every={self.moe_every} cannot alternate "
                              f"MoE and dense blocks; use moe_every=1 or scan_layers=false")

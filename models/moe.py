@@ -20,11 +20,23 @@ mesh axis ``expert``) and its own tokens (the batch is split over ``expert`` too
 Inside a ``shard_map`` (``multimesh.jax.shard_map`` without a mesh: the mesh in scope, a pipeline
 stage's submesh in a stage) every device sorts its token copies by destination, sends them with
 ``jax.lax.all_to_all`` to the devices that own their experts, computes them there with
-``ragged_dot`` and sends the results back (:func:`experts_all_to_all`). No token is dropped: each
-device's send buffer holds, for every destination, as many rows as it has token copies (the worst
-case: all of them routed to one device's experts), so the result is the one-device result exactly,
-at ``n`` times the memory of the copies. Without an ``expert`` axis (or of size 1, or on one device)
-every expert is computed locally, with no collective.
+``ragged_dot`` and sends the results back (:func:`experts_all_to_all`). The copies travel in the
+compute dtype (``model.dtype``), and so do the experts' outputs. Without an ``expert`` axis (or of size
+1, or on one device) every expert is computed locally, with no collective.
+
+Capacity (``model.moe_capacity_factor``, ``c``; GShard / Switch Transformer / MaxText). Unset (the
+default), no copy is dropped: each device's send buffer holds, for every destination, as many rows as
+it has token copies (the worst case: all of them routed to one device's experts), so the result is the
+one-device result exactly, at ``n`` times the rows a balanced load needs, in the all-to-alls and in the
+grouped products. With ``c``, each expert takes at most ``C = min(ceil(c * N * k / E), N)`` copies from
+each group of ``N`` tokens: the tokens one device sends (:func:`expert_capacity`), the ``N`` of the
+whole call where every expert is local. The group is the source device's tokens because that is what a
+device can count without a collective, and so what sizes its send buffer: ``E / n`` experts x ``C``
+slots per destination, ``c`` times the rows of a balanced load; the receiving device computes ``n`` x
+``E / n`` x ``C`` rows. Copies are ranked in token order within their expert (earlier tokens first, as
+Megatron's "position" drop policy); those ranked ``C`` or later are dropped: their expert output is
+zero and the gates are not renormalised, so the token keeps what its other experts and the residual
+connection give it. ``c >= E / k`` never drops (``C = N``); ``c = 1`` is exactly the balanced load.
 
 Parameters of one layer (``E = num_experts``, ``F = d_ff``)::
 
@@ -36,6 +48,7 @@ Parameters of one layer (``E = num_experts``, ``F = d_ff``)::
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -54,6 +67,7 @@ __all__ = [
     "MoeBlock",
     "NnxMoeBlock",
     "experts_all_to_all",
+    "expert_capacity",
     "experts_local",
     "load_balancing_loss",
     "moe_ffn",
@@ -143,28 +157,52 @@ def _combine(per_copy: Array, gates: Array) -> Array:
     return jnp.einsum("nkd,nk->nd", per_copy.reshape(n, k, -1), gates)
 
 
-def experts_local(x: Array, expert_ids: Array, gates: Array, wi_0: Array, wi_1: Array, wo: Array) -> Array:
+def expert_capacity(tokens: int, k: int, experts: int, capacity_factor: float | None) -> int | None:
+    """The copies each expert takes from a group of ``tokens`` tokens, each sent to ``k`` of ``experts``
+    experts: ``min(ceil(capacity_factor * tokens * k / experts), tokens)`` (None: no capacity, dropless)."""
+    if capacity_factor is None:
+        return None
+    return min(math.ceil(capacity_factor * tokens * k / experts), tokens)
+
+
+def _ranks(sorted_ids: Array, groups: int) -> Array:
+    """Each of ``sorted_ids`` (sorted, stably) its place among the equal ones before it: 0, 1, ... per id."""
+    counts = _group_sizes(sorted_ids, groups)
+    return jnp.arange(sorted_ids.shape[0]) - (jnp.cumsum(counts) - counts)[sorted_ids]
+
+
+def experts_local(x: Array, expert_ids: Array, gates: Array, wi_0: Array, wi_1: Array, wo: Array,
+                  capacity: int | None = None) -> Array:
     """Every expert on this device: tokens ``x`` [N, D], their ``expert_ids``/``gates`` [N, k] -> float32 [N, D].
 
     The ``N * k`` token copies are sorted by expert (stably), computed by one grouped product per
-    weight, put back in token order and combined with the gates.
+    weight (in ``x``'s dtype), put back in token order and combined with the gates. ``capacity``: each
+    expert takes its first ``capacity`` copies in token order and drops the rest (their output is 0); the
+    grouped products then run over ``min(N * k, E * capacity)`` rows.
     """
-    k = expert_ids.shape[-1]
+    k, e = expert_ids.shape[-1], wi_0.shape[0]
     flat = expert_ids.reshape(-1)
+    if capacity is not None:  # dropped copies sort last, past every group
+        order = jnp.argsort(flat, stable=True)
+        dropped = jnp.zeros_like(flat, bool).at[order].set(_ranks(flat[order], e) >= capacity)
+        flat = jnp.where(dropped, e, flat)
     order = jnp.argsort(flat, stable=True)
-    out = _swiglu_grouped(x[order // k], _group_sizes(flat, wi_0.shape[0]), wi_0, wi_1, wo)
-    per_copy = jnp.zeros_like(out).at[order].set(out)
+    rows = order if capacity is None else order[:min(flat.shape[0], e * capacity)]
+    out = _swiglu_grouped(x[rows // k], _group_sizes(flat, e), wi_0, wi_1, wo).astype(x.dtype)
+    per_copy = jnp.zeros((flat.shape[0], out.shape[-1]), out.dtype).at[rows].set(out)
     return _combine(per_copy, gates)
 
 
 def experts_all_to_all(x: Array, expert_ids: Array, gates: Array, wi_0: Array, wi_1: Array, wo: Array,
-                       axis: str = EXPERT_AXIS) -> Array:
+                       axis: str = EXPERT_AXIS, capacity: int | None = None) -> Array:
     """The body of the expert-parallel ``shard_map``: this device's tokens ``x`` [N, D] with their
     ``expert_ids``/``gates`` [N, k] (global expert ids), and its ``E / n`` experts' weights; the ``n``
     devices of mesh axis ``axis`` hold the experts in order. Returns this device's float32 outputs [N, D].
 
-    Copies go to their expert's device in one ``all_to_all`` of ``[n, N * k, D]`` (a slot per copy
-    for every destination: dropless), are computed there in expert order, and come back in another.
+    Copies go to their expert's device in one ``all_to_all`` of ``[n, S, D]`` in ``x``'s dtype, are
+    computed there in expert order, and come back in another. ``capacity`` None: ``S = N * k``, a slot
+    per copy for every destination (dropless); else ``S = E / n * capacity``, ``capacity`` slots per
+    expert, and the copies each expert ranks ``capacity`` or later (in token order) are dropped.
     """
     n_dev = jax.lax.axis_size(axis)
     local = wi_0.shape[0]
@@ -174,17 +212,22 @@ def experts_all_to_all(x: Array, expert_ids: Array, gates: Array, wi_0: Array, w
     order = jnp.argsort(flat, stable=True)  # by expert, hence by destination device
     sorted_ids = flat[order]
     dest = sorted_ids // local
-    counts = _group_sizes(dest, n_dev)
-    slot = jnp.arange(copies) - (jnp.cumsum(counts) - counts)[dest]  # the copy's place among its destination's
-    send = jnp.zeros((n_dev, copies, x.shape[-1]), x.dtype).at[dest, slot].set(x[order // k])
-    send_ids = jnp.full((n_dev, copies), local, jnp.int32).at[dest, slot].set(sorted_ids % local)  # local: empty
+    if capacity is None:
+        width, slot = copies, _ranks(dest, n_dev)  # the copy's place among its destination's
+    else:  # the copy's place among its expert's, in that expert's block of slots; past the buffer: dropped
+        rank = _ranks(sorted_ids, n_dev * local)
+        width = local * capacity
+        slot = jnp.where(rank < capacity, (sorted_ids % local) * capacity + rank, width)
+    send = jnp.zeros((n_dev, width, x.shape[-1]), x.dtype).at[dest, slot].set(x[order // k], mode="drop")
+    send_ids = jnp.full((n_dev, width), local, jnp.int32).at[dest, slot].set(sorted_ids % local, mode="drop")
     recv = jax.lax.all_to_all(send, axis, 0, 0)  # recv[j]: what device j sent here
-    recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0).reshape(-1)
+    recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0).reshape(-1)  # local: an empty slot
     by_expert = jnp.argsort(recv_ids, stable=True)  # empty slots (id == local) last
     out = _swiglu_grouped(recv.reshape(-1, x.shape[-1])[by_expert], _group_sizes(recv_ids, local), wi_0, wi_1, wo)
-    done = jnp.zeros_like(out).at[by_expert].set(out).reshape(n_dev, copies, -1)
+    done = jnp.zeros_like(out, x.dtype).at[by_expert].set(out.astype(x.dtype)).reshape(n_dev, width, -1)
     back = jax.lax.all_to_all(done, axis, 0, 0)  # back[j]: what device j computed for the copies sent to it
-    per_copy = jnp.zeros((copies, out.shape[-1]), out.dtype).at[order].set(back[dest, slot])
+    returned = back.at[dest, slot].get(mode="fill", fill_value=0)  # a dropped copy: 0
+    per_copy = jnp.zeros((copies, out.shape[-1]), x.dtype).at[order].set(returned)
     return _combine(per_copy, gates)
 
 
@@ -194,12 +237,14 @@ def _expert_ways() -> int:
     return 1 if mesh is None else int(dict(mesh.shape).get(EXPERT_AXIS, 1))
 
 
-def moe_ffn(x: Array, expert_ids: Array, gates: Array, wi_0: Array, wi_1: Array, wo: Array) -> Array:
+def moe_ffn(x: Array, expert_ids: Array, gates: Array, wi_0: Array, wi_1: Array, wo: Array,
+            capacity_factor: float | None = None) -> Array:
     """The experts' gate-weighted output for tokens ``x`` [..., D] (float32 [..., D]).
 
     With an ``expert`` axis of size ``n > 1`` in the mesh in scope, by :func:`experts_all_to_all`
     inside a ``shard_map`` (tokens split like the batch, experts over ``expert``); else
-    :func:`experts_local`.
+    :func:`experts_local`. ``capacity_factor``: each expert's capacity per group of tokens
+    (:func:`expert_capacity`; None: dropless).
     """
     lead, d = x.shape[:-1], x.shape[-1]
     k = expert_ids.shape[-1]
@@ -207,7 +252,8 @@ def moe_ffn(x: Array, expert_ids: Array, gates: Array, wi_0: Array, wi_1: Array,
     n = _expert_ways()
     e = wi_0.shape[0]
     if n == 1:
-        return experts_local(tokens, ids, g, wi_0, wi_1, wo).reshape(*lead, d)
+        capacity = expert_capacity(tokens.shape[0], k, e, capacity_factor)
+        return experts_local(tokens, ids, g, wi_0, wi_1, wo, capacity).reshape(*lead, d)
     if e % n:
         raise ValueError(f"num_experts={e} is not divisible by the mesh's {EXPERT_AXIS!r} axis of size {n}: each "
                          f"device must hold the same number of experts; make the {EXPERT_AXIS!r} axis a divisor "
@@ -218,7 +264,8 @@ def moe_ffn(x: Array, expert_ids: Array, gates: Array, wi_0: Array, wi_1: Array,
             raise ValueError(f"the experts' weights are split {e // w0.shape[0]} ways, not over the mesh axis "
                              f"{EXPERT_AXIS!r} of size {n}: map the logical axis {EXPERT_AXIS!r} to the mesh axis "
                              f"{EXPERT_AXIS!r} in the rules (standard_rules does)")
-        return experts_all_to_all(t, i, gg, w0, w1, w2)
+        capacity = expert_capacity(t.shape[0], k, e, capacity_factor)  # per source device: its own tokens
+        return experts_all_to_all(t, i, gg, w0, w1, w2, capacity=capacity)
 
     # tokens split like the batch, and over the expert axis where the rules leave the batch whole there
     rows, expert_w = P(("batch", EXPERT_AXIS), None), P(EXPERT_AXIS, None, None)
@@ -248,7 +295,8 @@ def _forward(config: TransformerConfig, x: Array, router: Array, wi_0: Array, wi
     """The layer's output (compute dtype) and its load-balancing loss."""
     dt = config.compute_dtype
     ids, gates, probs = route(x, router, config.experts_per_token)
-    y = moe_ffn(x.astype(dt), ids, gates, wi_0.astype(dt), wi_1.astype(dt), wo.astype(dt))
+    y = moe_ffn(x.astype(dt), ids, gates, wi_0.astype(dt), wi_1.astype(dt), wo.astype(dt),
+                config.moe_capacity_factor)
     return y.astype(dt), load_balancing_loss(probs, ids)
 
 

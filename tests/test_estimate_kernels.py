@@ -171,3 +171,103 @@ def test_a_cudnn_flash_attention_call_counts_its_products_and_no_score_bytes(mas
     flops = sorted(k.flops for k in kernels)
     assert flops == [2 * one_product * fraction, 5 * one_product * fraction]
     assert all(k.dtype == "bfloat16" and k.attention_bytes == 0 for k in kernels)
+
+
+@pytest.mark.devices(8)
+def test_a_grouped_product_is_priced_at_its_real_work_on_a_gpu_and_as_compiled_on_its_own_platform():
+    """XLA:CPU compiles ``ragged_dot`` into one dense product over every group, masked; a GPU runs a grouped
+    GEMM over the real rows. Priced on an H100 from a CPU compilation, the program's kernels carry the grouped
+    products' flops (forward and the weights' gradient, each 2 M K N) and bytes (operands and result once); priced
+    on the platform it was compiled for, the dense product XLA made."""
+    m, k, n, g = 64, 32, 16, 8
+    sizes = jnp.array([8, 0, 16, 8, 8, 8, 8, 8], jnp.int32)
+
+    def init():
+        return {"w": jax.random.normal(jax.random.key(0), (g, k, n)) * 0.1}
+
+    def step(p, batch):
+        return jax.grad(lambda p: jnp.sum(jax.lax.ragged_dot(batch["x"], p["w"], sizes) ** 2))(p)
+
+    fn, _, _ = parallelize(step, init_params=init, get_input_batch=lambda: {"x": jnp.ones((m, k))},
+                           mesh=build_mesh({"data": 1}, devices=jax.devices()[:1]), rules=[])
+    real = 2 * 2 * m * k * n  # the product and the weights' gradient, each row through its own group
+
+    def kernel_flops(est):
+        (program,) = est.programs
+        return sum(kern.flops * kern.count for kern in program.kernels)
+
+    gpu = fn.estimate(profile="h100-sxm")
+    assert kernel_flops(gpu) == real
+    (program,) = gpu.programs
+    assert not any(kern.grouped for kern in program.kernels)
+    x, w, out, sizes_b = m * k * 4, g * k * n * 4, m * n * 4, g * 4
+    # forward: x, w, sizes -> y; the weights' gradient: x, dy, sizes -> dw
+    assert sorted(kern.bytes for kern in program.grouped) == [x + w + sizes_b + out, x + out + sizes_b + w]
+    own = fn.estimate(profile=dataclasses.replace(get_profile("h100-sxm"), platform="cpu"))
+    assert kernel_flops(own) == g * real  # as compiled: the dense products over every group
+    assert any(kern.grouped for kern in own.programs[0].kernels)
+    assert gpu.time.programs[program.name].kernels < own.time.programs[program.name].kernels
+
+
+SHARED_MASK_HLO = """HloModule shared_mask
+
+%mask (m0: s32[4], m1: s32[4]) -> pred[4,32,16] {
+  %m0 = s32[4]{0} parameter(0)
+  %m1 = s32[4]{0} parameter(1)
+  %starts = s32[4,32,16]{2,1,0} broadcast(%m0), dimensions={0}
+  %ends = s32[4,32,16]{2,1,0} broadcast(%m1), dimensions={0}
+  %iota = s32[4,32,16]{2,1,0} iota(), iota_dimension=1
+  %le = pred[4,32,16]{2,1,0} compare(%starts, %iota), direction=LE
+  %lt = pred[4,32,16]{2,1,0} compare(%iota, %ends), direction=LT
+  ROOT %and = pred[4,32,16]{2,1,0} and(%le, %lt)
+}
+
+%expand (e0: pred[4,32,16], e1: f32[32,16]) -> f32[32,64] {
+  %e0 = pred[4,32,16]{2,1,0} parameter(0)
+  %e1 = f32[32,16]{1,0} parameter(1)
+  %rows = f32[4,32,16]{2,1,0} broadcast(%e1), dimensions={1,2}
+  %zero = f32[] constant(0)
+  %zeros = f32[4,32,16]{2,1,0} broadcast(%zero), dimensions={}
+  %masked = f32[4,32,16]{2,1,0} select(%e0, %rows, %zeros)
+  %t = f32[32,16,4]{1,0,2} transpose(%masked), dimensions={1,2,0}
+  ROOT %flat = f32[32,64]{1,0} bitcast(%t)
+}
+
+%product (d0: f32[32,64], d1: f32[64,8]) -> f32[32,8] {
+  %d0 = f32[32,64]{1,0} parameter(0)
+  %d1 = f32[64,8]{1,0} parameter(1)
+  ROOT %dot = f32[32,8]{1,0} dot(%d0, %d1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%scores (s0: pred[4,32,16], s1: f32[4,32,16]) -> f32[4,32,16] {
+  %s0 = pred[4,32,16]{2,1,0} parameter(0)
+  %s1 = f32[4,32,16]{2,1,0} parameter(1)
+  %inf = f32[] constant(-inf)
+  %infs = f32[4,32,16]{2,1,0} broadcast(%inf), dimensions={}
+  ROOT %masked_scores = f32[4,32,16]{2,1,0} select(%s0, %s1, %infs)
+}
+
+ENTRY %main (starts: s32[4], ends: s32[4], x: f32[32,16], w: f32[64,8], s: f32[4,32,16]) -> (f32[32,8], f32[4,32,16]) {
+  %starts = s32[4]{0} parameter(0)
+  %ends = s32[4]{0} parameter(1)
+  %x = f32[32,16]{1,0} parameter(2)
+  %w = f32[64,8]{1,0} parameter(3)
+  %s = f32[4,32,16]{2,1,0} parameter(4)
+  %group_mask = pred[4,32,16]{2,1,0} fusion(%starts, %ends), kind=kLoop, calls=%mask
+  %expansion = f32[32,64]{1,0} fusion(%group_mask, %x), kind=kLoop, calls=%expand
+  %dense = f32[32,8]{1,0} fusion(%expansion, %w), kind=kOutput, calls=%product
+  %other = f32[4,32,16]{2,1,0} fusion(%group_mask, %s), kind=kLoop, calls=%scores
+  ROOT %out = (f32[32,8]{1,0}, f32[4,32,16]{2,1,0}) tuple(%dense, %other)
+}
+"""
+
+
+def test_a_group_mask_computed_in_a_kernel_of_its_own_is_followed_to_its_expansion_and_product():
+    """XLA computes a mask several expansions share once, in its own kernel: the mask, the masked broadcast
+    of the rows and the dense product that reads it are the grouped product's; a select of other values
+    (an attention's scores) under the same mask is not."""
+    kernels = find_kernels(SHARED_MASK_HLO)
+    grouped = sorted((k.flops, k.bytes) for k in kernels if k.grouped)
+    mask, expansion, product = 4 * 32 * 16, 32 * 64 * 4, (2 * 32 * 8 * 64, (32 * 64 + 64 * 8 + 32 * 8) * 4)
+    assert grouped == sorted([(0.0, 2 * 4 * 4 + mask), (0.0, mask + 32 * 16 * 4 + expansion), product])
+    assert [k.bytes for k in kernels if not k.grouped] == [mask + 2 * 4 * 32 * 16 * 4]

@@ -1,8 +1,9 @@
 """How far a predicted step is trusted: the validation's band per kind of layout, printed with the step."""
 
-from multimesh.estimate import PROFILES
+from multimesh.estimate import PROFILES, Collective
+from multimesh.estimate.programs import ProgramCost
 from multimesh.estimate.report import DeviceMemory, Estimate, StepTime
-from multimesh.estimate.trust import BANDS, band, band_text, layout_kind
+from multimesh.estimate.trust import BANDS, band, band_text, estimate_kind, layout_kind
 
 
 def test_the_kind_of_a_layout():
@@ -10,6 +11,28 @@ def test_the_kind_of_a_layout():
     assert layout_kind({"data": 8, "tensor": 8}) == "tensor"
     assert layout_kind({"data": 8}, pipeline_stages=4) == "pipeline"
     assert layout_kind(tensor=1) == "data/FSDP"
+    assert layout_kind({"data": 2, "expert": 8}, pipeline_stages=4, experts=True) == "MoE"
+
+
+def _program(*kinds: str) -> ProgramCost:
+    collectives = tuple(Collective(kind, 1 << 20, 8, ("expert",), f"c{i}") for i, kind in enumerate(kinds))
+    return ProgramCost("step", frozenset(range(8)), 0, 0, 0, 0, 1e12, 1e9, collectives)
+
+
+def test_a_step_with_all_to_alls_is_an_moe_layout_with_the_moe_validations_band_never_a_dense_one():
+    """Four published MoE runs (validate_planner.py --split unseen_moe) were predicted 0.70 to 1.78 of their
+    step: the MoE band is 80% over 4 runs, whatever else the layout does; the dense kinds' bands are not it."""
+    h100 = PROFILES["h100-sxm"]
+    memory = {0: DeviceMemory(0, "step", params=0, optimizer=0, batch=0, stashed=0, temp=0, outputs=0)}
+    time = StepTime(programs={}, transfers=0.0, total=1.0, dtype="bfloat16", mfu=None)
+    moe = Estimate("step", memory, programs=(_program("all-reduce", "all-to-all"),), profile=h100, time=time)
+    dense = Estimate("step", memory, programs=(_program("all-reduce"),), profile=h100, time=time)
+    assert estimate_kind(moe) == "MoE" and estimate_kind(dense) == "data/FSDP"
+    assert band("gpu", "MoE") == 0.80 and BANDS[("gpu", "MoE")][2] == 4
+    assert moe.step_time_with_band() == ("1 s (validation: within ±80% for MoE on GPUs, 0.70 to 1.78 of the "
+                                         "published step over 4 published runs)")
+    assert all(band_text("gpu", "MoE") != band_text("gpu", kind) for kind in ("data/FSDP", "tensor", "pipeline"))
+    assert band_text("tpu", "MoE") == "validation: no published run of MoE on TPUs checked, no band"
 
 
 def test_every_band_names_its_rows_and_a_kind_without_rows_says_so():

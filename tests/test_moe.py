@@ -22,6 +22,7 @@ from flax import nnx
 from models.moe import (
     MoeBlock,
     NnxMoeBlock,
+    expert_capacity,
     experts_local,
     load_balancing_loss,
     route,
@@ -230,6 +231,124 @@ def test_mesh_in_scope_is_none_on_one_device_and_the_step_mesh_while_parallelize
     assert seen and all(dict(m.shape) == {"data": 2, "expert": 4} for m in seen)
 
 
+# -- capacity ------------------------------------------------------------------------------------------------
+
+
+def kept_copies(ids: np.ndarray, capacity: int) -> np.ndarray:
+    """[N, k] bools: whether each token copy is among the first ``capacity`` copies its expert receives,
+    counting tokens in order (GShard / Switch capacity, "position" drop policy)."""
+    seen: dict[int, int] = {}
+    kept = np.zeros(ids.shape, bool)
+    for t, row in enumerate(ids.tolist()):
+        for j, e in enumerate(row):
+            kept[t, j] = seen.get(e, 0) < capacity
+            seen[e] = seen.get(e, 0) + 1
+    return kept
+
+
+def numpy_experts(x, ids, gates, kept, w) -> np.ndarray:
+    """Each kept copy's expert output, weighted by its gate and summed per token, in NumPy (float64)."""
+    x, w0, w1, w2 = (np.asarray(a, np.float64) for a in (x, *w))
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j, e in enumerate(np.asarray(ids)[t].tolist()):
+            if kept[t, j]:
+                h = x[t] @ w0[e]
+                out[t] += float(gates[t, j]) * ((h / (1 + np.exp(-h))) * (x[t] @ w1[e])) @ w2[e]
+    return out
+
+
+def _expert_weights(e: int = E, seed: int = 6) -> list[jax.Array]:
+    return [_x((e, D, F), seed) * 0.2, _x((e, D, F), seed + 1) * 0.2, _x((e, F, D), seed + 2) * 0.2]
+
+
+def test_a_capacity_drops_exactly_the_copies_past_it_in_token_order():
+    """4 experts, top-2, 6 tokens, factor 0.5: capacity ceil(0.5 x 6 x 2 / 4) = 2 copies per expert. Expert 0
+    gets tokens 0, 1, 2, 3 (keeps 0, 1), expert 1 tokens 0, 2, 4, 5 (keeps 0, 2), experts 2 and 3 two each."""
+    ids = jnp.array([[0, 1], [0, 2], [0, 1], [3, 0], [1, 2], [1, 3]], jnp.int32)
+    hand = np.array([[1, 1], [1, 1], [0, 1], [1, 0], [0, 1], [0, 1]], bool)
+    assert expert_capacity(6, 2, 4, 0.5) == 2 and (kept_copies(np.asarray(ids), 2) == hand).all()
+    x, gates, w = _x((6, D), 5), jax.random.uniform(jax.random.key(3), (6, 2)), _expert_weights(4)
+    got = experts_local(x, ids, gates, *w, capacity=2)
+    np.testing.assert_allclose(np.asarray(got), numpy_experts(x, ids, gates, hand, w), rtol=1e-5, atol=1e-5)
+    dropless = experts_local(x, ids, gates, *w)
+    np.testing.assert_allclose(np.asarray(dropless), numpy_experts(x, ids, gates, np.ones_like(hand), w),
+                               rtol=1e-5, atol=1e-5)
+    assert expert_capacity(6, 2, 4, 2.0) == 6 and expert_capacity(6, 2, 4, None) is None  # at most N: all
+
+
+def _capped(factor: float | None) -> MoeBlock:
+    return MoeBlock(TransformerConfig(d_model=D, num_heads=2, d_ff=F, num_experts=E, experts_per_token=K,
+                                      moe_capacity_factor=factor))
+
+
+def test_a_capacity_that_drops_nothing_equals_the_dropless_layer_on_one_device_and_expert_parallel(layer):
+    """Factor E / k: every expert may take every token of a group, so nothing drops: outputs and gradients equal
+    the dense reference on one device and with expert=4 on 8 devices."""
+    block, p = layer
+    x = _x((8, 6, D))
+    capped = _capped(E / K)
+    _assert_close(_apply(capped, p, x), dense_reference(p, x))
+    (y, _, grads), _, text = _parallel(capped, x, {"data": 2, "expert": 4})
+    assert "all-to-all" in text
+    _assert_close(y, dense_reference(p, x))
+    _assert_close(grads, jax.grad(lambda q: jnp.sum(jnp.sin(dense_reference(q, x))))(p), atol=1e-4)
+
+
+def test_expert_parallel_capacity_is_per_source_device_and_drops_past_it(layer):
+    """With expert=4 on 8 devices each device's 6 tokens are a group: capacity ceil(0.5 x 6 x 2 / 8) = 1 copy
+    per expert from each device; the output equals the NumPy reference that keeps, in each device's block of
+    tokens, each expert's first copy only."""
+    block, p = layer
+    x = _x((8, 6, D))
+    (y, _, _), _, _ = _parallel(_capped(0.5), x, {"data": 2, "expert": 4})
+    tokens = np.asarray(x).reshape(-1, D)
+    ids, gates, _ = route(jnp.asarray(tokens), p["router"], K)
+    ids, gates = np.asarray(ids), np.asarray(gates)
+    w = [p["wi_0"], p["wi_1"], p["wo"]]
+    want = np.concatenate([numpy_experts(tokens[s:s + 6], ids[s:s + 6], gates[s:s + 6],
+                                         kept_copies(ids[s:s + 6], 1), w) for s in range(0, 48, 6)])
+    assert not kept_copies(ids[:6], 1).all()  # some copies do drop
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, D), want, rtol=1e-4, atol=1e-5)
+
+
+def _all_to_all_bytes(block: MoeBlock, x: jax.Array, mesh: dict[str, int], dtype: str = "float32") -> int:
+    def fun(params, batch):
+        return jax.grad(lambda q: jnp.sum(block.apply({"params": q}, batch["x"], mutable=["intermediates"])[0]))(
+            params)
+
+    step, _ = parallelize(fun, init_params=lambda: block.init(jax.random.key(0), x)["params"],
+                          initial_batch={"x": x}, mesh=mesh, rules=standard_rules(tuple(mesh)))
+    (program,) = step.estimate().programs
+    return sum(c.bytes * c.count for c in program.collectives if c.kind == "all-to-all")
+
+
+def test_a_capacity_shrinks_the_all_to_all_bytes_by_its_slots_over_the_dropless_ones():
+    """expert=4 on 8 devices, 6 tokens per device, top-2 of 8 experts: dropless, each destination gets a slot
+    per copy, 12; factor 1: capacity ceil(6 x 2 / 8) = 2 copies per expert, 2 experts per device: 4 slots. Every
+    all-to-all (tokens, their expert ids, results, and the gradients') shrinks by 4 / 12."""
+    x, mesh = _x((8, 6, D)), {"data": 2, "expert": 4}
+    dropless, capped = _all_to_all_bytes(_capped(None), x, mesh), _all_to_all_bytes(_capped(1.0), x, mesh)
+    assert dropless > 0 and capped * 12 == dropless * 4
+
+
+def test_tokens_travel_in_the_compute_dtype():
+    """model.dtype bfloat16: the program JAX emits sends the copies and the experts' outputs in bfloat16, and
+    the estimate counts them so (XLA:CPU widens a bfloat16 all-to-all to float32; a GPU sends bfloat16). Per
+    device, factor 1: 4 destinations x 4 slots of 16 features, out and back, the results' gradient back, and
+    the slots' expert ids (int32)."""
+    x, mesh = _x((8, 6, D)), {"data": 2, "expert": 4}
+    for dtype, itemsize in (("float32", 4), ("bfloat16", 2)):
+        block = MoeBlock(TransformerConfig(d_model=D, num_heads=2, d_ff=F, num_experts=E, experts_per_token=K,
+                                           dtype=dtype, moe_capacity_factor=1.0))
+        assert _all_to_all_bytes(block, x, mesh) == 3 * (4 * 4 * D * itemsize) + 4 * 4 * 4
+    step, init = parallelize(lambda q, b: block.apply({"params": q}, b["x"], mutable=["intermediates"])[0],
+                             init_params=lambda: block.init(jax.random.key(0), x)["params"],
+                             initial_batch={"x": x}, mesh=mesh, rules=standard_rules(tuple(mesh)))
+    emitted = [line for line in step.lower(init(), {"x": x}).as_text().splitlines() if "all_to_all" in line]
+    assert emitted and all("xbf16>" in line or "xi32>" in line for line in emitted), emitted
+
+
 # -- bad input -----------------------------------------------------------------------------------------------
 
 
@@ -238,6 +357,14 @@ def test_top_k_larger_than_the_expert_count_names_both():
         load_config("moe", ["model.num_experts=4", "model.experts_per_token=5"])
     with pytest.raises(ValueError, match=r"experts_per_token=3 .* num_experts=2"):
         TransformerConfig(num_experts=2, experts_per_token=3)
+
+
+def test_a_capacity_factor_not_above_zero_is_refused_by_name():
+    for bad in ("0", "-1.25"):
+        with pytest.raises(ConfigError, match=rf"model: moe_capacity_factor={float(bad)} must be > 0.*unset"):
+            load_config("moe", [f"model.moe_capacity_factor={bad}"])
+    assert load_config("moe", ["model.moe_capacity_factor=1.25"]).model.moe_capacity_factor == 1.25
+    assert load_config("moe").model.moe_capacity_factor is None
 
 
 def test_an_expert_count_the_expert_axis_does_not_divide_names_both_and_the_fix():
@@ -311,6 +438,21 @@ def test_layout_trains_like_one_device_losses_and_parameters(name, tmp_path):
     wo = nn.meta.unbox(got.state["params"])["params"]["layers_0"]["mlp"]["wo"]
     assert wo.sharding.spec[0] == "expert" and {s.data.shape[0] for s in wo.addressable_shards} == {
         cfg.model.num_experts // cfg.layout.mesh["expert"]}
+
+
+@pytest.mark.slow  # ~2 min: two trainings of the MoE model
+def test_a_capacity_that_drops_nothing_trains_like_the_dropless_model_on_one_device(tmp_path):
+    """moe (data=2 x expert=4 on 8 devices) with model.moe_capacity_factor=4 (num_experts / experts_per_token:
+    every expert may take every token of a device's group) against the dropless model on one device, 3 steps:
+    losses, load-balancing losses and every parameter."""
+    cfg = small("moe", tmp_path / "cap", "train.steps=3", "model.num_layers=2", "model.moe_capacity_factor=4.0")
+    one = small("moe", tmp_path / "one", "train.steps=3", "model.num_layers=2").replace(layout=ONE_DEVICE)
+    got, got_losses = _run(cfg, 3)
+    want, want_losses = _run(one, 3)
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+    _assert_close(params_of(got), params_of(want), rtol=1e-4, atol=1e-6)
+    aux = [r["moe_aux_loss"] for r in _metrics(tmp_path / "cap")]
+    np.testing.assert_allclose(aux, [r["moe_aux_loss"] for r in _metrics(tmp_path / "one")], rtol=1e-5)
 
 
 def _metrics(out: Path) -> list[dict]:

@@ -229,8 +229,9 @@ def test_a_tiny_moe_row_is_built_and_priced_with_its_all_to_alls(tmp_path):
     """The row becomes the example's MoE transformer on {data: 2, expert: 4}: tokens go to their experts'
     devices and back by all-to-all over the expert axis, in every block (two each way, forward and backward),
     and each block's grouped expert products are counted: each row of the receive buffer through its one
-    expert (not every expert), the buffer holding a slot for every copy on every expert device (models.moe:
-    no token dropped), so n = 4 times the k copies of each token."""
+    expert (not every expert), the buffers sized at capacity factor 1 (the rows' dispatch: validate_planner's
+    MOE_CAPACITY_FACTOR): each expert's slots hold the balanced load, 64 tokens x 2 / 8 experts = 16 copies
+    from each device, so the buffers hold the k copies of each token once."""
     path = tmp_path / "runs.yaml"
     path.write_text(TINY_MOE)
     (r,) = vp.load_runs(path)
@@ -244,8 +245,8 @@ def test_a_tiny_moe_row_is_built_and_priced_with_its_all_to_alls(tmp_path):
         assert a2a and all(c.axes == ("expert",) and c.group_size == 4 for c in a2a), program.collectives
         counts.append(sum(c.count for c in a2a))
     assert counts[1] > counts[0] >= 4  # another block, more all-to-alls
-    b, s, d, heads, hd, experts_per_layer, f, k, n = r.global_batch, r.seq_len, 64, 4, 16, 8, 128, 2, 4
-    rows = n * b * s * k  # the experts' receive buffers, all devices
+    b, s, d, heads, hd, experts_per_layer, f, k = r.global_batch, r.seq_len, 64, 4, 16, 8, 128, 2
+    rows = b * s * k  # the receive buffers of 8 devices: 4 sources x 2 experts x 16 slots each
     experts = 3 * 2 * rows * d * f  # gate, up and down of each row
     attention = 2 * b * s * d * hd * 4 * heads + 2 * 2 * b * heads * s * s * hd  # projections; scores and values
     router = 2 * b * s * d * experts_per_layer

@@ -10,13 +10,13 @@ import jax
 from ..core.fmt import keypath_str
 from ..core.layout import LeafLayout
 from .held import DEFAULT_OPTIMIZER_PATHS, held_bytes
-from .matmuls import matmul_flops_by_dtype
+from .matmuls import grouped_products, matmul_flops_by_dtype
 from .precision import dtype_label, main_dtype, rate_for
 from .profiles import HardwareProfile, get_profile
 from .programs import ProgramCost, analyse_compiled, compiled_once, mpmd_programs, spmd_program
 from .report import DeviceMemory, Estimate, StepTime
 from .steptime import step_timing
-from .timing import compute_time, overlaps_collectives
+from .timing import compute_time, on_platform, overlaps_collectives
 from .utilisation import utilisation
 
 __all__ = ["estimate", "estimate_mjit"]
@@ -113,7 +113,7 @@ def estimate_mjit(fn: Any, args: tuple, profile: str | HardwareProfile | None = 
             mesh = compiled.plan.placements[0].mesh
             program, reshards = compiled_once(traced.lower(), mesh)
             return analyse_compiled(fn.__name__, program, mesh, matmuls=matmul_flops_by_dtype(traced.jaxpr),
-                                    reshards=reshards)
+                                    reshards=reshards, grouped=grouped_products(traced.jaxpr))
     return _estimate(fn.__name__, compiled.plan, compiled.runtime, spmd, compiled.plan.placements, leaves, (),
                      profile, dtype, model_flops, optimizer_paths)
 
@@ -149,6 +149,8 @@ def _estimate(name: str, plan: Any, runtime: Any, spmd: Any, placements: Any, pa
     result = Estimate(name=name, memory=memory, programs=programs, transfers=transfers, notes=_NOTES)
     if profile is None:
         return result
+    programs = tuple(on_platform(p, profile) for p in programs)  # as the profile's platform runs them
+    result = Estimate(name=name, memory=memory, programs=programs, transfers=transfers, notes=_NOTES)
     time = _step_time(plan, result, segment_program, profile, dtype, model_flops)
     return Estimate(name=name, memory=memory, programs=programs, transfers=transfers, profile=profile, time=time,
                     notes=(*_NOTES, _time_note(programs, time, profile)))

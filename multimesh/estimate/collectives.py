@@ -25,7 +25,8 @@ bfloat16 after). A collective whose operand is such a widening (its value
 last held in a narrower float type: a convert from it, through copies,
 bitcasts and transposes, fused or not) counts at that narrower width, the
 bytes a GPU or TPU sends: an FSDP step that gathers bfloat16 parameters is
-priced as gathering bfloat16 when it is compiled on CPU.
+priced as gathering bfloat16 when it is compiled on CPU, and an MoE layer's
+all-to-all of bfloat16 tokens as sending bfloat16.
 
 A collective is ``critical`` when, within its computation, its input is
 computed by a matrix product and a matrix product waits for its result (a
@@ -216,7 +217,8 @@ def _bytes_as_sent(module: Module, ins: Instruction, kind: str) -> int:
     """The collective's result bytes at the width its operand's value really has (module docstring)."""
     nbytes = shape_bytes(ins.shape)
     start = module.instruction(ins.operands[0]) if ins.opcode.endswith("-done") and ins.operands else ins
-    if start is None or not start.operands or kind not in ("all-gather", "all-reduce", "reduce-scatter"):
+    if start is None or not start.operands or kind not in ("all-gather", "all-reduce", "reduce-scatter",
+                                                           "all-to-all"):
         return nbytes
     wide = _FLOAT_BITS.get(_element_type(ins.shape))
     narrow = _FLOAT_BITS.get(_narrowest_source(module, start.operands[0]))

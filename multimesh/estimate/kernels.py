@@ -20,7 +20,9 @@ no dimension numbers: its products are counted from its query
 ``[batch, length, heads, head_dim]`` and key ``[batch, kv_length, kv_heads,
 head_dim]`` operands (`_flash_flops`), and its score matrices never leave the
 chip, so it has no attention bytes.
-Elementwise arithmetic is left to the program's total (its bytes dominate
+A kernel XLA made from a grouped product's dense expansion (`grouped`:
+``ragged_dot`` where the platform has no grouped GEMM) is marked
+``grouped``. Elementwise arithmetic is left to the program's total (its bytes dominate
 such a kernel's time). A kernel in a loop body counts once per iteration.
 """
 
@@ -33,6 +35,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from .collectives import KINDS
+from .grouped import expanded_kernels
 from .hlo import Instruction, Module, parse_module, shape_bytes
 from .precision import work_dtype
 
@@ -62,6 +65,9 @@ class Kernel:
     #: larger than its operands, and what is computed from them at their size: scale, mask, softmax), which a
     #: flash-attention kernel keeps on chip
     attention_bytes: int = 0
+    #: made from a grouped product's dense expansion (`grouped.expanded_kernels`): the masked copy of its rows,
+    #: that copy's layouts, or the dense product over every group; what a grouped GEMM replaces
+    grouped: bool = False
 
 
 def _dims(shape: str) -> list[int]:
@@ -188,14 +194,15 @@ def _scores(module: Module) -> set[str]:
     return found
 
 
-def _kernel(ins: Instruction, module: Module, scores: Collection[str] = frozenset()) -> Kernel | None:
+def _kernel(ins: Instruction, module: Module, scores: Collection[str] = frozenset(),
+            expanded: Collection[str] = frozenset()) -> Kernel | None:
     k = _kernel_io(ins, module)
-    if k is None or not scores:
+    if k is None:
         return k
     moved = sum(shape_bytes(module.shape(o)) for o in ins.operands if o in scores)
     if ins.name in scores:
         moved += shape_bytes(ins.shape)
-    return Kernel(k.flops, k.bytes, k.count, k.dtype, min(moved, k.bytes))
+    return Kernel(k.flops, k.bytes, k.count, k.dtype, min(moved, k.bytes), ins.name in expanded)
 
 
 def _kernel_io(ins: Instruction, module: Module) -> Kernel | None:
@@ -219,14 +226,13 @@ def _kernel_io(ins: Instruction, module: Module) -> Kernel | None:
 def find_kernels(hlo_text: str | Module) -> tuple[Kernel, ...]:
     """The kernels of a compiled program's HLO (``compiled.as_text()`` or its `parse_module`), kernels alike
     merged (their counts summed), largest bytes first; each with the bytes of attention score matrices it
-    moves (`_scores`)."""
+    moves (`_scores`), and whether it was made from a grouped product's dense expansion."""
     module = parse_module(hlo_text)
-    scores = _scores(module)
-    counts: Counter[tuple[float, int, str, int]] = Counter()
+    scores, expanded = _scores(module), expanded_kernels(module)
+    counts: Counter[tuple[float, int, str, int, bool]] = Counter()
     for ins, times in module.executed(_RUNS_AS_CODE):
-        k = _kernel(ins, module, scores)
+        k = _kernel(ins, module, scores, expanded)
         if k is not None and (k.flops or k.bytes):
-            counts[(k.flops, k.bytes, k.dtype, k.attention_bytes)] += times
-    return tuple(Kernel(f, b, n, d, a) for (f, b, d, a), n in sorted(counts.items(),
-                                                                     key=lambda kv: (-kv[0][1], -kv[0][0],
-                                                                                     kv[0][2], kv[0][3])))
+            counts[(k.flops, k.bytes, k.dtype, k.attention_bytes, k.grouped)] += times
+    return tuple(Kernel(f, b, n, d, a, g) for (f, b, d, a, g), n in sorted(
+        counts.items(), key=lambda kv: (-kv[0][1], -kv[0][0], kv[0][2], kv[0][3], kv[0][4])))

@@ -6,18 +6,22 @@ on a GPU the products that became library calls (cuBLAS) count nothing. The
 jaxpr has every product with its shapes, and every loop with its length, so
 its count is exact for the matrix work, which dominates a model's flops.
 A grouped product (``ragged_dot_general``: a Mixture of Experts' experts)
-counts each row through its one group, as a grouped GEMM computes it.
+counts each row through its one group, as a grouped GEMM computes it;
+`grouped_products` lists them with the bytes a grouped GEMM moves (its
+operands and result once), what `timing` charges in place of the dense
+product XLA:CPU makes of one (`grouped`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from ..core.jaxprs import subjaxprs
 from .precision import dot_dtype
 
-__all__ = ["matmul_flops", "matmul_flops_by_dtype"]
+__all__ = ["GroupedProduct", "grouped_products", "matmul_flops", "matmul_flops_by_dtype"]
 
 
 def _dot_flops(eqn: Any) -> float:
@@ -81,3 +85,40 @@ def matmul_flops_by_dtype(jaxpr: Any) -> dict[str, float]:
             _add(total, d, times)
     return total
 
+
+
+@dataclass(frozen=True)
+class GroupedProduct:
+    """One grouped product (``ragged_dot_general``) as a grouped GEMM runs it, over the whole (global) arrays of
+    one execution: ``flops`` (each row through its own group), ``bytes`` (its operands, group sizes and result,
+    each once), the ``dtype`` its operands run in, and ``count``: executions per program run (a ``scan``'s
+    length)."""
+
+    flops: float
+    bytes: int
+    dtype: str
+    count: int = 1
+
+
+def _nbytes(v: Any) -> int:
+    return int(math.prod(v.aval.shape)) * v.aval.dtype.itemsize
+
+
+def grouped_products(jaxpr: Any, times: int = 1, devices: int = 1) -> tuple[GroupedProduct, ...]:
+    """Every grouped product of ``jaxpr`` and the jaxprs it nests (`GroupedProduct`), counted as
+    `matmul_flops_by_dtype` counts them: a ``scan`` body ``length`` times (in ``count``), a ``shard_map`` body's
+    per-device shapes times the devices of its mesh, every branch of a ``cond``."""
+    found: list[GroupedProduct] = []
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        name = eqn.primitive.name
+        if name == "ragged_dot_general":
+            dtype = dot_dtype(eqn.invars[0].aval.dtype.name, eqn.invars[1].aval.dtype.name,
+                              eqn.params.get("precision"))
+            moved = sum(_nbytes(v) for v in (*eqn.invars[:3], *eqn.outvars))
+            found.append(GroupedProduct(_ragged_dot_flops(eqn) * devices, moved * devices, dtype, times))
+            continue
+        inner_times = times * (eqn.params["length"] if name == "scan" else 1)
+        inner_devices = devices * (eqn.params["mesh"].size if name == "shard_map" else 1)
+        for j in subjaxprs(eqn):
+            found.extend(grouped_products(j, inner_times, inner_devices))
+    return tuple(found)

@@ -31,7 +31,7 @@ from .compiler_log import Reshard, compile_noting_reshards
 from .held import slice_bytes
 from .hlo import parse_module
 from .kernels import Kernel, find_kernels
-from .matmuls import matmul_flops_by_dtype
+from .matmuls import GroupedProduct, grouped_products, matmul_flops_by_dtype
 
 __all__ = ["MPMDPrograms", "ProgramCost", "analyse_compiled", "mpmd_programs", "spmd_program"]
 
@@ -64,6 +64,10 @@ class ProgramCost:
     #: of ``bytes_accessed``, those of attention score matrices (`kernels`), which a flash
     #: kernel keeps on chip: left out where the program is priced for another platform than its own
     attention_bytes: float = 0.0
+    #: its grouped products (``ragged_dot``) as a grouped GEMM runs them, per device (`matmuls.grouped_products`):
+    #: where XLA expanded them into dense products (kernels marked ``grouped``), what `timing` charges on a
+    #: platform with grouped GEMMs instead
+    grouped: tuple[Kernel, ...] = field(default=(), repr=False)
 
     @property
     def peak_bytes(self) -> int:
@@ -96,12 +100,14 @@ def _read_hlo(compiled: Any, mesh: Mesh) -> tuple[tuple[Collective, ...], tuple[
 
 
 def analyse_compiled(name: str, compiled: Any, mesh: Mesh, executions: int = 1,
-                     matmuls: Mapping[str, float] | None = None, reshards: tuple[Reshard, ...] = ()) -> ProgramCost:
+                     matmuls: Mapping[str, float] | None = None, reshards: tuple[Reshard, ...] = (),
+                     grouped: tuple[GroupedProduct, ...] = ()) -> ProgramCost:
     """A `ProgramCost` from a `jax.stages.Compiled` of a program on ``mesh``. ``matmuls``: the flops of its
     matrix products by dtype, counted from its jaxpr (`matmul_flops_by_dtype`, global arrays): the flops per
     device are at least those over the devices, where XLA's count misses some (a loop body counted once, GPU
     library calls).
-    ``reshards``: what XLA warned of while compiling it (`compiled_once`)."""
+    ``reshards``: what XLA warned of while compiling it (`compiled_once`). ``grouped``: its grouped products
+    (`grouped_products`, global arrays), kept per device as kernels."""
     memory = compiled.memory_analysis()
     cost = _cost(compiled)
     collectives, kernels = _read_hlo(compiled, mesh)
@@ -114,7 +120,9 @@ def analyse_compiled(name: str, compiled: Any, mesh: Mesh, executions: int = 1,
         flops=max(float(cost.get("flops", 0.0)), sum(per_device.values())), bytes_accessed=float(moved),
         collectives=collectives, executions=executions, kernels=kernels,
         platform=mesh.devices.flat[0].platform, reshards=reshards, matmul_dtypes=tuple(sorted(per_device.items())),
-        attention_bytes=float(sum(k.attention_bytes * k.count for k in kernels)))
+        attention_bytes=float(sum(k.attention_bytes * k.count for k in kernels)),
+        grouped=tuple(Kernel(g.flops / mesh.devices.size, -(-g.bytes // mesh.devices.size), g.count, g.dtype)
+                      for g in grouped))
 
 
 def _abstract(tree: Any, shardings: Any) -> Any:
@@ -129,7 +137,8 @@ def spmd_program(step_fn: Any, args: tuple = ()) -> ProgramCost:
         traced = step_fn.trace(step_fn.abstract_params, batch, *args)
         compiled, reshards = compiled_once(traced.lower(), step_fn.mesh)
     return analyse_compiled(getattr(step_fn.fun, "__name__", "step"), compiled, step_fn.mesh,
-                            matmuls=matmul_flops_by_dtype(traced.jaxpr), reshards=reshards)
+                            matmuls=matmul_flops_by_dtype(traced.jaxpr), reshards=reshards,
+                            grouped=grouped_products(traced.jaxpr))
 
 
 @dataclass(frozen=True)
@@ -224,7 +233,7 @@ def mpmd_programs(runtime: Any) -> MPMDPrograms:
             if key not in compiled:
                 traced = step.fn.trace(*args, *step.literals)
                 compiled[key] = (*compiled_once(traced.lower(), mesh), program_of[seg.index], mesh,
-                                 matmul_flops_by_dtype(traced.jaxpr))
+                                 matmul_flops_by_dtype(traced.jaxpr), grouped_products(traced.jaxpr))
             calls[key] = calls.get(key, 0) + 1
             runs[seg.index] = key
             outs = [_moved_to(s, mesh) for s in jax.tree.leaves(compiled[key][0].output_shardings)]
@@ -232,12 +241,13 @@ def mpmd_programs(runtime: Any) -> MPMDPrograms:
                 held[k] = jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=s)
     programs: list[ProgramCost] = []
     position: dict[Any, int] = {}
-    for key, (c, reshards, program, mesh, matmuls) in compiled.items():
+    for key, (c, reshards, program, mesh, matmuls, grouped) in compiled.items():
         name = f"{program.placement.name or 'default'}_program{program.index}"
         if any(p.name == name for p in programs):  # one program compiled for two sets of input shardings
             name += f".{sum(p.name.startswith(name) for p in programs)}"
         position[key] = len(programs)
-        programs.append(analyse_compiled(name, c, mesh, executions=calls[key], matmuls=matmuls, reshards=reshards))
+        programs.append(analyse_compiled(name, c, mesh, executions=calls[key], matmuls=matmuls, reshards=reshards,
+                                         grouped=grouped))
     stash = tuple((stage, label, slice_bytes(tuple(held[k].shape), held[k].dtype.itemsize, held[k].sharding))
                   for k, (stage, label) in runtime.stashed().items() if k in held)
     return MPMDPrograms(tuple(programs), stash, {k: position[key] for k, key in runs.items()})

@@ -27,7 +27,13 @@ it, from the kernels XLA:CPU made:
   ``max(flops / rate, bytes / memory bandwidth)``;
 
 either way without the bytes of the attention score matrices, which the
-target's flash-attention kernel keeps on chip (`memory_bytes`).
+target's flash-attention kernel keeps on chip (`memory_bytes`), and with
+each grouped product (``ragged_dot``: an MoE layer's experts) at its real
+work, as the target's grouped GEMM runs it: where XLA:CPU expanded one into
+a dense product over every group (the kernels marked ``grouped``), those
+kernels give way to the traced program's grouped products (each row through
+its own group's matrix; its operands and result read and written once:
+`on_platform`).
 
 Collectives: on GPUs and TPUs XLA runs them asynchronously and its
 latency-hiding scheduler places independent compute beside them, so only a
@@ -50,7 +56,7 @@ larger one to have one device per node.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .collectives import Collective
 from .kernels import Kernel
@@ -60,7 +66,7 @@ from .profiles import HardwareProfile
 from .programs import ProgramCost
 
 __all__ = ["FRESH_MAPPING_BYTES", "ProgramTime", "collective_time", "compute_time", "fresh_memory_time", "kernels_time",
-           "launch_overhead", "memory_bytes", "overlaps_collectives", "program_time", "transfer_time"]
+           "launch_overhead", "memory_bytes", "on_platform", "overlaps_collectives", "program_time", "transfer_time"]
 
 #: A buffer above this many bytes is mapped afresh by glibc's malloc on every allocation and unmapped when
 #: freed: 32 MiB, the most its mmap threshold grows to on a 64-bit host (a thread's arena holds no more than
@@ -129,10 +135,28 @@ def _compiled_for(p: ProgramCost, profile: HardwareProfile) -> bool:
     return bool(profile.platform) and profile.platform == p.platform
 
 
+def on_platform(p: ProgramCost, profile: HardwareProfile) -> ProgramCost:
+    """``p`` as the profile's platform runs it: as compiled where it was compiled for that platform, or where
+    XLA made no dense expansion of a grouped product; else with the kernels of those expansions (``grouped``)
+    replaced by its grouped products (``p.grouped``), and its flops and bytes changed by as much."""
+    expanded = [k for k in p.kernels if k.grouped]
+    if _compiled_for(p, profile) or not expanded or not p.grouped:
+        return p
+
+    def total(kernels: list[Kernel] | tuple[Kernel, ...], of: str) -> float:
+        return sum(getattr(k, of) * k.count for k in kernels)
+
+    counted = sum(f for _, f in p.matmul_dtypes)
+    return replace(p, kernels=tuple(k for k in p.kernels if not k.grouped) + p.grouped,
+                   flops=max(p.flops - total(expanded, "flops") + total(p.grouped, "flops"), counted),
+                   bytes_accessed=max(p.bytes_accessed - total(expanded, "bytes") + total(p.grouped, "bytes"), 0.0))
+
+
 def compute_time(p: ProgramCost, profile: HardwareProfile, dtype: str | None = None) -> float:
     """Seconds ``p``'s flops take at peak (`program_time` divides by the achievable fraction): each dtype's
     matrix flops (``p.matmul_dtypes``) at that dtype's rate, the rest at the rate of the dtype of most of them;
     ``dtype``: every flop at that dtype's rate."""
+    p = on_platform(p, profile)
     if dtype is not None:
         return p.flops / profile.flops_rate(dtype)
     by = dict(p.matmul_dtypes)
@@ -146,6 +170,7 @@ def kernels_time(p: ProgramCost, profile: HardwareProfile, dtype: str | None = N
     kernel compiled for another platform without its attention-score bytes (None: no kernels read, or read
     from a compilation for another platform whose compiler the profile's does not follow kernel for kernel:
     see the module docstring)."""
+    p = on_platform(p, profile)
     native = _compiled_for(p, profile)
     if not p.kernels or not (native or profile.platform == "gpu"):
         return None
@@ -186,6 +211,7 @@ def memory_bytes(p: ProgramCost, profile: HardwareProfile) -> float:
 def program_time(p: ProgramCost, profile: HardwareProfile, dtype: str | None = None) -> ProgramTime:
     """One execution of ``p``: its matrix products at the rates of the dtypes they run in (``dtype``: every
     flop at that dtype's rate, an override)."""
+    p = on_platform(p, profile)
     collectives = [(c, c.count * collective_time(c, profile)) for c in p.collectives]
     overlapped = sum(t for c, t in collectives if not c.critical) if overlaps_collectives(profile) else 0.0
     return ProgramTime(compute=compute_time(p, profile, dtype) / profile.achievable_matmul_fraction,

@@ -17,14 +17,18 @@ __all__ = ["BANDS", "band", "band_text", "estimate_kind", "layout_kind"]
 
 #: (platform, kind) -> (lowest, highest predicted / published step seen, rows). Kinds: "data/FSDP" (data
 #: parallelism and sharded parameters only), "tensor" (tensor parallelism, with or without data/FSDP),
-#: "pipeline". From `benchmarks/validate_planner.py` over every split (RESULTS.md, "The planner against
-#: published runs: networks as wired, bytes as sent").
+#: "pipeline", "MoE" (a Mixture of Experts with its experts split over devices, whatever else the layout
+#: does: its step turns on the all-to-alls and grouped products the dense rows have none of). From
+#: `benchmarks/validate_planner.py` over every split (RESULTS.md, "The planner against published runs:
+#: networks as wired, bytes as sent"; the MoE band: its ``unseen_moe`` split, "The planner against published
+#: Mixture-of-Experts runs").
 BANDS: dict[tuple[str, str], tuple[float, float, int]] = {
     ("gpu", "data/FSDP"): (0.64, 0.92, 17),
     ("gpu", "tensor"): (0.72, 0.89, 3),
     ("gpu", "pipeline"): (0.81, 0.86, 6),
     ("tpu", "data/FSDP"): (0.77, 0.86, 3),
     ("tpu", "tensor"): (1.05, 1.22, 4),
+    ("gpu", "MoE"): (0.70, 1.78, 4),
 }
 
 
@@ -39,9 +43,13 @@ def band(platform: str, kind: str) -> float | None:
 _PLATFORM_NAMES = {"gpu": "GPUs", "tpu": "TPUs"}
 
 
-def layout_kind(mesh: dict[str, int] | None = None, pipeline_stages: int = 1, tensor: int | None = None) -> str:
-    """The kind of a layout: ``pipeline`` over several stages, ``tensor`` where a tensor axis splits the
-    model, else ``data/FSDP``. ``tensor``: the tensor-parallel size, where not read from ``mesh``."""
+def layout_kind(mesh: dict[str, int] | None = None, pipeline_stages: int = 1, tensor: int | None = None,
+                experts: bool = False) -> str:
+    """The kind of a layout: ``MoE`` for a model with experts (``experts``) split over an ``expert`` axis
+    (whatever else the layout does), ``pipeline`` over several stages, ``tensor`` where a tensor axis splits
+    the model, else ``data/FSDP``. ``tensor``: the tensor-parallel size, where not read from ``mesh``."""
+    if experts:
+        return "MoE"
     if pipeline_stages > 1:
         return "pipeline"
     size = tensor if tensor is not None else max(
@@ -50,8 +58,11 @@ def layout_kind(mesh: dict[str, int] | None = None, pipeline_stages: int = 1, te
 
 
 def estimate_kind(est: Any) -> str:
-    """An `Estimate`'s kind of layout, from its programs: a pipeline schedule; a collective on the products'
-    path (a tensor-parallel reduction of activations); else data/FSDP."""
+    """An `Estimate`'s kind of layout, from its programs: an all-to-all (an MoE layer's tokens sent to their
+    experts' devices); a pipeline schedule; a collective on the products' path (a tensor-parallel reduction of
+    activations); else data/FSDP."""
+    if any(c.kind == "all-to-all" for p in est.programs for c in p.collectives):
+        return "MoE"
     if est.time is not None and est.time.pipeline:
         return "pipeline"
     if any(c.critical for p in est.programs for c in p.collectives):
