@@ -17,7 +17,8 @@ fresh process without a compilation cache, 8 simulated CPU devices. Per row:
   (grouping segments into programs, the per-segment bookkeeping), XLA's
   compilations (count and seconds, init's included) and the rest of init and
   the first call (the actions themselves);
-- steady: the median step over ``--rounds`` rounds of 3 steps;
+- steady (*step ms*): the median step over ``--rounds`` rounds of 3 steps; *alone ms*: the same
+  runtime, each action its own host call (in the grouped order), in rounds interleaved with those;
 - host calls per step (*calls*; the actions are *execs*) and the number of
   executables the runtime's programs and groups compiled to;
 - per action (one segment's execution): the runtime's step time over its
@@ -97,24 +98,26 @@ def measure(n_mb: int, batch_size: int, rounds: int, schedule: str, group: int) 
         metrics, state = program.step(state, batch)
         jax.block_until_ready(metrics)
         first_s = time.perf_counter() - t0
-        for _ in range(2):
-            metrics, state = program.step(state, batch)
-        jax.block_until_ready(metrics)
-        per_round = []
-        for _ in range(rounds):
-            t = time.perf_counter()
-            for _ in range(3):
-                metrics, state = program.step(state, batch)
-                jax.block_until_ready(metrics)
-            per_round.append((time.perf_counter() - t) / 3)
-        step_s = statistics.median(per_round)
         runtime = program.step.runtime
+        grouped = list(runtime.calls)
+        alone = [type(c)([s], s.fn, s.args, s.literals, s.outs, s.local) for c in grouped for s in c.steps]
+        per_round: dict[str, list[float]] = {"grouped": [], "alone": []}
+        for _ in range(rounds + 1):  # rounds of 3 steps each way, interleaved; the first warms up (compiles)
+            for how, calls in (("grouped", grouped), ("alone", alone)):
+                runtime.calls[:] = calls
+                t = time.perf_counter()
+                for _ in range(3):
+                    metrics, state = program.step(state, batch)
+                    jax.block_until_ready(metrics)
+                per_round[how].append((time.perf_counter() - t) / 3)
+        runtime.calls[:] = grouped
+        step_s, alone_s = (statistics.median(per_round[how][1:]) for how in ("grouped", "alone"))
         executions, dispatches = program.step.stats.executions, program.step.stats.dispatches
         host = _host_costs(program, state, batch, runtime_module, rounds)
     return {"schedule": schedule, "group": group, "microbatches": n_mb, "batch": batch_size,
             "executions": executions, "dispatches": dispatches,
             "programs": len(runtime.programs) + len({id(c.fn) for c in runtime.calls if len(c.steps) > 1}),
-            "build_s": build_s, "first_s": first_s, "step_s": step_s,
+            "build_s": build_s, "first_s": first_s, "step_s": step_s, "alone_step_s": alone_s,
             "compiles": compiles[0], "compile_s": compiles[1], **{f"{k}_s": v for k, v in phases.items()},
             **host}
 
@@ -218,6 +221,7 @@ COLUMNS = [("schedule", "schedule", "{:s}"), ("group", "group", "{:d}"), ("mb", 
            ("inline s", "inline_s", "{:.1f}"), ("plan s", "partition_s", "{:.1f}"),
            ("setup s", "runtime_setup_s", "{:.1f}"), ("compiles", "compiles", "{:d}"),
            ("compile s", "compile_s", "{:.1f}"), ("step ms", "step_ms", "{:.0f}"),
+           ("alone ms", "alone_step_ms", "{:.0f}"),
            ("us/action", "action_us", "{:.0f}"), ("replay us", "replay_us", "{:.0f}"),
            ("bare jit us", "bare_jit_us", "{:.0f}"), ("python us", "own_python_us", "{:.0f}")]
 
@@ -253,7 +257,7 @@ def main() -> None:
                     continue
                 r = json.loads(out.stdout.strip().splitlines()[-1])
                 first = base.setdefault((schedule, group), r)  # x mb0: against the fewest microbatches
-                r["step_ms"] = r["step_s"] * 1e3
+                r["step_ms"], r["alone_step_ms"] = r["step_s"] * 1e3, r["alone_step_s"] * 1e3
                 r["trace_s"] = (r["build_s"] - r.get("inline_s", 0) - r.get("partition_s", 0)
                                 - r.get("runtime_setup_s", 0))
                 cells = []

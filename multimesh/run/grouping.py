@@ -20,8 +20,10 @@ result reaches the next stage only when the whole group is done, which lengthens
 the pipeline's fill by the group's other members.
 
 ``MULTIMESH_GROUP_ACTIONS`` (or ``Runtime(group_actions=...)``) bounds the
-group size; 1 turns grouping off. The default (`default_group_size`) groups on
-CPU only.
+group size; unset or 1, each action is its own call (the default: a group
+changes the global order that `RunStats.executed` reports, and on an
+accelerator it delays the next stage). `SUGGESTED_GROUP_SIZE` is a bound
+that pays on CPU for GPipe-like runs (``benchmarks/pipeline_host_loop.py``).
 """
 
 from __future__ import annotations
@@ -35,28 +37,29 @@ from jax.extend.core import Var
 
 from ..plan.segment import Segment
 
-__all__ = ["GROUP_ACTIONS_VARIABLE", "default_group_size", "group_order", "grouped_program"]
+__all__ = ["GROUP_ACTIONS_VARIABLE", "SUGGESTED_GROUP_SIZE", "default_group_size", "group_order",
+           "grouped_program"]
 
-#: The environment variable bounding how many actions one host call runs (1: one each, grouping off).
+#: The environment variable bounding how many actions one host call runs (unset or 1: one each).
 GROUP_ACTIONS_VARIABLE = "MULTIMESH_GROUP_ACTIONS"
 
-#: The bound where the variable is unset and the devices are CPUs (compile time grows with it).
-CPU_GROUP_SIZE = 8
+#: A bound worth setting on CPU (compile time grows with it: each group shape is one more executable).
+SUGGESTED_GROUP_SIZE = 8
 
 
-def default_group_size(devices: Sequence[Any]) -> int:
-    """The group size bound: ``MULTIMESH_GROUP_ACTIONS`` if set, else `CPU_GROUP_SIZE` on CPU devices and 1
-    (off) elsewhere, where a group would delay the next stage's start."""
+def default_group_size() -> int:
+    """The group size bound: ``MULTIMESH_GROUP_ACTIONS`` if set, else 1 (each action alone)."""
     value = os.environ.get(GROUP_ACTIONS_VARIABLE)
     if value is None or not value.strip():
-        return CPU_GROUP_SIZE if devices and all(d.platform == "cpu" for d in devices) else 1
+        return 1
     try:
         size = int(value)
     except ValueError:
         size = 0
     if size < 1:
         raise ValueError(f"{GROUP_ACTIONS_VARIABLE}={value!r}: the most actions one host call runs must be a "
-                         f"positive int (1 runs each action alone); unset it for the default")
+                         f"positive int (1 runs each action alone, {SUGGESTED_GROUP_SIZE} suits CPU); unset it "
+                         f"for the default (1)")
     return size
 
 

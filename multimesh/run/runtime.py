@@ -19,7 +19,8 @@ calls in the same order and none waits for a call another never makes.
 Consecutive actions of one stage and program may run as one host call
 (`run.grouping`: one `jax.jit` calling the program once per member), in an
 order that keeps each stage's own; ``group_actions`` (default: the
-``MULTIMESH_GROUP_ACTIONS`` variable, else on CPU only) bounds their number.
+``MULTIMESH_GROUP_ACTIONS`` variable, else 1: each action alone) bounds their
+number.
 
 It also measures what a pipeline schedule promises: the number of
 microbatches whose forward activations (the residuals a backward pass will
@@ -111,7 +112,7 @@ class Runtime:
     """Compiles each segment of a plan and executes the plan.
 
     ``group_actions``: the most consecutive actions of one stage and program run as one host call
-    (`run.grouping`; 1: each alone); None: ``MULTIMESH_GROUP_ACTIONS``, else `grouping.default_group_size`.
+    (`run.grouping`; 1: each alone); None: ``MULTIMESH_GROUP_ACTIONS``, else 1.
     """
 
     def __init__(self, plan: Plan, input_shardings: dict[Var, NamedSharding], *, sync_every: int = 16,
@@ -130,7 +131,7 @@ class Runtime:
                 calls[k] = (fn, [put(v, replicated) for v in program.literal_values(k)])
                 program_of[k] = program.index
         if group_actions is None:
-            group_actions = default_group_size([d for p in plan.placements for d in p.devices])
+            group_actions = default_group_size()
         self.group_actions = group_actions
         groupable = [seg.action is not None and not self.programs[program_of[seg.index]].donate
                      for seg in plan.segments]
