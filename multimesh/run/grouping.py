@@ -6,8 +6,8 @@ backward passes), `group_order` gathers them, at most ``max_size`` at a time,
 into one group that the runtime dispatches as one `jax.jit` calling the
 stage's program once per member (`grouped_program`): one host call and one
 round of bookkeeping for the group instead of one per action. Each member
-computes exactly what it computes alone (the same program, inlined; results
-are bit-equal).
+runs the same program as alone, inlined (``tests/test_grouped_actions.py``
+finds outputs, gradients and optimizer states bit-equal).
 
 Only the global order changes, never a stage's own: a later action of the
 stage joins the group when every action between them runs on other submeshes
