@@ -112,7 +112,7 @@ def measure(n_mb: int, batch_size: int, rounds: int, schedule: str, group: int) 
                 per_round[how].append((time.perf_counter() - t) / 3)
         runtime.calls[:] = grouped
         step_s, alone_s = (statistics.median(per_round[how][1:]) for how in ("grouped", "alone"))
-        executions, dispatches = program.step.stats.executions, program.step.stats.dispatches
+        executions, dispatches = program.step.stats.executions, len(grouped)
         host = _host_costs(program, state, batch, runtime_module, rounds)
     return {"schedule": schedule, "group": group, "microbatches": n_mb, "batch": batch_size,
             "executions": executions, "dispatches": dispatches,
