@@ -1,7 +1,7 @@
 """Where a pipeline's first step goes as the microbatches grow, and what the host costs per action.
 
     python benchmarks/pipeline_host_loop.py [--microbatches 4 16 64] [--batch 64] [--rounds 5]
-        [--schedules 1f1b gpipe] [--groups 1 8]
+        [--schedules 1f1b gpipe] [--groups 1 8] [--set data.seq_len=8 ...]
 
 The trainer's `pipeline` config (2 stages of data=2 x tensor=2) with a global
 batch of ``--batch`` sequences split into each number of microbatches (the
@@ -24,7 +24,8 @@ fresh process without a compilation cache, 8 simulated CPU devices. Per row:
 - per action (one segment's execution): the runtime's step time over its
   executions; *replay*: the same programs and copies called back to
   back with the recorded arguments, without the runtime; *bare jit*: one
-  stage program (the first stage's forward) called synchronously with its
+  stage program (the first action the runtime calls alone: the first stage's
+  forward, or with groups its first backward) called synchronously with its
   own arguments, as a hand-written ``jax.jit`` would be; and the runtime's
   own Python per action (its time outside the programs' and copies' calls, in a step it runs without
   waiting for results).
@@ -59,7 +60,7 @@ def _timed(owner: Any, name: str, totals: dict[str, float], key: str) -> None:
     setattr(owner, name, wrapper)
 
 
-def measure(n_mb: int, batch_size: int, rounds: int, schedule: str, group: int) -> dict:
+def measure(n_mb: int, batch_size: int, rounds: int, schedule: str, group: int, overrides: list[str]) -> dict:
     """One number of microbatches, schedule and group bound, in this (fresh) process."""
     os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
     os.environ["MULTIMESH_GROUP_ACTIONS"] = str(group)
@@ -86,7 +87,7 @@ def measure(n_mb: int, batch_size: int, rounds: int, schedule: str, group: int) 
 
     jax.monitoring.register_event_duration_secs_listener(on_event)
     cfg = load_config("pipeline", [f"data.batch_size={batch_size}", f"layout.pipeline.microbatches={n_mb}",
-                                   f"layout.pipeline.schedule={schedule}"])
+                                   f"layout.pipeline.schedule={schedule}", *overrides])
     tokens = np.random.default_rng(0).integers(0, 256, (batch_size, cfg.data.seq_len + 1), dtype=np.int32)
     batch = {"tokens": tokens}
     layout = build_layout(cfg.layout)
@@ -234,14 +235,16 @@ def main() -> None:
     ap.add_argument("--schedules", nargs="+", default=["1f1b"])
     ap.add_argument("--groups", type=int, nargs="+", default=[1, 8],
                     help="bounds on the actions one host call runs (MULTIMESH_GROUP_ACTIONS; 1: off)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="config overrides, e.g. data.seq_len=8 (a smaller program per action)")
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--schedule", default="1f1b", help=argparse.SUPPRESS)
     ap.add_argument("--group", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one is not None:
-        print(json.dumps(measure(args.one, args.batch, args.rounds, args.schedule, args.group)))
+        print(json.dumps(measure(args.one, args.batch, args.rounds, args.schedule, args.group, args.set)))
         return
-    print(f"pipeline config, global batch {args.batch} x 128 tokens; each row a fresh process, no compilation "
+    print(f"pipeline config {' '.join(args.set)}, global batch {args.batch}; each row a fresh process, no compilation "
           f"cache; {os.cpu_count()} cores; medians of {args.rounds} rounds")
     print("  ".join(f"{h:>{max(len(h), 5)}s}" for h, _, _ in COLUMNS))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
@@ -250,7 +253,8 @@ def main() -> None:
         for n_mb in args.microbatches:
             for group in args.groups:
                 out = subprocess.run([sys.executable, __file__, "--one", str(n_mb), "--batch", str(args.batch),
-                                      "--rounds", str(args.rounds), "--schedule", schedule, "--group", str(group)],
+                                      "--rounds", str(args.rounds), "--schedule", schedule, "--group", str(group),
+                                      "--set", *args.set],
                                      capture_output=True, text=True, cwd=ROOT, env=env, check=False)
                 if out.returncode:
                     print(f"{schedule} {n_mb} {group}: failed\n{out.stderr[-3000:]}")
