@@ -15,6 +15,7 @@ from test_mpmd_pipeline import (
     train_step,
     two_by_two,
 )
+from test_multiprocess import check_runs, run_processes
 
 from multimesh.jax import parallelize, task
 from multimesh.run.grouping import GROUP_ACTIONS_VARIABLE, SUGGESTED_GROUP_SIZE, default_group_size
@@ -120,3 +121,16 @@ def test_grouping_is_off_unless_asked_and_a_bad_bound_is_named(monkeypatch):
         monkeypatch.setenv(GROUP_ACTIONS_VARIABLE, bad)
         with pytest.raises(ValueError, match=rf"{GROUP_ACTIONS_VARIABLE}='{bad}'.*positive int.*1 runs each"):
             default_group_size()
+
+
+@pytest.mark.slow  # a minute or more: two processes, each schedule compiled
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved"])
+def test_grouped_actions_across_processes(monkeypatch, schedule):
+    """One stage per process: every process makes the same grouped calls (a group on the other process's
+    stage returns placeholders here); each checks its losses and shards against one device, its stages'
+    orders and its live activations (tests/mp_worker.py)."""
+    monkeypatch.setenv(GROUP_ACTIONS_VARIABLE, str(SUGGESTED_GROUP_SIZE))
+    reports = run_processes("one_stage_per_process", 2, 1, schedule=schedule)
+    runs = [r["runs"][0] for r in reports]
+    check_runs(runs, 4 if schedule == "interleaved" else 2)
+    assert all(r["dispatches"] < r["executions"] for r in runs), [(r["dispatches"], r["executions"]) for r in runs]
