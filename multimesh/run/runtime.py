@@ -161,17 +161,18 @@ class Runtime:
                 out.append(_Call(members, step.fn, step.args, step.literals, step.outs, step.local))
                 continue
             made_by: dict[Key, Source] = {}  # a member's output, or the group's argument (-1, position)
+            args: list[Key] = []
             sources: list[tuple[Source, ...]] = []
             for m, step in enumerate(members):
                 for key in step.args:
-                    made_by.setdefault(key, (-1, sum(m < 0 for m, _ in made_by.values())))
+                    if key not in made_by:
+                        made_by[key] = (-1, len(args))
+                        args.append(key)
                 sources.append(tuple(made_by[key] for key in step.args))
                 made_by.update((key, (m, i)) for i, key in enumerate(step.outs))
-            args = [key for key, (m, _) in made_by.items() if m < 0]
-            n_keys = len(args)
-            literals: list = []
+            literals: list = []  # after the values: each member's lifted literals
             for m, step in enumerate(members):
-                sources[m] += tuple((-1, n_keys + len(literals) + i) for i in range(len(step.literals)))
+                sources[m] += tuple((-1, len(args) + len(literals) + i) for i in range(len(step.literals)))
                 literals.extend(step.literals)
             dies = {k for step in members for k in step.frees} - set(self._stash)  # only members read these
             exported = [(m, i) for m, step in enumerate(members) for i, key in enumerate(step.outs) if key not in dies]
