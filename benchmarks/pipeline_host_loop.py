@@ -18,7 +18,8 @@ fresh process without a compilation cache, 8 simulated CPU devices. Per row:
   compilations (count and seconds, init's included) and the rest of init and
   the first call (the actions themselves);
 - steady (*step ms*): the median step over ``--rounds`` rounds of 3 steps; *alone ms*: the same
-  runtime, each action its own host call (in the grouped order), in rounds interleaved with those;
+  runtime, each action its own host call (in the grouped order), in rounds interleaved with those
+  (which runs first alternates: the first of a pair runs some 10% slower here);
 - host calls per step (*calls*; the actions are *execs*) and the number of
   executables the runtime's programs and groups compiled to;
 - per action (one segment's execution): the runtime's step time over its
@@ -103,8 +104,9 @@ def measure(n_mb: int, batch_size: int, rounds: int, schedule: str, group: int, 
         grouped = list(runtime.calls)
         alone = [type(c)([s], s.fn, s.args, s.literals, s.outs, s.local) for c in grouped for s in c.steps]
         per_round: dict[str, list[float]] = {"grouped": [], "alone": []}
-        for _ in range(rounds + 1):  # rounds of 3 steps each way, interleaved; the first warms up (compiles)
-            for how, calls in (("grouped", grouped), ("alone", alone)):
+        ways = [("grouped", grouped), ("alone", alone)]
+        for r in range(rounds + 1):  # rounds of 3 steps each way, interleaved; the first warms up (compiles)
+            for how, calls in ways if r % 2 else ways[::-1]:  # each way first in every other round
                 runtime.calls[:] = calls
                 t = time.perf_counter()
                 for _ in range(3):
