@@ -134,3 +134,33 @@ def test_grouped_actions_across_processes(monkeypatch, schedule):
     runs = [r["runs"][0] for r in reports]
     check_runs(runs, 4 if schedule == "interleaved" else 2)
     assert all(r["dispatches"] < r["executions"] for r in runs), [(r["dispatches"], r["executions"]) for r in runs]
+
+
+@pytest.mark.slow  # two trainer builds: about two minutes
+def test_grouped_trainer_step_with_donated_state_is_bit_equal(monkeypatch):
+    """The trainer's pipeline (embedding, blocks, tied head, AdamW, donated state) by GPipe: grouped calls
+    give the same metrics and state as one call per action."""
+    from trainers.config import load_config
+    from trainers.layout import build_layout
+    from trainers.step import build_program
+
+    results, stats = {}, {}
+    for group in (1, SUGGESTED_GROUP_SIZE):
+        monkeypatch.setenv(GROUP_ACTIONS_VARIABLE, str(group))
+        cfg = load_config("pipeline", ["data.batch_size=16", "data.seq_len=8", "layout.pipeline.microbatches=8",
+                                       "layout.pipeline.schedule=gpipe"])
+        tokens = np.random.default_rng(0).integers(0, 256, (16, cfg.data.seq_len + 1), dtype=np.int32)
+        layout = build_layout(cfg.layout)
+        with layout.tasks(cfg.model.num_layers):
+            program = build_program(cfg, layout, {"tokens": tokens}, {"tokens": tokens[:8]})
+            state, outs = program.init(), []
+            for _ in range(3):
+                metrics, state = program.step(state, {"tokens": tokens})
+                outs.append(jax.tree.map(np.asarray, metrics))
+        results[group] = outs + [jax.tree.map(np.asarray, state)]
+        stats[group] = program.step.stats
+    for a, b in zip(jax.tree.leaves(results[1]), jax.tree.leaves(results[SUGGESTED_GROUP_SIZE]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    alone, grouped = stats[1], stats[SUGGESTED_GROUP_SIZE]
+    assert alone.dispatches == alone.executions == grouped.executions > grouped.dispatches
+    assert grouped.peak_live_activations == alone.peak_live_activations == {0: 8, 1: 8}
