@@ -1,11 +1,14 @@
 """Where a pipeline's first step goes as the microbatches grow, and what the host costs per action.
 
     python benchmarks/pipeline_host_loop.py [--microbatches 4 16 64] [--batch 64] [--rounds 5]
+        [--schedules 1f1b gpipe] [--groups 1 8] [--set data.seq_len=8 ...]
 
-The trainer's `pipeline` config (2 stages of data=2 x tensor=2, 1F1B) with a
-global batch of ``--batch`` sequences split into each number of microbatches
-(the same tokens per step), each in a fresh process without a compilation
-cache, 8 simulated CPU devices. Per row:
+The trainer's `pipeline` config (2 stages of data=2 x tensor=2) with a global
+batch of ``--batch`` sequences split into each number of microbatches (the
+same tokens per step), run by each schedule, with the runtime grouping at most
+each of ``--groups`` consecutive actions of a stage into one host call
+(``MULTIMESH_GROUP_ACTIONS``; 1: each action its own call), each row in a
+fresh process without a compilation cache, 8 simulated CPU devices. Per row:
 
 - first step: seconds from building the step to the first step's result,
   initialisation included (what a user waits for), split into tracing the
@@ -14,11 +17,16 @@ cache, 8 simulated CPU devices. Per row:
   (grouping segments into programs, the per-segment bookkeeping), XLA's
   compilations (count and seconds, init's included) and the rest of init and
   the first call (the actions themselves);
-- steady: the median step over ``--rounds`` rounds of 3 steps;
-- per action (one program execution of the plan): the runtime's step time
-  over its executions; *replay*: the same programs and copies called back to
+- steady (*step ms*): the median step over ``--rounds`` rounds of 3 steps; *alone ms*: the same
+  runtime, each action its own host call (in the grouped order), in rounds interleaved with those
+  (which runs first alternates: the first of a pair runs some 10% slower here);
+- host calls per step (*calls*; the actions are *execs*) and the number of
+  executables the runtime's programs and groups compiled to;
+- per action (one segment's execution): the runtime's step time over its
+  executions; *replay*: the same programs and copies called back to
   back with the recorded arguments, without the runtime; *bare jit*: one
-  stage program (the first stage's forward) called synchronously with its
+  stage program (the first action the runtime calls alone: the first stage's
+  forward, or with groups its first backward) called synchronously with its
   own arguments, as a hand-written ``jax.jit`` would be; and the runtime's
   own Python per action (its time outside the programs' and copies' calls, in a step it runs without
   waiting for results).
@@ -53,9 +61,10 @@ def _timed(owner: Any, name: str, totals: dict[str, float], key: str) -> None:
     setattr(owner, name, wrapper)
 
 
-def measure(n_mb: int, batch_size: int, rounds: int) -> dict:
-    """One number of microbatches, in this (fresh) process."""
+def measure(n_mb: int, batch_size: int, rounds: int, schedule: str, group: int, overrides: list[str]) -> dict:
+    """One number of microbatches, schedule and group bound, in this (fresh) process."""
     os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+    os.environ["MULTIMESH_GROUP_ACTIONS"] = str(group)
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     import jax
     import numpy as np
@@ -78,7 +87,8 @@ def measure(n_mb: int, batch_size: int, rounds: int) -> dict:
             compiles[1] += duration
 
     jax.monitoring.register_event_duration_secs_listener(on_event)
-    cfg = load_config("pipeline", [f"data.batch_size={batch_size}", f"layout.pipeline.microbatches={n_mb}"])
+    cfg = load_config("pipeline", [f"data.batch_size={batch_size}", f"layout.pipeline.microbatches={n_mb}",
+                                   f"layout.pipeline.schedule={schedule}", *overrides])
     tokens = np.random.default_rng(0).integers(0, 256, (batch_size, cfg.data.seq_len + 1), dtype=np.int32)
     batch = {"tokens": tokens}
     layout = build_layout(cfg.layout)
@@ -90,22 +100,27 @@ def measure(n_mb: int, batch_size: int, rounds: int) -> dict:
         metrics, state = program.step(state, batch)
         jax.block_until_ready(metrics)
         first_s = time.perf_counter() - t0
-        for _ in range(2):
-            metrics, state = program.step(state, batch)
-        jax.block_until_ready(metrics)
-        per_round = []
-        for _ in range(rounds):
-            t = time.perf_counter()
-            for _ in range(3):
-                metrics, state = program.step(state, batch)
-                jax.block_until_ready(metrics)
-            per_round.append((time.perf_counter() - t) / 3)
-        step_s = statistics.median(per_round)
         runtime = program.step.runtime
-        executions = program.step.stats.executions
+        grouped = list(runtime.calls)
+        alone = [type(c)([s], s.fn, s.args, s.literals, s.outs, s.local) for c in grouped for s in c.steps]
+        per_round: dict[str, list[float]] = {"grouped": [], "alone": []}
+        ways = [("grouped", grouped), ("alone", alone)]
+        for r in range(rounds + 1):  # rounds of 3 steps each way, interleaved; the first warms up (compiles)
+            for how, calls in ways if r % 2 else ways[::-1]:  # each way first in every other round
+                runtime.calls[:] = calls
+                t = time.perf_counter()
+                for _ in range(3):
+                    metrics, state = program.step(state, batch)
+                    jax.block_until_ready(metrics)
+                per_round[how].append((time.perf_counter() - t) / 3)
+        runtime.calls[:] = grouped
+        step_s, alone_s = (statistics.median(per_round[how][1:]) for how in ("grouped", "alone"))
+        executions, dispatches = program.step.stats.executions, len(grouped)
         host = _host_costs(program, state, batch, runtime_module, rounds)
-    return {"microbatches": n_mb, "batch": batch_size, "executions": executions,
-            "programs": len(runtime.programs), "build_s": build_s, "first_s": first_s, "step_s": step_s,
+    return {"schedule": schedule, "group": group, "microbatches": n_mb, "batch": batch_size,
+            "executions": executions, "dispatches": dispatches,
+            "programs": len(runtime.programs) + len({id(c.fn) for c in runtime.calls if len(c.steps) > 1}),
+            "build_s": build_s, "first_s": first_s, "step_s": step_s, "alone_step_s": alone_s,
             "compiles": compiles[0], "compile_s": compiles[1], **{f"{k}_s": v for k, v in phases.items()},
             **host}
 
@@ -115,7 +130,7 @@ def _host_costs(program: Any, state: Any, batch: Any, runtime_module: Any, round
     import jax
 
     runtime = program.step.runtime
-    steps = runtime.steps
+    host_calls = runtime.calls
     calls: list[tuple[Any, tuple]] = []
     inside = [0.0]
     move = runtime_module.move
@@ -140,10 +155,10 @@ def _host_costs(program: Any, state: Any, batch: Any, runtime_module: Any, round
             return out
         return call
 
-    originals = [s.fn for s in steps]
+    originals = [c.fn for c in host_calls]
     runtime_module.move = recording_move
-    for s in steps:
-        s.fn = recorded(s.fn)
+    for c in host_calls:
+        c.fn = recorded(c.fn)
     try:  # one recorded step (not donating: the recorded arguments stay alive for the replay)
         donate = [p.donate for p in runtime.programs]
         sync_every, runtime.sync_every = runtime.sync_every, 0  # no waits inside: its Python alone is timed
@@ -154,10 +169,10 @@ def _host_costs(program: Any, state: Any, batch: Any, runtime_module: Any, round
     finally:
         runtime.sync_every = sync_every
         runtime_module.move = move
-        for s, fn in zip(steps, originals):
-            s.fn = fn
+        for c, fn in zip(host_calls, originals):
+            c.fn = fn
     state = out[1]
-    n = len(steps)
+    n = sum(len(c.steps) for c in host_calls)
     own_python_us = max(recorded_s - inside[0], 0.0) / n * 1e6
 
     def replay() -> float:
@@ -175,15 +190,15 @@ def _host_costs(program: Any, state: Any, batch: Any, runtime_module: Any, round
         jax.block_until_ready(metrics)
         return (time.perf_counter() - t) / n
 
-    donating = {id(fn) for fn, p in zip([_program_fn(runtime, p) for p in runtime.programs], runtime.programs)
-                if p.donate}
-    stage_program = next(i for i, s in enumerate(steps) if s.segment.action is not None
-                         and id(originals[i]) not in donating)  # the first stage's forward
-    fn = originals[stage_program]
-    args = kept[id(fn)]
+    donating = {k for p in runtime.programs if p.donate for k in p.segments}
+    stage_program = next((i for i, c in enumerate(host_calls) if len(c.steps) == 1
+                          and c.steps[0].segment.action is not None
+                          and c.steps[0].segment.index not in donating), None)  # the first stage's lone action
+    fn = None if stage_program is None else originals[stage_program]
 
     def bare() -> float:
         reps = 20
+        args = kept[id(fn)]
         t = time.perf_counter()
         for _ in range(reps):
             jax.block_until_ready(fn(*args))
@@ -195,22 +210,21 @@ def _host_costs(program: Any, state: Any, batch: Any, runtime_module: Any, round
         results["runtime"].append(runtime_step())
         if can_replay:
             results["replay"].append(replay())
-        results["bare"].append(bare())
+        if fn is not None:
+            results["bare"].append(bare())
     med = {k: statistics.median(v) * 1e6 if v else float("nan") for k, v in results.items()}
     return {"action_us": med["runtime"], "replay_us": med["replay"], "bare_jit_us": med["bare"],
+            "bare_label": None if stage_program is None else host_calls[stage_program].steps[0].label,
             "own_python_us": own_python_us}
 
 
-def _program_fn(runtime: Any, program: Any) -> Any:
-    """The jitted function the runtime calls for ``program``."""
-    return runtime.steps[program.segments[0]].fn
-
-
-COLUMNS = [("mb", "microbatches", "{:d}"), ("execs", "executions", "{:d}"), ("progs", "programs", "{:d}"),
+COLUMNS = [("schedule", "schedule", "{:s}"), ("group", "group", "{:d}"), ("mb", "microbatches", "{:d}"),
+           ("execs", "executions", "{:d}"), ("calls", "dispatches", "{:d}"), ("progs", "programs", "{:d}"),
            ("first s", "first_s", "{:.1f}"), ("x mb0", None, "{:.2f}"), ("trace s", "trace_s", "{:.1f}"),
            ("inline s", "inline_s", "{:.1f}"), ("plan s", "partition_s", "{:.1f}"),
            ("setup s", "runtime_setup_s", "{:.1f}"), ("compiles", "compiles", "{:d}"),
            ("compile s", "compile_s", "{:.1f}"), ("step ms", "step_ms", "{:.0f}"),
+           ("alone ms", "alone_step_ms", "{:.0f}"),
            ("us/action", "action_us", "{:.0f}"), ("replay us", "replay_us", "{:.0f}"),
            ("bare jit us", "bare_jit_us", "{:.0f}"), ("python us", "own_python_us", "{:.0f}")]
 
@@ -220,32 +234,43 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 16, 64])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--schedules", nargs="+", default=["1f1b"])
+    ap.add_argument("--groups", type=int, nargs="+", default=[1, 8],
+                    help="bounds on the actions one host call runs (MULTIMESH_GROUP_ACTIONS; 1: off)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="config overrides, e.g. data.seq_len=8 (a smaller program per action)")
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--schedule", default="1f1b", help=argparse.SUPPRESS)
+    ap.add_argument("--group", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one is not None:
-        print(json.dumps(measure(args.one, args.batch, args.rounds)))
+        print(json.dumps(measure(args.one, args.batch, args.rounds, args.schedule, args.group, args.set)))
         return
-    print(f"pipeline config, global batch {args.batch} x 128 tokens; each row a fresh process, no compilation "
+    print(f"pipeline config {' '.join(args.set)}, global batch {args.batch}; each row a fresh process, no compilation "
           f"cache; {os.cpu_count()} cores; medians of {args.rounds} rounds")
     print("  ".join(f"{h:>{max(len(h), 5)}s}" for h, _, _ in COLUMNS))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    base = None
-    for n_mb in args.microbatches:
-        out = subprocess.run([sys.executable, __file__, "--one", str(n_mb), "--batch", str(args.batch),
-                              "--rounds", str(args.rounds)], capture_output=True, text=True, cwd=ROOT, env=env,
-                             check=False)
-        if out.returncode:
-            print(f"{n_mb}: failed\n{out.stderr[-3000:]}")
-            continue
-        r = json.loads(out.stdout.strip().splitlines()[-1])
-        base = base or r
-        r["step_ms"] = r["step_s"] * 1e3
-        r["trace_s"] = r["build_s"] - r.get("inline_s", 0) - r.get("partition_s", 0) - r.get("runtime_setup_s", 0)
-        cells = []
-        for h, key, fmt in COLUMNS:
-            value = r["first_s"] / base["first_s"] if key is None else r.get(key, float("nan"))
-            cells.append(f"{fmt.format(value):>{max(len(h), 5)}s}")
-        print("  ".join(cells), flush=True)
+    base: dict[tuple, dict] = {}
+    for schedule in args.schedules:
+        for n_mb in args.microbatches:
+            for group in args.groups:
+                out = subprocess.run([sys.executable, __file__, "--one", str(n_mb), "--batch", str(args.batch),
+                                      "--rounds", str(args.rounds), "--schedule", schedule, "--group", str(group),
+                                      "--set", *args.set],
+                                     capture_output=True, text=True, cwd=ROOT, env=env, check=False)
+                if out.returncode:
+                    print(f"{schedule} {n_mb} {group}: failed\n{out.stderr[-3000:]}")
+                    continue
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                first = base.setdefault((schedule, group), r)  # x mb0: against the fewest microbatches
+                r["step_ms"], r["alone_step_ms"] = r["step_s"] * 1e3, r["alone_step_s"] * 1e3
+                r["trace_s"] = (r["build_s"] - r.get("inline_s", 0) - r.get("partition_s", 0)
+                                - r.get("runtime_setup_s", 0))
+                cells = []
+                for h, key, fmt in COLUMNS:
+                    value = r["first_s"] / first["first_s"] if key is None else r.get(key, float("nan"))
+                    cells.append(f"{fmt.format(value):>{max(len(h), 5)}s}")
+                print("  ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,12 @@ runs nothing here and returns placeholders, and each transfer is made by the
 processes at both ends (`core.transfer.move`), so all processes make the same
 calls in the same order and none waits for a call another never makes.
 
+Consecutive actions of one stage and program may run as one host call
+(`run.grouping`: one `jax.jit` calling the program once per member), in an
+order that keeps each stage's own; ``group_actions`` (default: the
+``MULTIMESH_GROUP_ACTIONS`` variable, else 1: each action alone) bounds their
+number.
+
 It also measures what a pipeline schedule promises: the number of
 microbatches whose forward activations (the residuals a backward pass will
 read) are alive on each stage at once.
@@ -38,6 +44,7 @@ from ..plan.programs import Program, group_programs, run_program
 from ..plan.segment import Segment, nbytes
 from ..trace.constraints import resolve_deferred
 from ..trace.implicit import is_backprop, microbatch_of
+from .grouping import Source, default_group_size, group_order, grouped_program
 
 __all__ = ["ReshardError", "RunStats", "Runtime"]
 
@@ -50,13 +57,15 @@ class ReshardError(ValueError):
 class RunStats:
     """What the last run did.
 
-    ``executed``: segment labels in execution order; ``peak_live_activations``:
-    per pipeline stage (device group), the most microbatches (interleaved:
-    microbatch chunks) whose stashed forward activations were alive there at
-    once.
+    ``executions``: segments run; ``dispatches``: program calls the host made
+    for them (fewer where actions ran in groups); ``executed``: segment labels
+    in execution order; ``peak_live_activations``: per pipeline stage (device
+    group), the most microbatches (interleaved: microbatch chunks) whose
+    stashed forward activations were alive there at once.
     """
 
     executions: int = 0
+    dispatches: int = 0
     transfers: int = 0
     bytes_moved: int = 0
     executed: list[str] = field(default_factory=list)
@@ -87,23 +96,47 @@ class _Step:
     stashed_out: list[tuple[Key, int, tuple]] = field(default_factory=list)
 
 
+@dataclass
+class _Call:
+    """One host call: one step's program, or one program per member of a group of steps (`run.grouping`)."""
+
+    steps: list[_Step]
+    fn: Any
+    args: list[Key]
+    literals: list
+    outs: list[Key]  # what the call returns (a group's: its members' outputs read after it)
+    local: bool
+
+
 class Runtime:
-    """Compiles each segment of a plan and executes the plan."""
+    """Compiles each segment of a plan and executes the plan.
+
+    ``group_actions``: the most consecutive actions of one stage and program run as one host call
+    (`run.grouping`; 1: each alone); None: ``MULTIMESH_GROUP_ACTIONS``, else 1.
+    """
 
     def __init__(self, plan: Plan, input_shardings: dict[Var, NamedSharding], *, sync_every: int = 16,
-                 donated: Collection[Var] = frozenset()):
+                 donated: Collection[Var] = frozenset(), group_actions: int | None = None):
         self.plan = plan
         self.input_shardings = input_shardings
         self.sync_every = sync_every
         self.stats = RunStats()
         self.programs = group_programs(plan.segments, _donations(plan, donated))
         calls: list[tuple[Any, list]] = [None] * len(plan.segments)  # type: ignore[list-item]
+        program_of = [0] * len(plan.segments)
         for program in self.programs:
             fn = _compile(program)
             replicated = NamedSharding(program.placement.mesh, PartitionSpec())
             for k in program.segments:
                 calls[k] = (fn, [put(v, replicated) for v in program.literal_values(k)])
-        self._steps = _steps(plan, calls)
+                program_of[k] = program.index
+        if group_actions is None:
+            group_actions = default_group_size()
+        self.group_actions = group_actions
+        groupable = [seg.action is not None and not self.programs[program_of[seg.index]].donate
+                     for seg in plan.segments]
+        groups = group_order(plan.segments, plan.producer, program_of, groupable, group_actions)
+        self._steps = _steps(plan, calls, [k for group in groups for k in group])
         stash = _stashed_activations(plan.segments)
         stage_at = {s.placement.devices: s.stage for s in plan.segments if s.stage is not None}
         self._stash = {}  # key -> (stage, (microbatch, chunk)) for copies of stashed forward activations
@@ -114,11 +147,54 @@ class Runtime:
         for step in self._steps:
             step.stashed_in = [self._stash[k] for k in [c for _, _, c in step.copies] + step.outs if k in self._stash]
             step.stashed_out = [(k, *self._stash[k]) for k in step.frees if k in self._stash]
+        self._calls = self._group_calls([len(group) for group in groups])
+
+    def _group_calls(self, sizes: Sequence[int]) -> list[_Call]:
+        """The host calls: each run of ``sizes`` consecutive steps as one."""
+        made: dict[tuple, Any] = {}  # one grouped program per shape of group
+        out, start = [], 0
+        for size in sizes:
+            members = self._steps[start:start + size]
+            start += size
+            if size == 1:
+                (step,) = members
+                out.append(_Call(members, step.fn, step.args, step.literals, step.outs, step.local))
+                continue
+            made_by: dict[Key, Source] = {}  # a member's output, or the group's argument (-1, position)
+            args: list[Key] = []
+            sources: list[tuple[Source, ...]] = []
+            for m, step in enumerate(members):
+                for key in step.args:
+                    if key not in made_by:
+                        made_by[key] = (-1, len(args))
+                        args.append(key)
+                sources.append(tuple(made_by[key] for key in step.args))
+                made_by.update((key, (m, i)) for i, key in enumerate(step.outs))
+            literals: list = []  # after the values: each member's lifted literals
+            for m, step in enumerate(members):
+                sources[m] += tuple((-1, len(args) + len(literals) + i) for i in range(len(step.literals)))
+                literals.extend(step.literals)
+            dies = {k for step in members for k in step.frees} - set(self._stash)  # only members read these
+            exported = [(m, i) for m, step in enumerate(members) for i, key in enumerate(step.outs) if key not in dies]
+            shape = (tuple(id(step.fn) for step in members), tuple(sources), tuple(exported))
+            fn = made.get(shape)
+            if fn is None:
+                fn = made[shape] = grouped_program(
+                    [(step.fn, src) for step, src in zip(members, sources)], exported,
+                    f"{members[0].segment.placement.name}_group{len(made)}")
+            out.append(_Call(members, fn, args, literals, [members[m].outs[i] for m, i in exported],
+                             any(step.local for step in members)))
+        return out
 
     @property
     def steps(self) -> list[_Step]:
         """Each segment's execution in order, worked out once: what `multimesh.estimate` walks abstractly."""
         return self._steps
+
+    @property
+    def calls(self) -> list[_Call]:
+        """The host calls, in order: each one step, or a group of steps run by one program (`run.grouping`)."""
+        return self._calls
 
     def stashed(self) -> dict[Key, tuple[int, tuple]]:
         """Copies of stashed forward activations: key -> (stage, (microbatch, chunk))."""
@@ -203,22 +279,26 @@ class Runtime:
                     peak[stage] = len(c)
 
         last, sync_every, executed = None, self.sync_every, stats.executed
-        for n, step in enumerate(self._steps, 1):
-            for v, key in step.inputs:
-                held[key] = self._place_input(v, held[(v, None)], step.segment)
-            if step.copies:
-                self._copy(step, held)
-            outs = step.fn(*[held[k] for k in step.args], *step.literals)
-            held.update(zip(step.outs, outs))
-            executed.append(step.label)
-            stats.executions = n
-            if step.stashed_in:
-                count(step.stashed_in, 1)
-            if step.stashed_out:
-                count([(stage, label) for k, stage, label in step.stashed_out if held.pop(k, _GONE) is not _GONE], -1)
-            for k in step.frees:
-                held.pop(k, None)
-            if outs and step.local:
+        for n, call in enumerate(self._calls, 1):
+            for step in call.steps:
+                for v, key in step.inputs:
+                    held[key] = self._place_input(v, held[(v, None)], step.segment)
+                if step.copies:
+                    self._copy(step, held)
+            outs = call.fn(*[held[k] for k in call.args], *call.literals)
+            held.update(zip(call.outs, outs))
+            for step in call.steps:
+                executed.append(step.label)
+                if step.stashed_in:
+                    count(step.stashed_in, 1)
+                if step.stashed_out:
+                    count([(stage, label) for k, stage, label in step.stashed_out
+                           if held.pop(k, _GONE) is not _GONE], -1)
+                for k in step.frees:
+                    held.pop(k, None)
+            stats.executions += len(call.steps)
+            stats.dispatches = n
+            if outs and call.local:
                 last = outs[0]
             if sync_every and n % sync_every == 0 and last is not None:
                 jax.block_until_ready(last)
@@ -240,11 +320,13 @@ def _compile(program: Program) -> Any:
     return jax.jit(segment, donate_argnums=program.donate)
 
 
-def _steps(plan: Plan, calls: Sequence[tuple[Any, list]]) -> list[_Step]:
-    """Each segment's `_Step`: which copies it makes (its submesh's first use of a value from elsewhere)."""
-    free_after = _lifetimes(plan)
+def _steps(plan: Plan, calls: Sequence[tuple[Any, list]], order: Sequence[int]) -> list[_Step]:
+    """Each segment's `_Step`, in ``order``: which copies it makes (its submesh's first use of a value from
+    elsewhere) and which values die after it."""
+    free_after = _lifetimes(plan, order)
     steps, copied = [], set()
-    for seg, (fn, literals) in zip(plan.segments, calls):
+    for seg in (plan.segments[k] for k in order):
+        fn, literals = calls[seg.index]
         here = seg.placement.devices
         inputs, copies = [], []
         for v in seg.invars:
@@ -273,14 +355,16 @@ def _uses(plan: Plan) -> dict[Var, dict[frozenset, list[int]]]:
     return uses
 
 
-def _lifetimes(plan: Plan) -> dict[int, list[Key]]:
-    """After which segment each copy of each value dies.
+def _lifetimes(plan: Plan, order: Sequence[int]) -> dict[int, list[Key]]:
+    """After which segment each copy of each value dies, the segments running in ``order``.
 
     A copy on a submesh dies after its last use there; the original (on its
     producer's submesh, or the step input as given) also serves every copy,
     so it lives until each other submesh has taken its copy. Step outputs
     never die.
     """
+    position = {k: i for i, k in enumerate(order)}
+    first, last = (lambda ks: min(ks, key=position.__getitem__)), (lambda ks: max(ks, key=position.__getitem__))
     uses = _uses(plan)
     outputs = {v for v in plan.jaxpr.outvars if not isinstance(v, Literal)}
     free: dict[int, list[Key]] = {i: [] for i in range(len(plan.segments))}
@@ -289,11 +373,11 @@ def _lifetimes(plan: Plan) -> dict[int, list[Key]]:
         home = None if k is None else plan.segments[k].placement.devices
         for loc, idx in where.items():
             if loc != home:
-                free[max(idx)].append((v, loc))
+                free[last(idx)].append((v, loc))
         if v not in outputs:
-            serves = ([min(idx) for loc, idx in where.items() if loc != home]
+            serves = ([first(idx) for loc, idx in where.items() if loc != home]
                       + (where.get(home, []) if home is not None else []))
-            free[max(serves)].append((v, home))
+            free[last(serves)].append((v, home))
     return free
 
 
