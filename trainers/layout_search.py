@@ -101,7 +101,7 @@ def search_layout(cfg: Config, devices: Any = None, progress: bool | None = None
         return auto_layout(f.train_step, init_params=f.init_state,
                            get_input_batch=lambda: zeros_batch(cfg),
                            devices=devices, profile=lay.profile, memory_limit=lay.memory_limit,
-                           axes=tuple(lay.search.axes), pipeline=stage_registration(m.num_layers, m.scan_layers),
+                           axes=None if lay.search.axes is None else tuple(lay.search.axes), pipeline=stage_registration(m.num_layers, m.scan_layers),
                            stage_counts=tuple(stages), microbatches=tuple(lay.search.microbatches),
                            schedules=tuple(lay.search.schedules), rule_sets=tuple(lay.search.rules),
                            progress=progress, time_top=lay.search.time_top, time_steps=lay.search.time_steps,
