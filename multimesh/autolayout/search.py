@@ -5,9 +5,12 @@ goes through the cheapest test that can reject it first: a mesh's other
 rule sets come after its standard rules, and are not compiled where those
 fit and are predicted at least `PRUNE_RATIO` times the best (they save
 memory, not time); then the batch's shapes
-(read once, `jax.eval_shape`), the names the step's arrays give their
+(read once, `jax.eval_shape`) and the model's experts (an ``expert`` axis
+must divide them), the names the step's arrays give their
 dimensions (read from the first layout built: a mesh axis none of them can
-be sharded over sets a layout aside unbuilt), then the step built on it by
+be sharded over sets a layout aside unbuilt), the bytes those arrays need
+per device at least on the layout's rules (`bounds`: over the memory limit,
+set aside unbuilt), then the step built on it by
 `parallelize` (traced and planned, not compiled): a mesh axis that shards nothing, a rule
 set that changes nothing, or parameters, optimizer state and batch that alone
 overflow the memory limit. Only the rest are compiled, from abstract inputs,
