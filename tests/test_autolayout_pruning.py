@@ -154,3 +154,23 @@ def test_a_moe_search_prices_its_expert_layouts_with_their_all_to_alls(monkeypat
     data8 = next(c for c in found.candidates if c.layout.mesh.get("expert", 1) == 1)
     assert not any(kind == "all-to-all" for kind, _ in data8.estimate.collectives())
     assert "expert=" in str(found)
+
+
+def test_sequence_rules_are_not_compiled_where_the_standard_twin_is_slow_fitting_or_not():
+    """The sequence rules save memory, not time: a twin priced far from the best sets them aside even where it
+    is too big (they may make it fit, not make it the fastest); a twin near the best, or unpriced, does not."""
+    from multimesh.autolayout.search import PRUNE_RATIO, Candidate, _pruned
+
+    best = Candidate(ParallelLayout({"fsdp": 8}), time=1.0)
+    sequence = ParallelLayout({"data": 2, "tensor": 4}, "sequence")
+    twin = ParallelLayout({"data": 2, "tensor": 4})
+    too_big = "device 0 needs 70 GiB at its peak, 10 GiB over the limit 60 GiB"
+    slow_big = _pruned(sequence, [best, Candidate(twin, time=PRUNE_RATIO * 1.2, rejected=too_big)])
+    assert slow_big is not None and slow_big.estimate is None
+    assert slow_big.rejected == ("not compiled: its standard-rules twin (too big) is predicted 1.50x the best, and "
+                                 "these rules save memory, not time")
+    slow_fits = _pruned(sequence, [best, Candidate(twin, time=2.0)])
+    assert slow_fits is not None and "twin fits and is predicted 2.00x the best" in slow_fits.rejected
+    assert _pruned(sequence, [best, Candidate(twin, time=PRUNE_RATIO * 0.9, rejected=too_big)]) is None
+    assert _pruned(sequence, [best, Candidate(twin, rejected="unpriced: compiling it killed XLA's compiler")]) is None
+    assert _pruned(sequence, [Candidate(twin, time=5.0, rejected=too_big)]) is None  # nothing fits yet

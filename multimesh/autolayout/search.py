@@ -402,10 +402,11 @@ def _rank(c: Candidate) -> tuple:
     return (3, 0, 0.0, c.layout.describe())
 
 
-#: A layout whose standard-rules twin fits and is predicted this many times the best fitting one or more is not
-#: compiled with other rules: the ``sequence`` rules split the activations' length over the tensor axis, which
-#: saves memory and moves the same bytes (a reduce-scatter and an all-gather for each all-reduce), so they
-#: gain at most the elementwise work the twin repeats on every tensor device.
+#: A layout whose standard-rules twin was priced at this many times the best fitting one or more is not compiled
+#: with other rules: the ``sequence`` rules split the activations' length over the tensor axis, which saves
+#: memory and moves the same bytes (a reduce-scatter and an all-gather for each all-reduce), so they gain at
+#: most the elementwise work the twin repeats on every tensor device. Whether the twin fits does not matter:
+#: the memory they save may make a layout fit, not make it faster.
 PRUNE_RATIO = 1.25
 
 
@@ -416,10 +417,10 @@ def _pruned(layout: ParallelLayout, done: Sequence[Candidate]) -> Candidate | No
     twin = dataclasses.replace(layout, rules="standard")
     fitting = [_predicted(c) for c in done if c.rejected is None]
     for c in done:
-        if c.layout == twin and c.rejected is None and fitting \
-                and _predicted(c) >= PRUNE_RATIO * min(fitting):
-            return Candidate(layout, rejected=f"not compiled: its standard-rules twin fits and is predicted "
-                                              f"{_predicted(c) / min(fitting):.2f}x the best, and these rules save "
+        if c.layout == twin and c.time is not None and fitting and c.time >= PRUNE_RATIO * min(fitting):
+            fits = "fits and is" if c.rejected is None else "(too big) is"
+            return Candidate(layout, rejected=f"not compiled: its standard-rules twin {fits} predicted "
+                                              f"{c.time / min(fitting):.2f}x the best, and these rules save "
                                               f"memory, not time")
     return None
 
