@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import pytest
 
+import multimesh.autolayout.search as search_module
 from multimesh.autolayout import ParallelLayout
 from multimesh.autolayout.bounds import HeldArrays
 from multimesh.autolayout.building import build_on, layout_rules
 from multimesh.autolayout.checks import expert_misfit
 from multimesh.autolayout.model_axes import model_names
-import multimesh.autolayout.search as search_module
 from multimesh.autolayout.search import _search_axes
 from multimesh.estimate import held_bytes
 
