@@ -27,7 +27,8 @@ def search_table(search: Any) -> str:
     compiled = sum(c.estimate is not None for c in search.candidates)
     lines = [f"auto_layout: {n} layout{'s' if n != 1 else ''} of {search.num_devices} devices on "
              f"{search.profile.name}, memory limit {format_bytes(search.memory_limit)}/device: {fits} fit; "
-             f"{compiled} compiled, the others set aside as their rows say; searched in {search.seconds:.1f} s"]
+             f"{compiled} compiled{', the others set aside as their rows say' if compiled < n else ''}; searched in "
+             f"{search.seconds:.1f} s"]
     timed = any(c.measured is not None for c in search.candidates)
     rows = [("rank", "layout", "peak/device", "predicted", *(("measured",) if timed else ()), "MFU", "HFU",
              "rejected")]
