@@ -289,8 +289,10 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
         `multimesh.estimate.usable.usable_memory`: 75% of a GPU's memory unless XLA_PYTHON_CLIENT_MEM_FRACTION
         or MULTIMESH_MEMORY_LIMIT says otherwise).
       axes: the mesh axes whose sizes are searched (factorizations of the devices per stage). Default:
-        data, fsdp and tensor, and any the model's parameters name themselves (``nn.with_partitioning``, NNX
-        sharding metadata; e.g. ``tp``), which every mesh tried has, of size 1 where it does not split them.
+        data, fsdp and tensor, expert where the model's parameters have an ``expert`` dimension (a Mixture of
+        Experts; sizes that do not divide its experts are listed invalid), and any the model's parameters
+        name themselves (``nn.with_partitioning``, NNX sharding metadata; e.g. ``tp``), which every mesh tried
+        has, of size 1 where it does not split them. Naming expert for a model without experts is an error.
       axis_types: ``"explicit"``: the axes the model names itself are Explicit (for code in JAX's
         explicit-sharding style, ``out_sharding=P(...)``), the others Auto (every searched axis Explicit when
         it names none); ``"auto"``: every axis Auto; default: the types of the mesh in context
