@@ -131,6 +131,10 @@ def test_a_model_with_experts_is_searched_over_an_expert_axis_dividing_its_exper
     experts = named.sizes["expert"]
     assert expert_misfit(ParallelLayout({"data": 2, "expert": 4}), experts) is None
     assert "expert=16 does not divide the model's 8 experts" in expert_misfit(ParallelLayout({"expert": 16}), experts)
+    from trainers.layout_search import chosen_config  # the chosen expert layout trains as a config written so
+
+    chosen = chosen_config(_config(MOE), ParallelLayout({"data": 2, "expert": 4})).layout
+    assert chosen.mesh == {"data": 2, "expert": 4} and not chosen.is_auto
 
 
 def test_a_dense_models_search_has_no_expert_axis(monkeypatch):
