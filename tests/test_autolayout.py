@@ -480,8 +480,8 @@ def test_a_layout_that_cannot_be_estimated_is_reported_and_the_others_ranked(mon
 
 
 def test_other_rules_are_compiled_only_for_meshes_whose_standard_rules_come_near_the_best(monkeypatch):
-    """A mesh's ``sequence`` rules save memory, not time: where its standard rules fit and are predicted at
-    least PRUNE_RATIO times the best, they are set aside uncompiled; near the best, they are estimated."""
+    """A mesh's ``sequence`` rules save memory, not time: where its standard rules are predicted at least
+    PRUNE_RATIO times the best (fitting or not), they are set aside uncompiled; near the best, estimated."""
     import multimesh.autolayout.search as search_module
 
     full = search(rule_sets=("standard", "sequence"), axes=("data", "tensor"))
@@ -491,8 +491,8 @@ def test_other_rules_are_compiled_only_for_meshes_whose_standard_rules_come_near
         if c.layout.rules != "sequence":
             continue
         twin = standard[dataclasses.replace(c.layout, rules="standard").describe()]
-        if twin.rejected is None and twin.time >= search_module.PRUNE_RATIO * best:
-            assert c.estimate is None and c.rejected.startswith("not compiled: its standard-rules twin fits")
+        if twin.time is not None and twin.time >= search_module.PRUNE_RATIO * best:
+            assert c.estimate is None and c.rejected.startswith("not compiled: its standard-rules twin")
         else:
             assert c.rejected is None or c.rejected.startswith("invalid") or c.estimate is not None
     # a ratio every twin meets: no sequence layout compiled; one none meets: every one compiled

@@ -147,19 +147,20 @@ class PipelineConfig:
 
 
 #: What ``layout.mesh: auto`` may factorize the devices over (``multimesh.autolayout``'s axes but ``model``).
-AUTO_AXES = ("data", "fsdp", "tensor")
+AUTO_AXES = ("data", "fsdp", "expert", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)
 class SearchConfig:
     """What ``layout.mesh: auto`` tries (``multimesh.jax.auto_layout``): meshes over ``axes`` (every
-    factorization of the devices per stage), each with every named rule set of ``rules`` (``sequence``
+    factorization of the devices per stage; null: data, fsdp and tensor, and expert for a model with
+    experts, in sizes that divide ``model.num_experts``), each with every named rule set of ``rules`` (``sequence``
     where the mesh has a tensor axis), pipelines of each of ``stages`` (1: SPMD), each with every
     count of ``microbatches`` and every ``schedules`` entry. ``time_top``: time the steps of that many
     best-predicted layouts on the run's devices (``time_steps`` each) and pick the fastest measured (0:
     pick by prediction alone)."""
 
-    axes: list = dataclasses.field(default_factory=lambda: list(AUTO_AXES))
+    axes: list | None = None
     stages: list = dataclasses.field(default_factory=lambda: [1])
     microbatches: list = dataclasses.field(default_factory=lambda: [4, 8])
     schedules: list = dataclasses.field(default_factory=lambda: ["1f1b"])
@@ -168,8 +169,8 @@ class SearchConfig:
     time_steps: int = 3
 
     def __post_init__(self) -> None:
-        bad = [a for a in self.axes if a not in AUTO_AXES]
-        if not self.axes or bad or len(set(self.axes)) != len(self.axes):
+        bad = [a for a in self.axes or () if a not in AUTO_AXES]
+        if self.axes is not None and (not self.axes or bad or len(set(self.axes)) != len(self.axes)):
             raise ValueError(f"axes={self.axes!r}: give distinct mesh axes among {list(AUTO_AXES)}")
         for key in ("stages", "microbatches"):
             values = getattr(self, key)
@@ -736,6 +737,10 @@ def _check_consistency(cfg: Config) -> None:
     # --plan and at the start of training (trainers.fit).
     if lay.is_auto:  # the search rejects the meshes that do not split the batch; one window per device is
         check_data(d, 1)  # checked once one is chosen (trainers.layout_search)
+        if "expert" in (lay.search.axes or ()) and not m.num_experts:
+            raise ConfigError(f"layout.search.axes={lay.search.axes} names expert, but the model has no experts "
+                              f"(model.num_experts=0): the axis would split only the batch, as data does; leave it "
+                              f"out, or set model.num_experts")
         return
     _check_experts(m, lay.mesh)
     check_batch(lay.mesh, lay.rule_pairs(), d.batch_size)

@@ -25,11 +25,11 @@ from ..core.rules import Rules, as_axes, standard_rules
 from ..run.rule_coverage import constraint_names
 from .layouts import STAGE_AXIS, ParallelLayout
 
-__all__ = ["LeafNames", "batch_misfit", "fsdp_as_data", "idle_axis", "idle_by_names", "idle_rules",
+__all__ = ["LeafNames", "batch_misfit", "expert_misfit", "fsdp_as_data", "idle_axis", "idle_by_names", "idle_rules",
            "pipeline_misfit", "shapes_of"]
 
 #: The axes `standard_rules` splits the batch over, in order.
-_BATCH_AXES = ("data", "fsdp")
+_BATCH_AXES = ("data", "fsdp", "expert")
 
 
 def batch_misfit(layout: ParallelLayout, batch_shapes: Sequence[tuple[int, ...]]) -> str | None:
@@ -46,8 +46,26 @@ def batch_misfit(layout: ParallelLayout, batch_shapes: Sequence[tuple[int, ...]]
             per = n // layout.microbatches
         if per % ways:
             where = "a microbatch's" if layout.microbatches else "the batch's leading dimension"
-            return (f"{where} {per} rows do not split over data x fsdp = {ways} devices "
+            over = "data x fsdp x expert" if layout.mesh.get("expert", 1) > 1 else "data x fsdp"
+            return (f"{where} {per} rows do not split over {over} = {ways} devices "
                     f"(they would hold the same rows)")
+    return None
+
+
+def expert_misfit(layout: ParallelLayout, experts: frozenset[int]) -> str | None:
+    """An ``expert`` axis of size > 1 that does not divide the model's experts (``experts``: the sizes of its
+    parameters' ``expert`` dimensions; each device of the axis holds as many experts as the others), or that
+    would split only the batch of a model without experts."""
+    ways = layout.mesh.get("expert", 1)
+    if ways == 1:
+        return None
+    if not experts:
+        return (f"mesh axis expert={ways}: no parameter has an 'expert' dimension (the model has no experts), so "
+                f"it would split only the batch, as data does")
+    undivided = sorted(n for n in experts if n % ways)
+    if undivided:
+        return (f"expert={ways} does not divide the model's {undivided[0]} experts (each device of the axis holds "
+                f"as many experts as the others)")
     return None
 
 

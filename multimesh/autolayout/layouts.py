@@ -3,7 +3,8 @@
 A layout is a per-stage mesh ``{axis: size}`` over the axes `standard_rules`
 gives roles to (``data``: the batch; ``fsdp``: the batch and the parameters'
 ``embed`` dimension, gathered when used; ``tensor``: the Megatron dimensions
-``mlp``, ``heads``, ``kv_heads``, ``vocab``), the rule set (`named_rules`:
+``mlp``, ``heads``, ``kv_heads``, ``vocab``; ``expert``: a Mixture of
+Experts' experts, and the batch), the rule set (`named_rules`:
 ``"standard"``, or ``"sequence"``, which also splits activations' sequence
 over the tensor axis), and for a pipeline its number of stages, microbatches
 and schedule. The axes' sizes decide how much of each kind of parallelism a
@@ -23,8 +24,9 @@ from ..core.rules import RULE_SETS, Rules, named_rules
 
 __all__ = ["AXES", "RULE_SETS", "STAGE_AXIS", "ParallelLayout", "enumerate_layouts", "factorizations"]
 
-#: The mesh axes a search may factorize the devices over (``model`` is `standard_rules`' other name for tensor).
-AXES = ("data", "fsdp", "tensor", "model")
+#: The mesh axes a search may factorize the devices over (``model`` is `standard_rules`' other name for tensor;
+#: ``expert`` splits a Mixture of Experts' experts, and the batch as data does).
+AXES = ("data", "fsdp", "expert", "tensor", "model")
 #: The axes the ``sequence`` rules split activations' length over (with the Megatron dimensions).
 _TENSOR_AXES = ("tensor", "model")
 #: The axis of the whole mesh along which a pipeline's stages lie (outermost: stage s is a contiguous block).

@@ -5,9 +5,12 @@ goes through the cheapest test that can reject it first: a mesh's other
 rule sets come after its standard rules, and are not compiled where those
 fit and are predicted at least `PRUNE_RATIO` times the best (they save
 memory, not time); then the batch's shapes
-(read once, `jax.eval_shape`), the names the step's arrays give their
+(read once, `jax.eval_shape`) and the model's experts (an ``expert`` axis
+must divide them), the names the step's arrays give their
 dimensions (read from the first layout built: a mesh axis none of them can
-be sharded over sets a layout aside unbuilt), then the step built on it by
+be sharded over sets a layout aside unbuilt), the bytes those arrays need
+per device at least on the layout's rules (`bounds`: over the memory limit,
+set aside unbuilt), then the step built on it by
 `parallelize` (traced and planned, not compiled): a mesh axis that shards nothing, a rule
 set that changes nothing, or parameters, optimizer state and batch that alone
 overflow the memory limit. Only the rest are compiled, from abstract inputs,
@@ -40,10 +43,12 @@ from ..estimate import Estimate, HardwareProfile, get_profile, held_bytes
 from ..estimate.report import bytes_per_device
 from ..estimate.usable import usable_memory
 from ..run.mesh_errors import MeshAxesError
+from .bounds import HeldArrays
 from .building import PipelineFactory, build_on, layout_rules
 from .checks import (
     LeafNames,
     batch_misfit,
+    expert_misfit,
     fsdp_as_data,
     idle_axis,
     idle_by_names,
@@ -53,7 +58,7 @@ from .checks import (
 )
 from .compile_journal import CompileJournal, Crash, compiling
 from .layouts import AXES, RULE_SETS, ParallelLayout, enumerate_layouts
-from .model_axes import AxisTypes, axes_made_explicit, model_axes
+from .model_axes import AxisTypes, ModelNames, axes_made_explicit, model_names
 from .table import search_table
 from .timing import check_timing, time_layout
 
@@ -195,22 +200,31 @@ def _nothing_fits(search: LayoutSearch) -> LayoutSearchError:
     return NoValidLayoutError(search, invalid)
 
 
-def _search_axes(axes: Sequence[str] | None, model: tuple[str, ...]) -> tuple[str, ...]:
-    """The axes to factorize the devices over: ``axes``, checked, or by default data, fsdp and tensor (or the
-    model's ``model``) and the axes the model names itself (`model_axes`)."""
+def _search_axes(axes: Sequence[str] | None, names: ModelNames) -> tuple[str, ...]:
+    """The axes to factorize the devices over: ``axes``, checked, or by default data, fsdp, expert (for a model
+    with experts: its parameters name an ``expert`` dimension) and tensor (or the model's ``model``) and the
+    axes the model names itself (`model_axes`)."""
+    model = names.axes
+    experts = "expert" in names.sizes
     if axes is None:
         tensor = "model" if "model" in model else "tensor"
-        return ("data", "fsdp", tensor, *(a for a in model if a not in ("data", "fsdp", tensor)))
+        default = ("data", "fsdp", *(("expert",) if experts else ()), tensor)
+        return (*default, *(a for a in model if a not in default))
     axes = tuple(axes) if not isinstance(axes, str) else (axes,)
     unknown = [a for a in axes if a not in AXES and a not in model]
     if not axes or unknown or len(set(axes)) != len(axes):
         own = f"; the model's parameters name {', '.join(map(repr, model))}" if model else ""
         raise ValueError(f"auto_layout: axes={axes!r}; give distinct mesh axes among {AXES} (standard_rules gives "
-                         f"each a role: data and fsdp split the batch, fsdp the parameters, tensor/model the "
-                         f"Megatron dimensions) or among those the model's parameters name themselves{own}")
+                         f"each a role: data and fsdp split the batch, fsdp the parameters, expert a Mixture of "
+                         f"Experts' experts, tensor/model the Megatron dimensions) or among those the model's "
+                         f"parameters name themselves{own}")
     if "tensor" in axes and "model" in axes:
         raise ValueError("auto_layout: axes names both 'tensor' and 'model', which standard_rules treats as one "
                          "(tensor parallelism); keep one of them")
+    if "expert" in axes and names.read and not experts and "expert" not in model:
+        raise ValueError(f"auto_layout: axes={axes!r} names 'expert', but no parameter of the model has an "
+                         f"'expert' dimension (it has no experts): the axis would split only the batch, as data "
+                         f"does; leave it out")
     return axes
 
 
@@ -275,8 +289,10 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
         `multimesh.estimate.usable.usable_memory`: 75% of a GPU's memory unless XLA_PYTHON_CLIENT_MEM_FRACTION
         or MULTIMESH_MEMORY_LIMIT says otherwise).
       axes: the mesh axes whose sizes are searched (factorizations of the devices per stage). Default:
-        data, fsdp and tensor, and any the model's parameters name themselves (``nn.with_partitioning``, NNX
-        sharding metadata; e.g. ``tp``), which every mesh tried has, of size 1 where it does not split them.
+        data, fsdp and tensor, expert where the model's parameters have an ``expert`` dimension (a Mixture of
+        Experts; sizes that do not divide its experts are listed invalid), and any the model's parameters
+        name themselves (``nn.with_partitioning``, NNX sharding metadata; e.g. ``tp``), which every mesh tried
+        has, of size 1 where it does not split them. Naming expert for a model without experts is an error.
       axis_types: ``"explicit"``: the axes the model names itself are Explicit (for code in JAX's
         explicit-sharding style, ``out_sharding=P(...)``), the others Auto (every searched axis Explicit when
         it names none); ``"auto"``: every axis Auto; default: the types of the mesh in context
@@ -316,8 +332,9 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
         warnings.warn(f"auto_layout: memory_limit={limit:,} B is above {profile.name}'s device memory "
                       f"({format_bytes(profile.memory_bytes)}, {profile.memory_bytes:,} B): a layout that fits it "
                       f"may not fit the device", stacklevel=2)
-    model = model_axes(init_params)
-    axes = _search_axes(axes, model)
+    named = model_names(init_params)
+    model = named.axes
+    axes = _search_axes(axes, named)
     explicit = axes_made_explicit(axis_types, model, axes)
     own = _own_rules(rules, axes, model)
     stage_counts = tuple(stage_counts)
@@ -338,14 +355,15 @@ def auto_layout(step: Callable, *, init_params: Callable[[], Any], get_input_bat
     candidates: list[Candidate] = []
     journal = CompileJournal.from_env()
     crashed = {} if journal is None else journal.crashes()  # recorded by the parent of an earlier run
-    names: LeafNames | None = None  # what the step's arrays call their dimensions, once one layout is built
+    built: _Built | None = None  # what the step's arrays are, once one layout is built
+    experts = named.sizes.get("expert", frozenset())
     layouts.sort(key=lambda layout: layout.rules != "standard")  # each mesh's standard rules before its others
     with _progress(len(layouts), progress) as bar:
         for layout in layouts:
             candidate = _pruned(layout, candidates) or _crashed(layout, crashed)
             if candidate is None:
-                candidate, names = _try(layout, step, pool, pipeline, limit, profile, kwargs, batch_shapes, names,
-                                        axes, {"dtype": dtype, "model_flops": model_flops})
+                candidate, built = _try(layout, step, pool, pipeline, limit, profile, kwargs, batch_shapes, built,
+                                        axes, experts, {"dtype": dtype, "model_flops": model_flops})
             candidates.append(candidate)
             bar.update(1)
     ranked = _timed(sorted(candidates, key=_rank), time_top, time_steps, progress,
@@ -386,10 +404,11 @@ def _rank(c: Candidate) -> tuple:
     return (3, 0, 0.0, c.layout.describe())
 
 
-#: A layout whose standard-rules twin fits and is predicted this many times the best fitting one or more is not
-#: compiled with other rules: the ``sequence`` rules split the activations' length over the tensor axis, which
-#: saves memory and moves the same bytes (a reduce-scatter and an all-gather for each all-reduce), so they
-#: gain at most the elementwise work the twin repeats on every tensor device.
+#: A layout whose standard-rules twin was priced at this many times the best fitting one or more is not compiled
+#: with other rules: the ``sequence`` rules split the activations' length over the tensor axis, which saves
+#: memory and moves the same bytes (a reduce-scatter and an all-gather for each all-reduce), so they gain at
+#: most the elementwise work the twin repeats on every tensor device. Whether the twin fits does not matter:
+#: the memory they save may make a layout fit, not make it faster.
 PRUNE_RATIO = 1.25
 
 
@@ -400,10 +419,10 @@ def _pruned(layout: ParallelLayout, done: Sequence[Candidate]) -> Candidate | No
     twin = dataclasses.replace(layout, rules="standard")
     fitting = [_predicted(c) for c in done if c.rejected is None]
     for c in done:
-        if c.layout == twin and c.rejected is None and fitting \
-                and _predicted(c) >= PRUNE_RATIO * min(fitting):
-            return Candidate(layout, rejected=f"not compiled: its standard-rules twin fits and is predicted "
-                                              f"{_predicted(c) / min(fitting):.2f}x the best, and these rules save "
+        if c.layout == twin and c.time is not None and fitting and c.time >= PRUNE_RATIO * min(fitting):
+            fits = "fits and is" if c.rejected is None else "(too big) is"
+            return Candidate(layout, rejected=f"not compiled: its standard-rules twin {fits} predicted "
+                                              f"{c.time / min(fitting):.2f}x the best, and these rules save "
                                               f"memory, not time")
     return None
 
@@ -438,20 +457,37 @@ def _over(limit: int, device: int, need: int, what: str) -> str:
             f"({need - limit:,} B) over the limit {format_bytes(limit)}")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Built:
+    """What the first layout built tells of every other: the names the step's arrays give their dimensions, and
+    those arrays' bytes (`bounds.HeldArrays`)."""
+
+    names: LeafNames
+    held: HeldArrays
+
+    @classmethod
+    def of(cls, step_fn: Any) -> _Built:
+        return cls(LeafNames.of(step_fn), HeldArrays.of(step_fn))
+
+
 def _try(layout: ParallelLayout, step: Callable, pool: list, pipeline: PipelineFactory | None, limit: int,
-         profile: HardwareProfile, kwargs: dict, batch_shapes: list, names: LeafNames | None,
-         axes: tuple[str, ...], pricing: dict) -> tuple[Candidate, LeafNames | None]:
-    """One layout through the checks, cheapest first (see the module docstring); and the names of the step's
-    arrays (``names``, read from the first layout built). ``axes``: the searched ones; ``pricing``: `estimate`'s
-    ``dtype`` and ``model_flops``."""
-    misfit = batch_misfit(layout, batch_shapes)
+         profile: HardwareProfile, kwargs: dict, batch_shapes: list, built: _Built | None,
+         axes: tuple[str, ...], experts: frozenset[int], pricing: dict) -> tuple[Candidate, _Built | None]:
+    """One layout through the checks, cheapest first (see the module docstring); and what the step's arrays
+    are (``built``, read from the first layout built). ``axes``: the searched ones; ``experts``: the sizes of
+    the parameters' ``expert`` dimensions; ``pricing``: `estimate`'s ``dtype`` and ``model_flops``."""
+    misfit = batch_misfit(layout, batch_shapes) or expert_misfit(layout, experts)
     rules = layout_rules(layout, kwargs["own_rules"])
-    if misfit is None and names is not None:
-        misfit = idle_by_names(layout, names, rules) or fsdp_as_data(layout, names, rules, axes)
+    if misfit is None and built is not None:
+        misfit = idle_by_names(layout, built.names, rules) or fsdp_as_data(layout, built.names, rules, axes)
     if misfit is not None:
-        return Candidate(layout, rejected=_INVALID + misfit), names
+        return Candidate(layout, rejected=_INVALID + misfit), built
+    if built is not None:
+        least = built.held.least_per_device(layout, rules)
+        if least > limit:  # no need to build it: what it must hold alone does not fit
+            return Candidate(layout, peak_bytes=least, rejected=_too_big_unbuilt(limit, least)), built
     try:
-        built = build_on(layout, step, pool, pipeline, quiet=True, **kwargs)
+        step_fn = build_on(layout, step, pool, pipeline, quiet=True, **kwargs)[0]
     except Exception as e:  # the layout's own misfit, e.g. more stages than layers, a dimension that won't split
         if not isinstance(e, (ValueError, NotImplementedError)) and type(e).__name__ != "ShardingTypeError":
             raise
@@ -459,15 +495,22 @@ def _try(layout: ParallelLayout, step: Callable, pool: list, pipeline: PipelineF
         if isinstance(e, MeshAxesError) and isinstance(e.__cause__, Exception):
             e = e.__cause__
         why = f"{_INVALID}cannot be built: {type(e).__name__}: {e}{_explicit_hint(e)}"
-        return Candidate(layout, rejected=why), names
-    step_fn = built[0]
-    known = names is not None  # then fsdp_as_data was checked above, before building
-    names = names or LeafNames.of(step_fn)
+        return Candidate(layout, rejected=why), built
+    known = built is not None  # then fsdp_as_data was checked above, before building
+    built = built or _Built.of(step_fn)
+    names = built.names
     misfit = (pipeline_misfit(layout, step_fn) or idle_axis(layout, step_fn, rules, names)
               or (None if known else fsdp_as_data(layout, names, rules, axes)) or idle_rules(layout, step_fn))
     if misfit is not None:
-        return Candidate(layout, rejected=_INVALID + misfit), names
-    return _estimated(layout, step_fn, limit, profile, pricing), names
+        return Candidate(layout, rejected=_INVALID + misfit), built
+    return _estimated(layout, step_fn, limit, profile, pricing), built
+
+
+def _too_big_unbuilt(limit: int, least: int) -> str:
+    """Why a layout is set aside unbuilt (`bounds`): the bytes it must hold per device alone overflow."""
+    return (f"does not fit: at least {format_bytes(least)} ({least:,} B) per device of parameters, optimizer state "
+            f"and batch, {format_bytes(least - limit)} ({least - limit:,} B) over the limit {format_bytes(limit)} "
+            f"(read from its rules, not built)")
 
 
 def _estimated(layout: ParallelLayout, step_fn: Any, limit: int, profile: HardwareProfile, pricing: dict) -> Candidate:

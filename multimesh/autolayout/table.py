@@ -24,9 +24,11 @@ def search_table(search: Any) -> str:
     """The search as lines: a heading, then one row per candidate (the fitting ones ranked 1, 2, ...)."""
     fits = len(search.fitting)
     n = len(search.candidates)
+    compiled = sum(c.estimate is not None for c in search.candidates)
     lines = [f"auto_layout: {n} layout{'s' if n != 1 else ''} of {search.num_devices} devices on "
              f"{search.profile.name}, memory limit {format_bytes(search.memory_limit)}/device: {fits} fit; "
-             f"searched in {search.seconds:.1f} s"]
+             f"{compiled} compiled{', the others set aside as their rows say' if compiled < n else ''}; searched in "
+             f"{search.seconds:.1f} s"]
     timed = any(c.measured is not None for c in search.candidates)
     rows = [("rank", "layout", "peak/device", "predicted", *(("measured",) if timed else ()), "MFU", "HFU",
              "rejected")]
