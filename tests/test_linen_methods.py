@@ -106,6 +106,6 @@ def test_a_tied_table_read_on_two_stages_of_a_pipeline_matches_one_device():
 
 def test_both_uses_on_one_stage_of_a_pipeline_is_a_clear_error_with_the_fix():
     with stages(r"embed|layers_0", r"layers_1"):
-        with pytest.raises(ValueError, match=r"stage sequence embed\|layers_0 -> layers_1 -> embed\|layers_0.*"
+        with pytest.raises(ValueError, match=r"stage sequence embed\+layers_0 -> layers_1 -> embed\+layers_0.*"
                                              r"register its second use with the last stage.*embed\\\.attend"):
             parallelize(make_step(True), init_params=init, get_input_batch=get_batch)

@@ -214,12 +214,13 @@ def test_slices_registered_before_the_with_mesh_block_resolve_when_traced_inside
 def record_units(fn) -> dict[int, list]:
     """Wrap every program call of ``fn``'s runtime: per plan segment, the arrays it returned."""
     seen: dict[int, list] = {}
-    for step in fn.runtime._steps:
-        def call(*args, _run=step.fn, _index=step.segment.index):
+    for host_call in fn.runtime.calls:  # each action its own call (grouping off by default)
+        (step,) = host_call.steps
+        def call(*args, _run=host_call.fn, _index=step.segment.index):
             outs = _run(*args)
             seen.setdefault(_index, []).extend(outs)
             return outs
-        step.fn = call
+        host_call.fn = call
     return seen
 
 

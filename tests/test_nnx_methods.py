@@ -120,8 +120,8 @@ def test_a_tied_table_read_on_two_stages_of_a_pipeline_matches_one_device():
 
 def test_both_uses_on_one_stage_of_a_pipeline_names_the_nnx_scope_to_register():
     with stages(r"embed|layers\.0", r"layers\.1|norm"):
-        with pytest.raises(ValueError, match=r"stage sequence embed\|layers\\\.0 -> layers\\\.1\|norm -> "
-                                             r"embed\|layers\\\.0.*'embed\.attend'.*"
+        with pytest.raises(ValueError, match=r"stage sequence embed\+layers\.0 -> layers\.1\+norm -> "
+                                             r"embed\+layers\.0.*'embed\.attend'.*"
                                              r"r'layers\\\.1\|norm\|embed\\\.attend'") as info:
             parallelize(make_step(True), init_params=init, get_input_batch=get_batch)
     assert "Linen" not in str(info.value)
