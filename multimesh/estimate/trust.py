@@ -58,10 +58,11 @@ def layout_kind(mesh: dict[str, int] | None = None, pipeline_stages: int = 1, te
 
 
 def estimate_kind(est: Any) -> str:
-    """An `Estimate`'s kind of layout, from its programs: an all-to-all (an MoE layer's tokens sent to their
-    experts' devices); a pipeline schedule; a collective on the products' path (a tensor-parallel reduction of
-    activations); else data/FSDP."""
-    if any(c.kind == "all-to-all" for p in est.programs for c in p.collectives):
+    """An `Estimate`'s kind of layout, from its programs: grouped products (``ragged_dot``: a Mixture of
+    Experts' experts; an all-to-all alone is no sign of one, XLA reshards dense arrays with it too); a
+    pipeline schedule; a collective on the products' path (a tensor-parallel reduction of activations); else
+    data/FSDP."""
+    if any(p.grouped for p in est.programs):
         return "MoE"
     if est.time is not None and est.time.pipeline:
         return "pipeline"
