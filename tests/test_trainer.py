@@ -584,7 +584,9 @@ def test_console_script_help():
 
 def _spawn(args: list[str], n: int) -> list[subprocess.Popen]:
     """``multimesh-train ARGS`` as ``n`` processes joined by jax.distributed (8/n CPU devices each)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # without the suite's compilation cache, as every multi-process test: two processes loading one cached
+    # executable hang at their first step on XLA:CPU
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
     port = free_port("localhost")
     return [subprocess.Popen(_cli(*args, "--coordinator", f"localhost:{port}", "--num-processes", str(n),
                                   "--process-id", str(i), "-q"),
