@@ -104,6 +104,23 @@ class Attention(nn.Module):
         return x + out
 
 
+class ResidualBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(x.shape[-1])(x)
+
+
+class StemNet(nn.Module):
+    """A Dense ``stem`` and four residual blocks ``block_0`` to ``block_3``: module names for stage patterns."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(8, name="stem")(x)
+        for i in range(4):
+            x = ResidualBlock(name=f"block_{i}")(x)
+        return x
+
+
 def mlp_batch(n: int = 32, features: int = 16, seed: int = 0) -> dict[str, np.ndarray]:
     rs = np.random.RandomState(seed)
     return {

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import warnings
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import StemNet
 
 from multimesh.jax import parallelize, register_task
 from multimesh.trace.pattern_alternatives import alternatives, unmatched_alternatives
@@ -17,23 +17,8 @@ from multimesh.trace.pattern_alternatives import alternatives, unmatched_alterna
 pytestmark = pytest.mark.devices(8)
 
 
-class Block(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return x + nn.Dense(x.shape[-1])(x)
-
-
-class Net(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Dense(8, name="stem")(x)
-        for i in range(4):
-            x = Block(name=f"block_{i}")(x)
-        return x
-
-
 def _build(first: str) -> list[str]:
-    model, devices = Net(), jax.devices()
+    model, devices = StemNet(), jax.devices()
     init = lambda: model.init(jax.random.key(0), jnp.ones((2, 8)))  # noqa: E731
     step = jax.grad(lambda p, b: jnp.sum(model.apply(p, b["x"]) ** 2))
     with warnings.catch_warnings(record=True) as caught:

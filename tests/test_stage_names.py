@@ -3,10 +3,10 @@ by the pattern's text, in plans, run stats and schedules; ``name=`` still wins."
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import StemNet
 
 from multimesh.jax import clear_tasks, microbatch, parallelize, register_task
 from multimesh.trace.stage_names import readable_name
@@ -37,23 +37,8 @@ def test_a_pattern_is_named_by_the_names_it_matches(pattern, name):
     assert readable_name(pattern) == name
 
 
-class Block(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return x + nn.Dense(x.shape[-1])(x)
-
-
-class Net(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Dense(8, name="stem")(x)
-        for i in range(4):
-            x = Block(name=f"block_{i}")(x)
-        return x
-
-
 def _pipeline(second_name: str | None):
-    model, devices = Net(), jax.devices()
+    model, devices = StemNet(), jax.devices()
     init = lambda: model.init(jax.random.key(0), jnp.ones((2, 8)))  # noqa: E731
     loss = microbatch(lambda p, b: jnp.sum(model.apply(p, b["x"]) ** 2), 0, 2, argnum=1, schedule="1f1b")
     with register_task(r"stem|block_[01]", devices=devices[:4]), \
