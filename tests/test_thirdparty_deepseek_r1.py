@@ -44,10 +44,11 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import keystr
+from llm_examples import Training, model_rules, train
 from vendored import import_or_skip
 
 from multimesh.checkpoint import CheckpointManager
-from multimesh.jax import microbatch, parallelize, register_task
+from multimesh.jax import parallelize, register_task
 
 pytestmark = [pytest.mark.devices(8),   # the model imports Pallas kernels JAX has deprecated
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -91,6 +92,10 @@ def config(mesh: jax.sharding.Mesh) -> Any:
         n_group=4, topk_group=2, n_shared_experts=1)
 
 
+TRAINING = Training(deepseek, TX, BATCH, LENGTH, VOCAB, low=2)
+program, make_step, get_batch = TRAINING.program, TRAINING.make_step, TRAINING.get_batch
+
+
 def model_mesh(devices: list | None = None, shape: tuple[int, int, int] = (2, 2, 2)) -> jax.sharding.Mesh:
     """A mesh as the model's own tests make it: axes x (batch), y (expert, tensor) and z (tensor), Auto (its
     embedding lookup, a plain gather of a replicated table by batch-sharded tokens, is ambiguous on
@@ -98,51 +103,7 @@ def model_mesh(devices: list | None = None, shape: tuple[int, int, int] = (2, 2,
     return jax.make_mesh(shape, ("x", "y", "z"), axis_types=AUTO, devices=devices or jax.devices())
 
 
-def program(cfg: Any) -> tuple[Callable[[], dict], Callable]:
-    ds = deepseek()
-
-    def init() -> dict:
-        weights = ds.Weights.init(jax.random.key(0), cfg)
-        return {"params": weights, "opt": TX.init(weights)}
-
-    def loss(weights: Any, batch: dict) -> jax.Array:
-        """Next-token cross entropy, summed and divided by the global token count (microbatches add up)."""
-        tokens = batch["inputs"]
-        logits, _ = ds.forward(tokens, jnp.ones_like(tokens), weights, cfg)
-        log_probs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
-        return -jnp.sum(jax.nn.one_hot(tokens[:, 1:], VOCAB) * log_probs) / (BATCH * (LENGTH - 1))
-    return init, loss
-
-
-def make_step(loss: Callable, microbatches: int | None = None) -> Callable:
-    def step(state, batch):
-        fn = loss if microbatches is None else microbatch(
-            loss, 0, BATCH // microbatches, argnum=1, schedule="1f1b")
-        value, grads = jax.value_and_grad(fn)(state["params"], batch)
-        updates, opt = TX.update(grads, state["opt"], state["params"])
-        return value, {"params": optax.apply_updates(state["params"], updates), "opt": opt}
-    return step
-
-
-def get_batch() -> dict[str, jax.Array]:
-    return {"inputs": jax.random.randint(jax.random.key(1), (BATCH, LENGTH), 2, VOCAB)}
-
-
-def model_rules(cfg: Any) -> list[tuple[str, Any]]:
-    """The model's own rule for the batch (``ShardingRules.batch``): the rest of its layout is its code's."""
-    return [("batch", cfg.rules.batch)]
-
-
 # ----------------------------------------------------------------- the references
-def train(step: Callable, state: Any, batch: Any, steps: int) -> tuple[list[float], list[Any]]:
-    losses, states = [], []
-    for _ in range(steps):
-        loss, state = step(state, batch)
-        losses.append(float(loss))
-        states.append(jax.device_get(state))
-    return losses, states
-
-
 @functools.cache
 def reference() -> tuple[list[float], list[Any]]:
     """The one-device run: losses and host states after each step (plain jax.jit on a 1-device mesh)."""

@@ -43,9 +43,10 @@ import optax
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from llm_examples import Training, model_rules, train
 
 from multimesh.checkpoint import CheckpointManager
-from multimesh.jax import microbatch, parallelize, register_task
+from multimesh.jax import parallelize, register_task
 
 pytestmark = [pytest.mark.devices(8),   # the model imports Pallas kernels JAX has deprecated
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -80,56 +81,16 @@ def config(mesh: jax.sharding.Mesh) -> Any:
         mesh=mesh, quant_cache=False)
 
 
+TRAINING = Training(qwen3, TX, BATCH, LENGTH, VOCAB, low=1)
+program, make_step, get_batch = TRAINING.program, TRAINING.make_step, TRAINING.get_batch
+
+
 def model_mesh(devices: list | None = None, shape: tuple[int, int, int] = (2, 2, 2)) -> jax.sharding.Mesh:
     """A mesh as the model's own code expects: axes x (batch), y (tensor) and z (expert), Explicit."""
     return jax.make_mesh(shape, ("x", "y", "z"), axis_types=EXPLICIT, devices=devices or jax.devices())
 
 
-def program(cfg: Any) -> tuple[Callable[[], dict], Callable]:
-    q3 = qwen3()
-
-    def init() -> dict:
-        weights = q3.Weights.init(jax.random.key(0), cfg)
-        return {"params": weights, "opt": TX.init(weights)}
-
-    def loss(weights: Any, batch: dict) -> jax.Array:
-        """Next-token cross entropy, summed and divided by the global token count (microbatches add up)."""
-        tokens = batch["inputs"]
-        logits, _ = q3.forward(tokens, jnp.ones_like(tokens), weights, cfg)
-        log_probs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
-        return -jnp.sum(jax.nn.one_hot(tokens[:, 1:], VOCAB) * log_probs) / (BATCH * (LENGTH - 1))
-    return init, loss
-
-
-def make_step(loss: Callable, microbatches: int | None = None) -> Callable:
-    def step(state, batch):
-        fn = loss if microbatches is None else microbatch(
-            loss, 0, BATCH // microbatches, argnum=1, schedule="1f1b")
-        value, grads = jax.value_and_grad(fn)(state["params"], batch)
-        updates, opt = TX.update(grads, state["opt"], state["params"])
-        return value, {"params": optax.apply_updates(state["params"], updates), "opt": opt}
-    return step
-
-
-def get_batch() -> dict[str, jax.Array]:
-    return {"inputs": jax.random.randint(jax.random.key(1), (BATCH, LENGTH), 1, VOCAB)}
-
-
-def model_rules(cfg: Any) -> list[tuple[str, Any]]:
-    """The model's own rule for the batch (``ShardingRules.batch``): the rest of its layout is its code's."""
-    return [("batch", cfg.rules.batch)]
-
-
 # ----------------------------------------------------------------- the references
-def train(step: Callable, state: Any, batch: Any, steps: int) -> tuple[list[float], list[Any]]:
-    losses, states = [], []
-    for _ in range(steps):
-        loss, state = step(state, batch)
-        losses.append(float(loss))
-        states.append(jax.device_get(state))
-    return losses, states
-
-
 @functools.cache
 def reference() -> tuple[list[float], list[Any]]:
     """The one-device run: losses and host states after each step (plain jax.jit on a 1-device mesh)."""
