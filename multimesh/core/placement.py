@@ -100,6 +100,14 @@ class Placement:
         return Rules([(n, a) for n, a in self.rules if not (n == a and n in axes)], strict=self.rules.strict,
                      generic=self.rules.generic)
 
+    def __hash__(self) -> int:
+        # hashed once: a plan keys thousands of equations (64 microbatches: some 75,000) by placement
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.mesh, self.rules, self.name, self.defer))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     @functools.cached_property
     def devices(self) -> frozenset:
         return frozenset(self.mesh.devices.flat)

@@ -28,6 +28,7 @@ from jax.extend import source_info_util
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal, Var
 
 from ..core.fmt import format_bytes
+from ..core.gc_pause import without_gc
 from ..schedules import Schedule
 from ..trace.implicit import implicit_placement, is_backprop, microbatch_of
 from ..trace.knobs import current_knobs
@@ -260,10 +261,16 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
     return ClosedJaxpr(flat, inliner.consts)
 
 
-def _initial_colours(eqns: Sequence, placed: dict[int, Placement]) -> list[Placement | None]:
-    """A task's placement, an implicit task's (by scope), an inlined task body's (``placed``), else None."""
-    return [e.params["placement"] if e.primitive is task_call_p
-            else placed.get(id(e)) or implicit_placement(e.source_info.name_stack) for e in eqns]
+def _implicit(eqns: Sequence) -> list[Placement | None]:
+    """Each equation's implicit task's placement (by its scope stack), else None."""
+    return [implicit_placement(e.source_info.name_stack) for e in eqns]
+
+
+def _initial_colours(eqns: Sequence, implicit: Sequence[Placement | None],
+                     placed: dict[int, Placement]) -> list[Placement | None]:
+    """A task's placement, an inlined task body's (``placed``), an implicit task's (``implicit``), else None."""
+    return [e.params["placement"] if e.primitive is task_call_p else placed.get(id(e)) or where
+            for e, where in zip(eqns, implicit)]
 
 
 def _units(eqns: Sequence, colour: Sequence[Placement | None]) -> list[Unit | None]:
@@ -402,14 +409,15 @@ def partition(closed: ClosedJaxpr, pipelines: Sequence[Pipeline] = ()) -> Plan:
     step_jaxpr, rewritten = closed.jaxpr, split_scans(closed)
     if rewritten is not None:  # a scanned stack split over stages: its scans, parameters and updates in parts
         closed = rewritten.closed
-    eqns = place_per_microbatch(closed.jaxpr.eqns, [implicit_placement(e.source_info.name_stack)
-                                                     for e in closed.jaxpr.eqns])
+    implicit = _implicit(closed.jaxpr.eqns)
+    eqns = place_per_microbatch(closed.jaxpr.eqns, implicit)  # one for one: the same scope stacks
     consts = dict(zip(closed.jaxpr.constvars, closed.consts))
     placed: dict[int, Placement] = dict(rewritten.placed) if rewritten is not None else {}
     if any(p.split_backward for p in pipelines):  # zero-bubble: a task's backward splits into B and W
         eqns, consts, inlined = inline_backward_tasks(eqns, consts)
         placed.update(inlined)
-    initial = _initial_colours(eqns, placed)
+        implicit = _implicit(eqns)
+    initial = _initial_colours(eqns, implicit, placed)
     pinned = [c is not None for c in initial]
     tasks = [c for c in initial if c is not None]
     if not tasks:
@@ -456,6 +464,7 @@ def _check_overlaps(placements: Sequence[Placement]) -> None:
                 )
 
 
+@without_gc
 def make_plan(closed: ClosedJaxpr, placement: Placement, pipelines: Sequence[Pipeline] = ()) -> Plan:
     """The one plan of a traced step: ``placement`` alone (SPMD: one segment), or, when the step calls
     tasks, its nested calls inlined and the equations partitioned over the tasks' submeshes (MPMD)."""

@@ -37,6 +37,7 @@ import jax
 from jax.extend.core import Literal, Var
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ..core.gc_pause import without_gc
 from ..core.placement import use_placement
 from ..core.transfer import move, put, target_on
 from ..plan.partition import Plan
@@ -115,6 +116,7 @@ class Runtime:
     (`run.grouping`; 1: each alone); None: ``MULTIMESH_GROUP_ACTIONS``, else 1.
     """
 
+    @without_gc
     def __init__(self, plan: Plan, input_shardings: dict[Var, NamedSharding], *, sync_every: int = 16,
                  donated: Collection[Var] = frozenset(), group_actions: int | None = None):
         self.plan = plan

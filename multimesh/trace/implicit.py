@@ -539,15 +539,18 @@ def names_in(jaxpr: Any) -> set[str]:
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _read_stack(name_stack: Any) -> tuple[tuple[str, ...], int | None, bool]:
-    """(scope names, microbatch index, inside a transpose): read once per distinct name stack."""
+def _read_stack(name_stack: Any) -> tuple[tuple[str, ...], int | None, bool, str]:
+    """(scope names, microbatch index, inside a transpose, the text): read once per distinct name stack.
+
+    A pipeline's plan asks these of every equation several times, and of thousands of equations with
+    many microbatches: writing the stack out as text each time was most of that cost."""
     text = str(name_stack)
     names = []
     for part in text.split("/") if text else ():
         m = _WRAPPER.match(part)
         names.append(m.group(1) if m else part)
     microbatch = next((int(m.group(1)) for n in names if (m := _MICROBATCH.fullmatch(n))), None)
-    return tuple(names), microbatch, "transpose(" in text
+    return tuple(names), microbatch, "transpose(" in text, text
 
 
 def scope_names(name_stack: Any) -> list[str]:
@@ -572,8 +575,9 @@ def implicit_placement(name_stack: Any) -> Placement | None:
     """The placement of an equation with this scope stack, or None when no registration matches."""
     if not _REGISTRY and not _SCOPES:
         return None
+    _, _, backprop, text = _read_stack(name_stack)
     # the global mesh is part of the key: a Task's mesh_slice slices the one in force (JAX's mesh in context too)
-    found = _lookup(str(name_stack), is_backprop(name_stack), current_global_mesh())
+    found = _lookup(text, backprop, current_global_mesh())
     return found[0] if found is not None else None
 
 
@@ -582,7 +586,8 @@ def placed_by(name_stack: Any) -> tuple[str, Registration | None] | None:
     matched it (None for a `flax.task` class); None when no registration places it."""
     if not _REGISTRY and not _SCOPES:
         return None
-    found = _lookup(str(name_stack), is_backprop(name_stack), current_global_mesh())
+    _, _, backprop, text = _read_stack(name_stack)
+    found = _lookup(text, backprop, current_global_mesh())
     return found[1:] if found is not None else None
 
 
@@ -624,7 +629,7 @@ def _matches(name: str) -> list[tuple[str, Registration, re.Match, bool]]:
                     if not r.pattern.fullmatch(name) and (m := r.pattern.fullmatch(module))]
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1 << 16)  # one entry per scope stack: 64 microbatches make some 17,000
 def _lookup(text: str, backprop: bool,
             global_mesh: Mesh | None) -> tuple[Placement, str, Registration | None] | None:
     """The outermost match wins: the first name of the stack (outermost first) that a registration places;

@@ -27,6 +27,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ..core.gc_pause import without_gc
 from ..core.meshes import auto_meshes_in_context, mesh_context
 from ..core.placement import current_placement
 from .pmap_axes import unbound_axis, with_axes_of_one
@@ -57,6 +58,7 @@ def with_mesh_in_context(fun: Callable) -> Callable:
     return in_context
 
 
+@without_gc
 def traced_in_context(trace: Callable[[Callable], T], fun: Callable, where: str) -> tuple[Callable, T]:
     """``(fun, trace(fun))``; where JAX finds an axis name that only ``jax.pmap`` binds, or a bare
     `PartitionSpec` with no mesh in context, ``fun`` wrapped to supply it (`with_axes_of_one`,
