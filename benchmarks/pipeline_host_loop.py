@@ -1,14 +1,15 @@
 """Where a pipeline's first step goes as the microbatches grow, and what the host costs per action.
 
     python benchmarks/pipeline_host_loop.py [--microbatches 4 16 64] [--batch 64] [--rounds 5]
-        [--schedules 1f1b gpipe] [--groups 1 8] [--set data.seq_len=8 ...]
+        [--schedules 1f1b gpipe] [--groups 1 8] [--set data.seq_len=8 ...] [--warm-cache]
 
 The trainer's `pipeline` config (2 stages of data=2 x tensor=2) with a global
 batch of ``--batch`` sequences split into each number of microbatches (the
 same tokens per step), run by each schedule, with the runtime grouping at most
 each of ``--groups`` consecutive actions of a stage into one host call
 (``MULTIMESH_GROUP_ACTIONS``; 1: each action its own call), each row in a
-fresh process without a compilation cache, 8 simulated CPU devices. Per row:
+fresh process without a compilation cache (``--warm-cache``: with one that an
+unmeasured run of the same row filled, as a rerun has), 8 simulated CPU devices. Per row:
 
 - first step: seconds from building the step to the first step's result,
   initialisation included (what a user waits for), split into tracing the
@@ -37,9 +38,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -61,9 +64,14 @@ def _timed(owner: Any, name: str, totals: dict[str, float], key: str) -> None:
     setattr(owner, name, wrapper)
 
 
-def measure(n_mb: int, batch_size: int, rounds: int, schedule: str, group: int, overrides: list[str]) -> dict:
-    """One number of microbatches, schedule and group bound, in this (fresh) process."""
-    os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+def measure(n_mb: int, batch_size: int, rounds: int, schedule: str, group: int, overrides: list[str],
+            cache_dir: str | None = None) -> dict:
+    """One number of microbatches, schedule and group bound, in this (fresh) process; with JAX's persistent
+    compilation cache at ``cache_dir`` (None: none)."""
+    if cache_dir:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = cache_dir
+    else:
+        os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
     os.environ["MULTIMESH_GROUP_ACTIONS"] = str(group)
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     import jax
@@ -239,25 +247,34 @@ def main() -> None:
                     help="bounds on the actions one host call runs (MULTIMESH_GROUP_ACTIONS; 1: off)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="config overrides, e.g. data.seq_len=8 (a smaller program per action)")
+    ap.add_argument("--warm-cache", action="store_true",
+                    help="rows use a persistent compilation cache, each run once unmeasured to fill it first "
+                         "(a rerun's first step, as `.ci/train.sh` gives one); default: no cache (a first run)")
+    ap.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--schedule", default="1f1b", help=argparse.SUPPRESS)
     ap.add_argument("--group", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one is not None:
-        print(json.dumps(measure(args.one, args.batch, args.rounds, args.schedule, args.group, args.set)))
+        print(json.dumps(measure(args.one, args.batch, args.rounds, args.schedule, args.group, args.set,
+                                 args.cache_dir)))
         return
-    print(f"pipeline config {' '.join(args.set)}, global batch {args.batch}; each row a fresh process, no compilation "
-          f"cache; {os.cpu_count()} cores; medians of {args.rounds} rounds")
+    cache = tempfile.mkdtemp(prefix="host_loop_cache_") if args.warm_cache else None
+    print(f"pipeline config {' '.join(args.set)}, global batch {args.batch}; each row a fresh process, "
+          f"{'a compilation cache the same row filled' if cache else 'no compilation cache'}; {os.cpu_count()} cores; "
+          f"medians of {args.rounds} rounds")
     print("  ".join(f"{h:>{max(len(h), 5)}s}" for h, _, _ in COLUMNS))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     base: dict[tuple, dict] = {}
     for schedule in args.schedules:
         for n_mb in args.microbatches:
             for group in args.groups:
-                out = subprocess.run([sys.executable, __file__, "--one", str(n_mb), "--batch", str(args.batch),
-                                      "--rounds", str(args.rounds), "--schedule", schedule, "--group", str(group),
-                                      "--set", *args.set],
-                                     capture_output=True, text=True, cwd=ROOT, env=env, check=False)
+                command = [sys.executable, __file__, "--one", str(n_mb), "--batch", str(args.batch), "--rounds",
+                           str(args.rounds), "--schedule", schedule, "--group", str(group), "--set", *args.set]
+                if cache:
+                    command[2:2] = ["--cache-dir", cache]
+                for _ in range(2 if cache else 1):  # with a cache: the first run fills it
+                    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, check=False)
                 if out.returncode:
                     print(f"{schedule} {n_mb} {group}: failed\n{out.stderr[-3000:]}")
                     continue
@@ -271,6 +288,8 @@ def main() -> None:
                     value = r["first_s"] / first["first_s"] if key is None else r.get(key, float("nan"))
                     cells.append(f"{fmt.format(value):>{max(len(h), 5)}s}")
                 print("  ".join(cells), flush=True)
+    if cache:
+        shutil.rmtree(cache, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -212,6 +212,16 @@ class _Inliner:
         self.constvars: list[Var] = []
         self.consts: list = []
         self._const_var: dict[int, Var] = {}
+        # (outer stack, own stack) -> their concatenation, by identity (both stay alive in ``eqns``): the
+        # equations of one scope share one stack object, which `trace.implicit` reads once
+        self._stacks: dict[tuple[int, int], Any] = {}
+
+    def stack(self, outer: Any, own: Any) -> Any:
+        key = (id(outer), id(own))
+        joined = self._stacks.get(key)
+        if joined is None:
+            joined = self._stacks[key] = outer + own
+        return joined
 
     def const(self, value: Any, aval: Any) -> Var:
         v = self._const_var.get(id(value))
@@ -229,7 +239,7 @@ class _Inliner:
             return x if isinstance(x, Literal) else env[x]
 
         for eqn in jaxpr.eqns:
-            name_stack = outer_stack + eqn.source_info.name_stack
+            name_stack = self.stack(outer_stack, eqn.source_info.name_stack)
             ins = [read(x) for x in eqn.invars]
             body = _inlined_body(eqn, name_stack)
             if body is not None:

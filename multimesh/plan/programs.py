@@ -73,8 +73,12 @@ def _param_key(primitive: str, params: dict) -> tuple:
     return tuple(out)
 
 
-def _structure(eqns: Sequence[JaxprEqn], invars: Sequence[Var], outvars: Sequence[Var]) -> tuple[tuple, list]:
-    """(a hashable key of the segment's computation without literal values, the literal values in order)."""
+def _structure(eqns: Sequence[JaxprEqn], invars: Sequence[Var], outvars: Sequence[Var],
+               param_keys: dict[int, tuple]) -> tuple[tuple, list]:
+    """(a hashable key of the segment's computation without literal values, the literal values in order).
+
+    ``param_keys``: each parameter dict's key by its id, kept across segments: a body called once per
+    microbatch is copied with the same parameters, so each is keyed (nested jaxprs printed) once."""
     number: dict[Var, int] = {v: i for i, v in enumerate(invars)}
     key: list = [tuple(v.aval for v in invars)]
     literals: list = []
@@ -88,8 +92,10 @@ def _structure(eqns: Sequence[JaxprEqn], invars: Sequence[Var], outvars: Sequenc
                 ins.append(number[x])
         for v in e.outvars:
             number[v] = len(number)
-        key.append((e.primitive.name, _param_key(e.primitive.name, e.params), tuple(ins),
-                    tuple(v.aval for v in e.outvars)))
+        params = param_keys.get(id(e.params))
+        if params is None:
+            params = param_keys[id(e.params)] = _param_key(e.primitive.name, e.params)
+        key.append((e.primitive.name, params, tuple(ins), tuple(v.aval for v in e.outvars)))
     key.append(tuple(number[v] for v in outvars))
     return tuple(key), literals
 
@@ -101,8 +107,9 @@ def _same(a: Any, b: Any) -> bool:
 def group_programs(segments: Sequence[Segment], donate: dict[int, tuple[int, ...]]) -> list[Program]:
     """Group ``segments`` into programs (see the module docstring)."""
     groups: dict[tuple, list[tuple[Segment, list]]] = {}
+    param_keys: dict[int, tuple] = {}  # the equations, hence their parameter dicts, outlive this loop
     for seg in segments:
-        key, literals = _structure(seg.eqns, seg.invars, seg.outvars)
+        key, literals = _structure(seg.eqns, seg.invars, seg.outvars, param_keys)
         groups.setdefault((seg.placement, donate.get(seg.index, ()), key), []).append((seg, literals))
     programs: list[Program] = []
     for (placement, donation, _), members in groups.items():

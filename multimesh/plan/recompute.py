@@ -63,8 +63,12 @@ def recompute_constants(eqns: Sequence[Any], colour: Sequence[Any], units: Seque
     small = {v for v in inputs if nbytes(v) <= SMALL_INPUT_BYTES}
     made_from_literals: dict[Var, int] = {}
     from_inputs: set[Var] = set()  # those of them that read a small input
+    cheap: dict[tuple[int, Any], bool] = {}  # by parameters: a microbatch's copies of an equation share them
     for i, e in enumerate(eqns):
-        if not _cheap(e) or not all(isinstance(v, Literal) or v in small or v in made_from_literals
+        known = cheap.get((id(e.params), e.primitive))
+        if known is None:
+            known = cheap[(id(e.params), e.primitive)] = _cheap(e)
+        if not known or not all(isinstance(v, Literal) or v in small or v in made_from_literals
                                     for v in e.invars):
             continue
         reads_input = any(v in small or v in from_inputs for v in e.invars if not isinstance(v, Literal))

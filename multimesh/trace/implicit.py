@@ -553,17 +553,33 @@ def _read_stack(name_stack: Any) -> tuple[tuple[str, ...], int | None, bool, str
     return tuple(names), microbatch, "transpose(" in text, text
 
 
+#: `_read_stack`'s answers by the stack object's identity (the object kept, so that its id is not reused):
+#: a plan asks about each of its (shared) stacks several times, and hashing a stack by value walks it.
+_BY_IDENTITY: dict[int, tuple[Any, tuple[tuple[str, ...], int | None, bool, str]]] = {}
+
+
+def _facts(name_stack: Any) -> tuple[tuple[str, ...], int | None, bool, str]:
+    seen = _BY_IDENTITY.get(id(name_stack))
+    if seen is not None and seen[0] is name_stack:
+        return seen[1]
+    facts = _read_stack(name_stack)
+    if len(_BY_IDENTITY) >= 1 << 16:
+        _BY_IDENTITY.clear()
+    _BY_IDENTITY[id(name_stack)] = (name_stack, facts)
+    return facts
+
+
 def scope_names(name_stack: Any) -> list[str]:
     """The scope names of a name stack, outermost first, without transform wrappers."""
-    return list(_read_stack(name_stack)[0])
+    return list(_facts(name_stack)[0])
 
 
 def is_backprop(name_stack: Any) -> bool:
-    return _read_stack(name_stack)[2]
+    return _facts(name_stack)[2]
 
 
 def microbatch_of(name_stack: Any) -> int | None:
-    return _read_stack(name_stack)[1]
+    return _facts(name_stack)[1]
 
 
 def placement_in_scope() -> Placement | None:
@@ -575,7 +591,7 @@ def implicit_placement(name_stack: Any) -> Placement | None:
     """The placement of an equation with this scope stack, or None when no registration matches."""
     if not _REGISTRY and not _SCOPES:
         return None
-    _, _, backprop, text = _read_stack(name_stack)
+    _, _, backprop, text = _facts(name_stack)
     # the global mesh is part of the key: a Task's mesh_slice slices the one in force (JAX's mesh in context too)
     found = _lookup(text, backprop, current_global_mesh())
     return found[0] if found is not None else None
@@ -586,7 +602,7 @@ def placed_by(name_stack: Any) -> tuple[str, Registration | None] | None:
     matched it (None for a `flax.task` class); None when no registration places it."""
     if not _REGISTRY and not _SCOPES:
         return None
-    _, _, backprop, text = _read_stack(name_stack)
+    _, _, backprop, text = _facts(name_stack)
     found = _lookup(text, backprop, current_global_mesh())
     return found[1:] if found is not None else None
 
