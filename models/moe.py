@@ -1,4 +1,4 @@
-"""A Mixture-of-Experts feed-forward layer (Flax Linen and NNX), with expert parallelism.
+"""A Mixture-of-Experts feed-forward layer (Flax Linen and NNX), with expert and expert tensor parallelism.
 
 Each token is sent to ``k`` of ``E`` SwiGLU experts (Mixtral / Qwen3-MoE routing):
 
@@ -22,7 +22,20 @@ stage's submesh in a stage) every device sorts its token copies by destination, 
 ``jax.lax.all_to_all`` to the devices that own their experts, computes them there with
 ``ragged_dot`` and sends the results back (:func:`experts_all_to_all`). The copies travel in the
 compute dtype (``model.dtype``), and so do the experts' outputs. Without an ``expert`` axis (or of size
-1, or on one device) every expert is computed locally, with no collective.
+1, or on one device) every expert is computed locally, with no all-to-all.
+
+Expert tensor parallelism (Megatron's "expert tensor parallel"): where the rules map the experts' hidden
+axis ``mlp`` (:data:`HIDDEN_AXIS`) to mesh axes of size ``t > 1`` (``tensor`` under ``standard_rules``),
+each device holds ``F / t`` of the hidden units of every one of its experts, and the ``shard_map``'s weight
+specs split ``F`` over them. The tokens are the same on every device of those axes (the batch's, which the
+rules do not split there); each device computes its share of the SwiGLU hidden units for the copies its
+experts receive, and the partial outputs are summed over the axes with ``jax.lax.psum`` in the compute
+dtype, after the return all-to-all and the gates' combine: there a device holds its ``N`` tokens x ``D``,
+where the results sent back are ``n`` x ``S`` slots x ``D`` (``S >= N * k`` dropless). No device gathers
+an expert's weights whole. Without an ``expert`` axis the same ``shard_map`` runs :func:`experts_local` on
+each device's tokens. ``F`` must be a multiple of ``t`` (a ValueError names ``d_ff``, the axis, the sizes
+and the fix). The layer finds the axes with ``multimesh.jax.resolve_in_scope``, as its ``shard_map``
+resolves its logical specs (a pipeline stage's rules inside the stage).
 
 Capacity (``model.moe_capacity_factor``, ``c``; GShard / Switch Transformer / MaxText). Unset (the
 default), no copy is dropped: each device's send buffer holds, for every destination, as many rows as
@@ -30,13 +43,14 @@ it has token copies (the worst case: all of them routed to one device's experts)
 one-device result exactly, at ``n`` times the rows a balanced load needs, in the all-to-alls and in the
 grouped products. With ``c``, each expert takes at most ``C = min(ceil(c * N * k / E), N)`` copies from
 each group of ``N`` tokens: the tokens one device sends (:func:`expert_capacity`), the ``N`` of the
-whole call where every expert is local. The group is the source device's tokens because that is what a
-device can count without a collective, and so what sizes its send buffer: ``E / n`` experts x ``C``
-slots per destination, ``c`` times the rows of a balanced load; the receiving device computes ``n`` x
-``E / n`` x ``C`` rows. Copies are ranked in token order within their expert (earlier tokens first, as
-Megatron's "position" drop policy); those ranked ``C`` or later are dropped: their expert output is
-zero and the gates are not renormalised, so the token keeps what its other experts and the residual
-connection give it. ``c >= E / k`` never drops (``C = N``); ``c = 1`` is exactly the balanced load.
+whole call where the mesh has neither an expert nor a tensor axis. The group is the source device's
+tokens because that is what a device can count without a collective, and so what sizes its send
+buffer: ``E / n`` experts x ``C`` slots per destination, ``c`` times the rows of a balanced load; the
+receiving device computes ``n`` x ``E / n`` x ``C`` rows. Copies are ranked in token order within
+their expert (earlier tokens first, as Megatron's "position" drop policy); those ranked ``C`` or later
+are dropped: their expert output is zero and the gates are not renormalised, so the token keeps what
+its other experts and the residual connection give it. ``c >= E / k`` never drops (``C = N``); ``c = 1``
+is exactly the balanced load.
 
 Parameters of one layer (``E = num_experts``, ``F = d_ff``)::
 

@@ -161,3 +161,21 @@ def test_the_transformer_trains_like_one_device(mesh, one_device_run, tmp_path):
     program = program_for(cfg)
     hlo = program.step.lower(program.abstract_state, zeros_batch(cfg)).compile().as_text()
     assert _whole_expert_weights(hlo, e // n, cfg.model.d_model, f) == []
+
+
+@pytest.mark.slow  # ~30 s: a 2-stage pipeline and its one-device reference
+def test_a_pipeline_whose_stages_split_their_experts_over_tensor_trains_like_one_device(tmp_path):
+    """moe_pipeline with each stage shaped expert=2 x tensor=2: the MoE layer's shard_map runs on its stage's
+    submesh, all-to-all over the stage's expert axis and the tensor sum over its tensor axis; 2 steps against
+    one device, and each stage's experts split over its own devices, d_ff / 2 of each on a device."""
+    cfg = small("moe_pipeline", tmp_path / "run", "train.steps=2", "model.num_layers=2",
+                "layout.pipeline.microbatches=2", "layout.mesh={expert: 2, tensor: 2}")
+    got, got_losses = _run(cfg, 2)
+    want, want_losses = _run(cfg.replace(layout=ONE_DEVICE, train={"out_dir": str(tmp_path / "one")}), 2)
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+    _assert_close(params_of(got), params_of(want), rtol=1e-4, atol=1e-6)
+    e, d, f = cfg.model.num_experts, cfg.model.d_model, cfg.model.d_ff
+    for stage in (0, 1):
+        wo = nn.meta.unbox(got.state["params"])["params"][f"layers_{stage}"]["mlp"]["wo"]
+        assert {dev.id // 4 for dev in wo.sharding.device_set} == {stage}
+        assert {s.data.shape for s in wo.addressable_shards} == {(e // 2, f // 2, d)}
