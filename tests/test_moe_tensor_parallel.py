@@ -17,12 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 from test_moe import CFG, ONE_DEVICE, D, E, F, _assert_close, _parallel, _run, _x, dense_reference, params_of, small
 
 from models.moe import MoeBlock, TransformerConfig
 from multimesh.estimate.collectives import find_collectives
 from multimesh.estimate.hlo import parse_module
-from multimesh.jax import parallelize, standard_rules
+from multimesh.jax import parallelize, register_task, resolve_in_scope, standard_rules
 from trainers.config import ConfigError, load_config
 from trainers.step import program_for, zeros_batch
 
@@ -179,3 +180,26 @@ def test_a_pipeline_whose_stages_split_their_experts_over_tensor_trains_like_one
         wo = nn.meta.unbox(got.state["params"])["params"][f"layers_{stage}"]["mlp"]["wo"]
         assert {dev.id // 4 for dev in wo.sharding.device_set} == {stage}
         assert {s.data.shape for s in wo.addressable_shards} == {(e // 2, f // 2, d)}
+
+
+def test_resolve_in_scope_gives_the_rules_in_force_a_stage_its_own_and_no_rules_the_spec():
+    """What the layer sums over: the step's rules while parallelize traces it; inside a registered stage the
+    stage's own rules (here mlp over its axis 'b'); with no rules in force, the spec as given."""
+    seen: dict[str, P] = {}
+
+    def fun(p, b):
+        seen["step"] = resolve_in_scope(P("mlp", ("batch", "expert")))
+        with jax.named_scope("stage"):
+            seen["stage"] = resolve_in_scope(P("mlp", "batch"))
+            y = jnp.sum(p["w"] * b["x"])
+        return y + 1.0
+
+    assert resolve_in_scope(P("mlp")) == P("mlp")
+    mesh = {"data": 2, "expert": 2, "tensor": 2}
+    parallelize(fun, init_params=lambda: {"w": jnp.ones(8)}, initial_batch={"x": jnp.ones(8)}, mesh=mesh,
+                rules=standard_rules(tuple(mesh)))
+    assert seen["step"] == P("tensor", ("data", "expert"))
+    with register_task("stage", devices=jax.devices()[:4], dims=(2, 2), device_axes=("a", "b"),
+                       logical_axes=[("mlp", "b"), ("batch", "a")]):
+        parallelize(fun, init_params=lambda: {"w": jnp.ones(8)}, initial_batch={"x": jnp.ones(8)})
+    assert seen["stage"] == P("b", "a")
