@@ -221,6 +221,8 @@ def experts_all_to_all(x: Array, expert_ids: Array, gates: Array, wi_0: Array, w
     computed there in expert order, and come back in another. ``capacity`` None: ``S = N * k``, a slot
     per copy for every destination (dropless); else ``S = E / n * capacity``, ``capacity`` slots per
     expert, and the copies each expert ranks ``capacity`` or later (in token order) are dropped.
+    Given a share of the experts' hidden units (``F / t`` columns of ``wi_0``/``wi_1``, rows of ``wo``), the
+    result is that share's partial output: :func:`moe_ffn` sums it over the tensor axes.
     """
     n_dev = jax.lax.axis_size(axis)
     local = wi_0.shape[0]

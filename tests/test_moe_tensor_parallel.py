@@ -203,3 +203,18 @@ def test_resolve_in_scope_gives_the_rules_in_force_a_stage_its_own_and_no_rules_
                        logical_axes=[("mlp", "b"), ("batch", "a")]):
         parallelize(fun, init_params=lambda: {"w": jnp.ones(8)}, initial_batch={"x": jnp.ones(8)})
     assert seen["stage"] == P("b", "a")
+
+
+@pytest.mark.slow  # ~25 s: the NNX model on a layout and on one device
+def test_the_nnx_model_with_tensor_parallel_experts_trains_like_one_device(tmp_path):
+    """model.api=nnx (NnxMoeBlock: the same layer function) on expert=2 x tensor=2 x data=2, 2 steps."""
+    cfg = small("moe", tmp_path / "nnx", "train.steps=2", "model.num_layers=2", "model.api=nnx",
+                _mesh_override(MESHES[0]))
+    got, got_losses = _run(cfg, 2)
+    want, want_losses = _run(cfg.replace(layout=ONE_DEVICE, train={"out_dir": str(tmp_path / "one")}), 2)
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+    _assert_close(params_of(got), params_of(want), rtol=1e-4, atol=1e-6)
+    shards = {leaf.addressable_shards[0].data.shape for leaf in jax.tree.leaves(got.state["params"])
+              if leaf.ndim == 3 and leaf.shape[0] == cfg.model.num_experts}
+    assert shards == {(cfg.model.num_experts // 2, cfg.model.d_model, cfg.model.d_ff // 2),
+                      (cfg.model.num_experts // 2, cfg.model.d_ff // 2, cfg.model.d_model)}
