@@ -168,7 +168,8 @@ def test_the_transformer_trains_like_one_device(mesh, one_device_run, tmp_path):
 def test_a_pipeline_whose_stages_split_their_experts_over_tensor_trains_like_one_device(tmp_path):
     """moe_pipeline with each stage shaped expert=2 x tensor=2: the MoE layer's shard_map runs on its stage's
     submesh, all-to-all over the stage's expert axis and the tensor sum over its tensor axis; 2 steps against
-    one device, and each stage's experts split over its own devices, d_ff / 2 of each on a device."""
+    one device, each stage's experts split over its own devices, d_ff / 2 of each on a device, and no stage
+    program gathers its experts' weights whole."""
     cfg = small("moe_pipeline", tmp_path / "run", "train.steps=2", "model.num_layers=2",
                 "layout.pipeline.microbatches=2", "layout.mesh={expert: 2, tensor: 2}")
     got, got_losses = _run(cfg, 2)
@@ -180,6 +181,10 @@ def test_a_pipeline_whose_stages_split_their_experts_over_tensor_trains_like_one
         wo = nn.meta.unbox(got.state["params"])["params"][f"layers_{stage}"]["mlp"]["wo"]
         assert {dev.id // 4 for dev in wo.sharding.device_set} == {stage}
         assert {s.data.shape for s in wo.addressable_shards} == {(e // 2, f // 2, d)}
+    whole = (e // 2) * d * f * 4  # a stage device's experts' weight with all its hidden units, float32
+    gathers = [(c.kind, c.axes, c.bytes) for program in program_for(cfg).step.estimate().programs
+               for c in program.collectives if c.kind == "all-gather" and c.bytes >= whole]
+    assert gathers == [], gathers
 
 
 def test_resolve_in_scope_gives_the_rules_in_force_a_stage_its_own_and_no_rules_the_spec():
