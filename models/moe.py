@@ -1,4 +1,4 @@
-"""A Mixture-of-Experts feed-forward layer (Flax Linen and NNX), with expert parallelism.
+"""A Mixture-of-Experts feed-forward layer (Flax Linen and NNX), with expert and expert tensor parallelism.
 
 Each token is sent to ``k`` of ``E`` SwiGLU experts (Mixtral / Qwen3-MoE routing):
 
@@ -22,7 +22,20 @@ stage's submesh in a stage) every device sorts its token copies by destination, 
 ``jax.lax.all_to_all`` to the devices that own their experts, computes them there with
 ``ragged_dot`` and sends the results back (:func:`experts_all_to_all`). The copies travel in the
 compute dtype (``model.dtype``), and so do the experts' outputs. Without an ``expert`` axis (or of size
-1, or on one device) every expert is computed locally, with no collective.
+1, or on one device) every expert is computed locally, with no all-to-all.
+
+Expert tensor parallelism (Megatron's "expert tensor parallel"): where the rules map the experts' hidden
+axis ``mlp`` (:data:`HIDDEN_AXIS`) to mesh axes of size ``t > 1`` (``tensor`` under ``standard_rules``),
+each device holds ``F / t`` of the hidden units of every one of its experts, and the ``shard_map``'s weight
+specs split ``F`` over them. The tokens are the same on every device of those axes (the batch's, which the
+rules do not split there); each device computes its share of the SwiGLU hidden units for the copies its
+experts receive, and the partial outputs are summed over the axes with ``jax.lax.psum`` in the compute
+dtype, after the return all-to-all and the gates' combine: there a device holds its ``N`` tokens x ``D``,
+where the results sent back are ``n`` x ``S`` slots x ``D`` (``S >= N * k`` dropless). No device gathers
+an expert's weights whole. Without an ``expert`` axis the same ``shard_map`` runs :func:`experts_local` on
+each device's tokens. ``F`` must be a multiple of ``t`` (a ValueError names ``d_ff``, the axis, the sizes
+and the fix). The layer finds the axes with ``multimesh.jax.resolve_in_scope``, as its ``shard_map``
+resolves its logical specs (a pipeline stage's rules inside the stage).
 
 Capacity (``model.moe_capacity_factor``, ``c``; GShard / Switch Transformer / MaxText). Unset (the
 default), no copy is dropped: each device's send buffer holds, for every destination, as many rows as
@@ -30,13 +43,14 @@ it has token copies (the worst case: all of them routed to one device's experts)
 one-device result exactly, at ``n`` times the rows a balanced load needs, in the all-to-alls and in the
 grouped products. With ``c``, each expert takes at most ``C = min(ceil(c * N * k / E), N)`` copies from
 each group of ``N`` tokens: the tokens one device sends (:func:`expert_capacity`), the ``N`` of the
-whole call where every expert is local. The group is the source device's tokens because that is what a
-device can count without a collective, and so what sizes its send buffer: ``E / n`` experts x ``C``
-slots per destination, ``c`` times the rows of a balanced load; the receiving device computes ``n`` x
-``E / n`` x ``C`` rows. Copies are ranked in token order within their expert (earlier tokens first, as
-Megatron's "position" drop policy); those ranked ``C`` or later are dropped: their expert output is
-zero and the gates are not renormalised, so the token keeps what its other experts and the residual
-connection give it. ``c >= E / k`` never drops (``C = N``); ``c = 1`` is exactly the balanced load.
+whole call where the mesh has neither an expert nor a tensor axis. The group is the source device's
+tokens because that is what a device can count without a collective, and so what sizes its send
+buffer: ``E / n`` experts x ``C`` slots per destination, ``c`` times the rows of a balanced load; the
+receiving device computes ``n`` x ``E / n`` x ``C`` rows. Copies are ranked in token order within
+their expert (earlier tokens first, as Megatron's "position" drop policy); those ranked ``C`` or later
+are dropped: their expert output is zero and the gates are not renormalised, so the token keeps what
+its other experts and the residual connection give it. ``c >= E / k`` never drops (``C = N``); ``c = 1``
+is exactly the balanced load.
 
 Parameters of one layer (``E = num_experts``, ``F = d_ff``)::
 
@@ -57,13 +71,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from multimesh.jax import mesh_in_scope, shard_map
+from multimesh.jax import mesh_in_scope, resolve_in_scope, shard_map
 
 from .config import TransformerConfig
 
 __all__ = [
     "AUX_LOSS_NAME",
     "EXPERT_AXIS",
+    "HIDDEN_AXIS",
     "MoeBlock",
     "NnxMoeBlock",
     "experts_all_to_all",
@@ -82,9 +97,12 @@ EXPERT_AXIS = "expert"
 #: The name under which each MoE layer sows its load-balancing loss.
 AUX_LOSS_NAME = "moe_aux_loss"
 
+#: The logical axis of the experts' hidden units (``d_ff``), which expert tensor parallelism splits.
+HIDDEN_AXIS = "mlp"
+
 ROUTER_AXES = ("embed", None)
-WI_AXES = (EXPERT_AXIS, "embed", "mlp")
-WO_AXES = (EXPERT_AXIS, "mlp", "embed")
+WI_AXES = (EXPERT_AXIS, "embed", HIDDEN_AXIS)
+WO_AXES = (EXPERT_AXIS, HIDDEN_AXIS, "embed")
 
 
 def _expert_kernel_init() -> nn.initializers.Initializer:
@@ -203,6 +221,8 @@ def experts_all_to_all(x: Array, expert_ids: Array, gates: Array, wi_0: Array, w
     computed there in expert order, and come back in another. ``capacity`` None: ``S = N * k``, a slot
     per copy for every destination (dropless); else ``S = E / n * capacity``, ``capacity`` slots per
     expert, and the copies each expert ranks ``capacity`` or later (in token order) are dropped.
+    Given a share of the experts' hidden units (``F / t`` columns of ``wi_0``/``wi_1``, rows of ``wo``), the
+    result is that share's partial output: :func:`moe_ffn` sums it over the tensor axes.
     """
     n_dev = jax.lax.axis_size(axis)
     local = wi_0.shape[0]
@@ -231,10 +251,45 @@ def experts_all_to_all(x: Array, expert_ids: Array, gates: Array, wi_0: Array, w
     return _combine(per_copy, gates)
 
 
-def _expert_ways() -> int:
-    """The size of the ``expert`` axis of the mesh in scope (1: none, or no mesh)."""
-    mesh = mesh_in_scope()
-    return 1 if mesh is None else int(dict(mesh.shape).get(EXPERT_AXIS, 1))
+def _mesh_axes(logical: str | tuple[str, ...], sizes: dict[str, int]) -> tuple[str, ...]:
+    """The mesh axes of size > 1 that the rules in force give the logical name(s) ``logical``."""
+    entry = resolve_in_scope(P(logical))[0]
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return tuple(a for a in names if sizes.get(a, 1) > 1)
+
+
+def _check_split(e: int, n: int, f: int, tensor: tuple[str, ...], t: int, token_axes: tuple[str, ...]) -> None:
+    """The experts over ``n`` expert devices and their ``f`` hidden units over ``t`` tensor devices, or a
+    ValueError naming the sizes and the fix."""
+    if e % n:
+        raise ValueError(f"num_experts={e} is not divisible by the mesh's {EXPERT_AXIS!r} axis of size {n}: each "
+                         f"device must hold the same number of experts; make the {EXPERT_AXIS!r} axis a divisor "
+                         f"of {e}, or num_experts a multiple of {n}")
+    axes = ", ".join(map(repr, tensor))
+    if f % t:
+        raise ValueError(f"d_ff={f} is not divisible by the mesh axis {axes} of size {t} that the rules map the "
+                         f"experts' hidden axis {HIDDEN_AXIS!r} to: each device of it computes d_ff / {t} of every "
+                         f"expert's hidden units; make d_ff a multiple of {t}, or that axis a divisor of {f}")
+    if set(tensor) & set(token_axes):
+        raise ValueError(f"the rules map the experts' hidden axis {HIDDEN_AXIS!r} to the mesh axis {axes}, which "
+                         f"also splits the tokens (over {token_axes}): a device would sum partial outputs of other "
+                         f"devices' tokens; map {HIDDEN_AXIS!r} to an axis the batch is not split over "
+                         f"(standard_rules maps it to 'tensor')")
+
+
+def _varying(x: Array, axes: tuple[str, ...]) -> Array:
+    """``x`` (the same on every device of ``axes``) marked as varying over them, with no communication: its
+    gradient, a partial sum on each device, is then summed over ``axes`` once, at ``x``'s size, instead of
+    wherever ``x`` first meets a weight split over them (the token copies, ``k`` to ``n * k`` times larger)."""
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+
+def _summed(partial: Array, axes: tuple[str, ...], dtype: Any) -> Array:
+    """The sum over ``axes`` of each device's partial output ``partial`` [N, D] (its share of the hidden units),
+    sent in the compute ``dtype``; float32 as the layer returns it."""
+    if not axes:
+        return partial
+    return jax.lax.psum(partial.astype(dtype), axes).astype(jnp.float32)
 
 
 def moe_ffn(x: Array, expert_ids: Array, gates: Array, wi_0: Array, wi_1: Array, wo: Array,
@@ -243,33 +298,45 @@ def moe_ffn(x: Array, expert_ids: Array, gates: Array, wi_0: Array, wi_1: Array,
 
     With an ``expert`` axis of size ``n > 1`` in the mesh in scope, by :func:`experts_all_to_all`
     inside a ``shard_map`` (tokens split like the batch, experts over ``expert``); else
-    :func:`experts_local`. ``capacity_factor``: each expert's capacity per group of tokens
+    :func:`experts_local`. Where the rules map ``mlp`` to mesh axes of size ``t > 1`` the experts are
+    tensor-parallel too: each device computes ``d_ff / t`` of its experts' hidden units and the partial
+    outputs are summed over those axes. ``capacity_factor``: each expert's capacity per group of tokens
     (:func:`expert_capacity`; None: dropless).
     """
     lead, d = x.shape[:-1], x.shape[-1]
     k = expert_ids.shape[-1]
     tokens, ids, g = x.reshape(-1, d), expert_ids.reshape(-1, k), gates.reshape(-1, k)
-    n = _expert_ways()
-    e = wi_0.shape[0]
-    if n == 1:
+    mesh = mesh_in_scope()
+    sizes = {} if mesh is None else {str(a): int(s) for a, s in dict(mesh.shape).items()}
+    n = sizes.get(EXPERT_AXIS, 1)
+    tensor = _mesh_axes(HIDDEN_AXIS, sizes)
+    t = math.prod(sizes[a] for a in tensor)
+    e, f = wi_0.shape[0], wi_0.shape[-1]
+    if n == 1 and t == 1:
         capacity = expert_capacity(tokens.shape[0], k, e, capacity_factor)
         return experts_local(tokens, ids, g, wi_0, wi_1, wo, capacity).reshape(*lead, d)
-    if e % n:
-        raise ValueError(f"num_experts={e} is not divisible by the mesh's {EXPERT_AXIS!r} axis of size {n}: each "
-                         f"device must hold the same number of experts; make the {EXPERT_AXIS!r} axis a divisor "
-                         f"of {e}, or num_experts a multiple of {n}")
+    _check_split(e, n, f, tensor, t, _mesh_axes(("batch", EXPERT_AXIS), sizes))
 
-    def body(t: Array, i: Array, gg: Array, w0: Array, w1: Array, w2: Array) -> Array:
+    def body(xs: Array, i: Array, gg: Array, w0: Array, w1: Array, w2: Array) -> Array:
         if w0.shape[0] * n != e:
             raise ValueError(f"the experts' weights are split {e // w0.shape[0]} ways, not over the mesh axis "
                              f"{EXPERT_AXIS!r} of size {n}: map the logical axis {EXPERT_AXIS!r} to the mesh axis "
                              f"{EXPERT_AXIS!r} in the rules (standard_rules does)")
-        capacity = expert_capacity(t.shape[0], k, e, capacity_factor)  # per source device: its own tokens
-        return experts_all_to_all(t, i, gg, w0, w1, w2, capacity=capacity)
+        capacity = expert_capacity(xs.shape[0], k, e, capacity_factor)  # per source device: its own tokens
+        xs = _varying(xs, tensor)
+        if n == 1:
+            partial = experts_local(xs, i, gg, w0, w1, w2, capacity)
+        else:
+            partial = experts_all_to_all(xs, i, gg, w0, w1, w2, capacity=capacity)
+        # Summed after the return all-to-all and the gates' combine: [N, D] per device, where the results
+        # sent back are n x S x D (S >= N * k dropless, E / n x capacity slots with a capacity factor)
+        return _summed(partial, tensor, xs.dtype)
 
-    # tokens split like the batch, and over the expert axis where the rules leave the batch whole there
-    rows, expert_w = P(("batch", EXPERT_AXIS), None), P(EXPERT_AXIS, None, None)
-    y = shard_map(body, in_specs=(rows, rows, rows, expert_w, expert_w, expert_w), out_specs=rows)(
+    # tokens split like the batch, and over the expert axis where the rules leave the batch whole there;
+    # the same on every device of the tensor axes, each of which holds its share of the experts' hidden units
+    rows = P(("batch", EXPERT_AXIS), None)
+    split_wi, split_wo = P(EXPERT_AXIS, None, HIDDEN_AXIS), P(EXPERT_AXIS, HIDDEN_AXIS, None)
+    y = shard_map(body, in_specs=(rows, rows, rows, split_wi, split_wi, split_wo), out_specs=rows)(
         tokens, ids, g, wi_0, wi_1, wo)
     return y.reshape(*lead, d)
 

@@ -35,7 +35,7 @@ from models.transformer import TransformerConfig
 from multimesh.core.rules import RULE_SETS, Rules, named_rules
 from trainers.data import DataConfig
 from trainers.errors import ConfigError, ConfigWarning
-from trainers.fit import batch_shards, check_batch, check_data
+from trainers.fit import batch_shards, check_batch, check_data, logical_shards
 from trainers.mesh_axes import warn_unused_axes
 
 __all__ = [
@@ -696,6 +696,18 @@ def _check_experts(m: TransformerConfig, mesh: Mapping[str, int]) -> None:
                           f"{m.num_experts}")
 
 
+def _check_expert_hidden(m: TransformerConfig, mesh: Mapping[str, int], rule_pairs: Sequence[tuple[str, Any]]) -> None:
+    """The mesh axes the rules give the experts' hidden units (logical ``mlp``: expert tensor parallelism, each
+    device of them computing ``d_ff / size`` of every expert) against ``model.d_ff``."""
+    axes, ways = logical_shards("mlp", mesh, rule_pairs)
+    if m.num_experts and m.d_ff % ways:
+        named = " x ".join(axes)
+        raise ConfigError(f"model.d_ff={m.d_ff} is not divisible by the {named} axis of layout.mesh (size {ways}) "
+                          f"that the rules split the experts' hidden units ('mlp') over: each of its devices computes "
+                          f"d_ff / {ways} of every expert; make model.d_ff a multiple of {ways}, or the {named} axis "
+                          f"a divisor of {m.d_ff}")
+
+
 def _check_consistency(cfg: Config) -> None:
     """Cross-section checks that no single section can make."""
     m, d, lay = cfg.model, cfg.data, cfg.layout
@@ -743,6 +755,7 @@ def _check_consistency(cfg: Config) -> None:
                               f"out, or set model.num_experts")
         return
     _check_experts(m, lay.mesh)
+    _check_expert_hidden(m, lay.mesh, lay.rule_pairs())
     check_batch(lay.mesh, lay.rule_pairs(), d.batch_size)
     check_data(d, batch_shards(lay.mesh, lay.rule_pairs())[1])
     if isinstance(lay.rules, str):  # a named set: the user's own rules name their axes themselves

@@ -33,7 +33,13 @@ def mesh_text(mesh: Mapping[str, int]) -> str:
 
 def batch_shards(mesh: Mapping[str, int], rule_pairs: Sequence[tuple[str, Any]]) -> tuple[tuple[str, ...], int]:
     """The mesh axes that the rules split the batch dimension (logical ``batch``) over, and how many ways."""
-    spec = Rules(rule_pairs).resolve(("batch",), mesh)  # no shape: the axes wanted, none dropped
+    return logical_shards("batch", mesh, rule_pairs)
+
+
+def logical_shards(logical: str, mesh: Mapping[str, int],
+                   rule_pairs: Sequence[tuple[str, Any]]) -> tuple[tuple[str, ...], int]:
+    """The mesh axes that the rules split a dimension of logical name ``logical`` over, and how many ways."""
+    spec = Rules(rule_pairs).resolve((logical,), mesh)  # no shape: the axes wanted, none dropped
     entry = spec[0] if len(spec) else None
     axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
     return axes, math.prod(mesh[a] for a in axes)

@@ -50,7 +50,7 @@ from ..trace.knobs import (
 )
 from ..trace.lifecycle import custom_partitioning, shutdown
 from ..trace.microbatch import MicrobatchMeanWarning, microbatch
-from ..trace.scope_mesh import mesh_in_scope
+from ..trace.scope_mesh import mesh_in_scope, resolve_in_scope
 from ..trace.stage_shard_map import StageAxisDropped, StageAxisError
 from ..trace.task import ignore_transforms, task
 from ..trace.taskspec import Task, TaskMesh, slice_global_mesh
@@ -113,6 +113,7 @@ __all__ = [
     "register_task",
     "registered_tasks",
     "resolve",
+    "resolve_in_scope",
     "shard_map",
     "shutdown",
     "slice_global_mesh",

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
-from ..core.placement import current_placement
+from ..core.placement import Placement, current_placement
 from .implicit import placement_in_scope
 from .taskspec import current_global_mesh
 
-__all__ = ["mesh_in_scope"]
+__all__ = ["mesh_in_scope", "resolve_in_scope"]
 
 
 def mesh_in_scope() -> Mesh | None:
@@ -27,9 +27,30 @@ def mesh_in_scope() -> Mesh | None:
         if mesh is not None and mesh.shape.get("expert", 1) > 1:
             ...  # shard_map(..., in_specs=..., out_specs=...) with jax.lax.all_to_all over "expert"
     """
-    placement = current_placement()
-    if placement is None or placement.defer:
-        placement = placement_in_scope() or placement
+    placement = _placement_here()
     if placement is not None:
         return placement.mesh
     return current_global_mesh()
+
+
+def resolve_in_scope(spec: PartitionSpec) -> PartitionSpec:
+    """The mesh axes that the rules in force where it is called give the logical ``spec``: what a
+    `shard_map` without ``mesh=`` resolves its specs to there (a registered task's rules inside its
+    scope, else the step's). Without rules in force (one device, a plain JAX mesh), ``spec`` itself.
+
+    Model code that runs a `shard_map` of logical specs reads it to name the mesh axes of its
+    collectives, e.g. those a tensor-parallel layer sums its partial outputs over::
+
+        axes = resolve_in_scope(PartitionSpec("mlp"))[0]  # 'tensor' under standard_rules; None: unsplit
+        ...  # inside the shard_map: jax.lax.psum(partial, axes)
+    """
+    placement = _placement_here()
+    return spec if placement is None else placement.spec(tuple(spec))
+
+
+def _placement_here() -> Placement | None:
+    """The placement in force where the code is traced: a registered task's inside its scope."""
+    placement = current_placement()
+    if placement is None or placement.defer:
+        placement = placement_in_scope() or placement
+    return placement
