@@ -59,15 +59,15 @@ def place_per_microbatch(eqns: Sequence[JaxprEqn], implicit: Sequence[Placement 
     on the task's slice outside any iteration.
     """
     out = []
+    families = {where: loop_slices(where) for where in set(implicit) if where is not None}
     for e, where in zip(eqns, implicit):
-        m = microbatch_of(e.source_info.name_stack)
         if e.primitive is task_call_p and (family := loop_slices(e.params["placement"])) is not None:
             traced = e.params["placement"]
-            here = family.at(m)
+            here = family.at(microbatch_of(e.source_info.name_stack))
             e = retarget(e, traced.mesh, here.mesh)
             if here != traced:
                 e = e.replace(params={**e.params, "placement": here})
-        elif where is not None and (family := loop_slices(where)) is not None:
+        elif where is not None and (family := families[where]) is not None:
             e = retarget(e, family.at(None).mesh, where.mesh)
         out.append(e)
     return out

@@ -273,7 +273,14 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
 
 def _implicit(eqns: Sequence) -> list[Placement | None]:
     """Each equation's implicit task's placement (by its scope stack), else None."""
-    return [implicit_placement(e.source_info.name_stack) for e in eqns]
+    by_stack: dict[int, Placement | None] = {}  # inlined equations share stacks (`_Inliner.stack`), kept alive
+    out = []
+    for e in eqns:
+        stack = e.source_info.name_stack
+        if id(stack) not in by_stack:
+            by_stack[id(stack)] = implicit_placement(stack)
+        out.append(by_stack[id(stack)])
+    return out
 
 
 def _initial_colours(eqns: Sequence, implicit: Sequence[Placement | None],

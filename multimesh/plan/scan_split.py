@@ -375,6 +375,8 @@ class Rewritten:
 
 def split_scans(closed: ClosedJaxpr) -> Rewritten | None:
     """``closed`` (nested calls inlined) with every registered scan split; None when none is."""
+    if all(r.split is None for r in registered_tasks()):  # nothing to look for in every nested jaxpr
+        return None
     jaxpr = closed.jaxpr
     for e, inside in _split_scans_within(jaxpr):
         if inside:

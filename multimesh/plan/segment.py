@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import cast
+from typing import NamedTuple, cast
 
 import numpy as np
 from jax.core import ShapedArray
@@ -17,9 +17,10 @@ from ..trace.taskspec import loop_slices, split_names
 __all__ = ["Segment", "Unit", "nbytes"]
 
 
-@dataclass(frozen=True)
-class Unit:
-    """Pipeline work: microbatch ``microbatch``'s forward or backward pass through its ``run``-th stage."""
+class Unit(NamedTuple):
+    """Pipeline work: microbatch ``microbatch``'s forward or backward pass through its ``run``-th stage.
+
+    A tuple: a plan makes one per equation in a microbatch and keys them in dicts (built and hashed in C)."""
 
     microbatch: int
     backward: bool

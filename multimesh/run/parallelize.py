@@ -303,10 +303,11 @@ def _unmatched_registrations(plan: Plan, strict: bool) -> None:
 def _unmatched_alternatives(plan: Plan) -> None:
     """Warn about each alternative of a registered pattern that matches no scope of the step (a typo in one
     part of ``stem|block\\.[01]`` leaves that part off the stage), naming the closest scope names."""
+    alternatives = [reg for reg in registered_tasks() if not reg.params and "|" in reg.pattern.pattern]
+    if not alternatives:  # no pattern has alternatives: spare reading every equation's scopes
+        return
     seen = [n for n in names_in(plan.jaxpr) if not n.startswith("microbatch_")]
-    for reg in registered_tasks():
-        if reg.params:
-            continue
+    for reg in alternatives:
         for part, closest in unmatched_alternatives(reg.pattern.pattern, seen):
             near = f"; the closest scope names are {', '.join(map(repr, closest))}" if closest else ""
             warnings.warn(f"parallelize: alternative {part!r} of {reg.call} matches no Flax module or "

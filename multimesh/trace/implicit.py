@@ -529,12 +529,18 @@ _MICROBATCH = re.compile(r"microbatch_(\d+)")
 def names_in(jaxpr: Any) -> set[str]:
     """Every module or named-scope name on the scope stacks of ``jaxpr``'s equations (nested ones too)."""
     names: set[str] = set()
-    for e in jaxpr.eqns:
-        names.update(scope_names(e.source_info.name_stack))
-        for value in e.params.values():
-            inner = getattr(value, "jaxpr", value)
-            if hasattr(inner, "eqns"):
-                names |= names_in(inner)
+    walked: set[int] = set()  # a body called once per microbatch is read once
+
+    def walk(j: Any) -> None:
+        walked.add(id(j))
+        for e in j.eqns:
+            names.update(_facts(e.source_info.name_stack)[0])
+            for value in e.params.values():
+                inner = getattr(value, "jaxpr", value)
+                if hasattr(inner, "eqns") and id(inner) not in walked:
+                    walk(inner)
+
+    walk(jaxpr)
     return names
 
 

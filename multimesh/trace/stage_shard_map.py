@@ -330,16 +330,22 @@ def traced_for_other_sizes(jaxpr: Any, stage_mesh: Any) -> bool:
     size on ``stage_mesh`` than on the mesh it was traced on: its body, traced for each device's part there,
     cannot run on such a stage as it is (`onto_stage`)."""
     here = dict(stage_mesh.shape)
-    for eqn in jaxpr.eqns:
-        call = shard_map_call(eqn)
-        if call is None:
-            if any(traced_for_other_sizes(inner, stage_mesh) for inner in subjaxprs(eqn)):
+    walked: set[int] = set()  # a body called once per microbatch is read once
+
+    def found_in(j: Any) -> bool:
+        walked.add(id(j))
+        for eqn in j.eqns:
+            call = shard_map_call(eqn)
+            if call is None:
+                if any(found_in(inner) for inner in subjaxprs(eqn) if id(inner) not in walked):
+                    return True
+                continue
+            sizes = dict(call.mesh.shape)   # (a shard_map inside its body is on its manual mesh: moved with it)
+            if any(sizes.get(a) != here.get(a) for a in _spec_axes((call.in_specs, call.out_specs))):
                 return True
-            continue
-        sizes = dict(call.mesh.shape)   # (a shard_map inside its body is on its manual mesh: moved with it)
-        if any(sizes.get(a) != here.get(a) for a in _spec_axes((call.in_specs, call.out_specs))):
-            return True
-    return False
+        return False
+
+    return found_in(jaxpr)
 
 
 _ROUTING = SharedHook(lambda: set_shard_map_router(_route), lambda: set_shard_map_router(None))
