@@ -23,12 +23,15 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 from helpers import free_port
+
+from multimesh.jax import MicrobatchMeanWarning
 
 from trainers.config import Config, ConfigError, load_config
 from trainers.continuation import saved_decay_steps
@@ -313,6 +316,15 @@ def test_golden_sharding_table(name):
     """The table equals its golden file. With MULTIMESH_UPDATE_GOLDEN=1 a table that differs is written
     to the file and the test still fails (so that no run passes on a golden file it has just written)."""
     check_golden(name, GOLDEN / f"sharding_{name}.txt", UPDATE_GOLDEN)
+
+
+@pytest.mark.parametrize("name", ["pipeline", "moe_pipeline"])
+def test_a_pipelined_config_is_not_taken_for_a_mean_over_its_microbatch(name):
+    """The step's loss is divided by the step's tokens; its MoE term, weighted by the microbatch's share of
+    them, must not read as a mean over the microbatch (a product with 1/4 did, with 4 microbatches)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MicrobatchMeanWarning)
+        traced_program(name)
 
 
 def check_golden(name: str, path: Path, update: bool) -> None:

@@ -75,7 +75,9 @@ def training_loss(model: Model, aux_coef: float, params: Any, batch: dict,
     tokens = batch["tokens"]
     logits, aux = logits_and_aux_loss(model, cast_for_compute(params, model.config.compute_dtype), tokens[:, :-1])
     ce = next_token_loss(logits, tokens, reduction="sum") / n_tokens
-    aux = aux * (tokens.shape[0] * (tokens.shape[1] - 1) / n_tokens)
+    # weighted by the microbatch's tokens, then divided by the step's: a product with their ratio alone (1/4
+    # with 4 microbatches) reads as a mean over the microbatch to `microbatch`'s MicrobatchMeanWarning
+    aux = aux * (tokens.shape[0] * (tokens.shape[1] - 1)) / n_tokens
     return ce + aux_coef * aux, {"loss": ce, "moe_aux_loss": aux}
 
 
