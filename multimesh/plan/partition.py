@@ -212,12 +212,12 @@ class _Inliner:
         self.constvars: list[Var] = []
         self.consts: list = []
         self._const_var: dict[int, Var] = {}
-        # (outer stack, own stack) -> their concatenation, by identity (both stay alive in ``eqns``): the
-        # equations of one scope share one stack object, which `trace.implicit` reads once
-        self._stacks: dict[tuple[int, int], Any] = {}
+        # (outer stack, own stack) -> their concatenation (the outer one by identity: it stays alive in
+        # ``_stacks``): the equations of one scope share one stack object, which `trace.implicit` reads once
+        self._stacks: dict[tuple[int, Any], Any] = {}
 
     def stack(self, outer: Any, own: Any) -> Any:
-        key = (id(outer), id(own))
+        key = (id(outer), own)
         joined = self._stacks.get(key)
         if joined is None:
             joined = self._stacks[key] = outer + own
