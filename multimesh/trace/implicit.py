@@ -651,7 +651,7 @@ def _matches(name: str) -> list[tuple[str, Registration, re.Match, bool]]:
                     if not r.pattern.fullmatch(name) and (m := r.pattern.fullmatch(module))]
 
 
-@functools.lru_cache(maxsize=1 << 16)  # one entry per scope stack: 64 microbatches make some 17,000
+@functools.lru_cache(maxsize=1 << 16)  # one entry per scope stack: 64 microbatches make some 8,400
 def _lookup(text: str, backprop: bool,
             global_mesh: Mesh | None) -> tuple[Placement, str, Registration | None] | None:
     """The outermost match wins: the first name of the stack (outermost first) that a registration places;
