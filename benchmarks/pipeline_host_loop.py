@@ -243,8 +243,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--schedules", nargs="+", default=["1f1b"])
-    ap.add_argument("--groups", type=int, nargs="+", default=[1, 8],
-                    help="bounds on the actions one host call runs (MULTIMESH_GROUP_ACTIONS; 1: off)")
+    ap.add_argument("--groups", type=int, nargs="+", default=[1],
+                    help="bounds on the actions one host call runs (MULTIMESH_GROUP_ACTIONS; 1: off, the "
+                         "trainer's default; --groups 1 8 compares grouped calls)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="config overrides, e.g. data.seq_len=8 (a smaller program per action)")
     ap.add_argument("--warm-cache", action="store_true",

@@ -180,8 +180,13 @@ def constrained_inputs(jaxpr: jax.extend.core.Jaxpr) -> dict[int, PartitionSpec 
     operands line up with their inner jaxpr's inputs.
     """
     found: dict[int, PartitionSpec | tuple] = {}
+    walked: set[tuple] = set()  # a body called once per microbatch on the same inputs is read once
 
     def walk(jaxpr, owner: dict) -> None:
+        key = (id(jaxpr), frozenset(owner.items()))
+        if key in walked:
+            return
+        walked.add(key)
         for eqn in jaxpr.eqns:
             if eqn.primitive.name in ("sharding_constraint", "logical_constraint"):
                 var = eqn.invars[0]

@@ -71,7 +71,8 @@ class Plan:
     schedule: Schedule | None = None
     #: a split scanned stack (`scan_split`): which step inputs and outputs ``jaxpr`` takes and returns in parts
     boundary: Boundary | None = None
-    #: the step's own jaxpr (its inputs and outputs are the step's); ``jaxpr`` unless a stack is split
+    #: the step's own jaxpr (its inputs and outputs are the step's): as traced, nested calls not inlined (a
+    #: microbatch's body once, not once per microbatch), for the checks that read the step's scopes and constraints
     step_jaxpr: Jaxpr | None = None
 
     def step_input_placement(self, i: int) -> Placement:
@@ -487,6 +488,8 @@ def make_plan(closed: ClosedJaxpr, placement: Placement, pipelines: Sequence[Pip
     tasks, its nested calls inlined and the equations partitioned over the tasks' submeshes (MPMD)."""
     check_split_registrations(closed.jaxpr)
     if has_tasks(closed.jaxpr):
-        return partition(inline_calls(closed), pipelines)
+        plan = partition(inline_calls(closed), pipelines)
+        plan.step_jaxpr = closed.jaxpr
+        return plan
     whole = Segment(0, placement, list(closed.jaxpr.eqns))
     return link_segments(closed.jaxpr, dict(zip(closed.jaxpr.constvars, closed.consts)), [whole])

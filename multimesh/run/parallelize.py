@@ -291,7 +291,7 @@ class BatchFunction:
 def _unmatched_registrations(plan: Plan, strict: bool) -> None:
     """Tasks are registered, yet none matched: say so (strict: raise), naming the patterns and what was seen."""
     patterns = [r.pattern.pattern for r in registered_tasks()]
-    seen = sorted(n for n in names_in(plan.jaxpr) if not n.startswith("microbatch_"))
+    seen = sorted(n for n in names_in(plan.step_jaxpr or plan.jaxpr) if not n.startswith("microbatch_"))
     shown = ", ".join(seen[:20]) + (f", ... ({len(seen)} in all)" if len(seen) > 20 else "")
     message = (f"parallelize: register_task patterns {patterns} match no Flax module or jax.named_scope of the "
                f"step, so it runs as one SPMD program; the names seen are: {shown or 'none'}")
@@ -306,7 +306,7 @@ def _unmatched_alternatives(plan: Plan) -> None:
     alternatives = [reg for reg in registered_tasks() if not reg.params and "|" in reg.pattern.pattern]
     if not alternatives:  # no pattern has alternatives: spare reading every equation's scopes
         return
-    seen = [n for n in names_in(plan.jaxpr) if not n.startswith("microbatch_")]
+    seen = [n for n in names_in(plan.step_jaxpr or plan.jaxpr) if not n.startswith("microbatch_")]
     for reg in alternatives:
         for part, closest in unmatched_alternatives(reg.pattern.pattern, seen):
             near = f"; the closest scope names are {', '.join(map(repr, closest))}" if closest else ""
