@@ -65,19 +65,22 @@ def recompute_constants(eqns: Sequence[Any], colour: Sequence[Any], units: Seque
     from_inputs: set[Var] = set()  # those of them that read a small input
     cheap: dict[tuple[int, Any], bool] = {}  # by parameters: a microbatch's copies of an equation share them
     for i, e in enumerate(eqns):
-        known = cheap.get((id(e.params), e.primitive))
-        if known is None:
-            known = cheap[(id(e.params), e.primitive)] = _cheap(e)
-        if not known or not all(isinstance(v, Literal) or v in small or v in made_from_literals
-                                    for v in e.invars):
-            continue
-        reads_input = any(v in small or v in from_inputs for v in e.invars if not isinstance(v, Literal))
-        if reads_input and pinned is not None and pinned[i]:
-            continue
-        for v in e.outvars:
-            made_from_literals[v] = i
-            if reads_input:
-                from_inputs.add(v)
+        for v in e.invars:  # most equations read a value of neither kind: that is asked first
+            if not (isinstance(v, Literal) or v in small or v in made_from_literals):
+                break
+        else:
+            known = cheap.get((id(e.params), e.primitive))
+            if known is None:
+                known = cheap[(id(e.params), e.primitive)] = _cheap(e)
+            if not known:
+                continue
+            reads_input = any(v in small or v in from_inputs for v in e.invars if not isinstance(v, Literal))
+            if reads_input and pinned is not None and pinned[i]:
+                continue
+            for v in e.outvars:
+                made_from_literals[v] = i
+                if reads_input:
+                    from_inputs.add(v)
     if not made_from_literals:
         return list(eqns), list(colour), list(units), set()
 
@@ -107,21 +110,25 @@ def recompute_constants(eqns: Sequence[Any], colour: Sequence[Any], units: Seque
 
     for i, e in enumerate(eqns):
         c = colour[i]
-        ins = [here(v, c, e, units[i]) if not isinstance(v, Literal) and v in made_from_literals
-               and colour[made_from_literals[v]] != c else v for v in e.invars]
-        new_eqns.append(e if all(a is b for a, b in zip(ins, e.invars)) else e.replace(invars=ins))
+        reads = [v for v in e.invars if not isinstance(v, Literal) and v in made_from_literals]
+        if any(colour[made_from_literals[v]] != c for v in reads):  # most equations read none of them
+            e = e.replace(invars=[here(v, c, e, units[i]) if not isinstance(v, Literal) and v in made_from_literals
+                                  and colour[made_from_literals[v]] != c else v for v in e.invars])
+        new_eqns.append(e)
         new_colour.append(c)
         new_units.append(units[i])
 
-    # Originals that nothing reads any more (every reader has its own copy) are dropped.
-    read = {v for v in outputs if not isinstance(v, Literal)}
+    # Originals that nothing reads any more (every reader has its own copy) are dropped; only the reads of
+    # their outputs matter.
+    theirs = made_from_literals.keys()
+    read = {v for v in outputs if not isinstance(v, Literal) and v in theirs}
     keep = [True] * len(new_eqns)
     originals = {id(eqns[k]) for k in set(made_from_literals.values())}
     for j in reversed(range(len(new_eqns))):
         e = new_eqns[j]
-        if id(e) in originals and not any(v in read for v in e.outvars):
+        if id(e) in originals and read.isdisjoint(e.outvars):
             keep[j] = False
             continue
-        read.update(v for v in e.invars if not isinstance(v, Literal))
+        read.update(v for v in e.invars if not isinstance(v, Literal) and v in theirs)
     pick = [j for j in range(len(new_eqns)) if keep[j]]
     return ([new_eqns[j] for j in pick], [new_colour[j] for j in pick], [new_units[j] for j in pick], made)
