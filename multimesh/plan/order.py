@@ -20,6 +20,7 @@ units stay one program (see `_fuse`).
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import re
@@ -222,14 +223,20 @@ def _fuse(order: Sequence[Segment]) -> list[Segment]:
     read = [{v for e in s.eqns for v in e.invars if not isinstance(v, Literal)} for s in out]
     mb = [_microbatch(s) for s in out]
     gone = [False] * len(out)
+    # each submesh's segments and units of work, in order: a neighbour is found without walking the others'
+    on: dict[tuple[Placement, bool], list[int]] = {}
+    for k, s in enumerate(out):
+        on.setdefault((s.placement, False), []).append(k)
+        if s.action is not None:
+            on.setdefault((s.placement, True), []).append(k)
 
     def neighbour(i: int, step: int, unit: bool = False) -> int | None:
         """The next (step 1) or previous (-1) segment on ``i``'s submesh; with ``unit``, unit of work."""
-        j = i + step
-        while 0 <= j < len(out) and (gone[j] or out[j].placement != out[i].placement
-                                     or (unit and out[j].action is None)):
-            j += step
-        return j if 0 <= j < len(out) else None
+        mine = on.get((out[i].placement, unit), [])
+        at = bisect.bisect_right(mine, i) if step > 0 else bisect.bisect_left(mine, i) - 1
+        while 0 <= at < len(mine) and gone[mine[at]]:  # glue merged away (units never are)
+            at += step
+        return mine[at] if 0 <= at < len(mine) else None
 
     def merge(i: int, j: int) -> None:
         """Glue ``i`` into segment ``j``, keeping program order inside it."""
