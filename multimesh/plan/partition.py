@@ -30,7 +30,7 @@ from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal, Var
 from ..core.fmt import format_bytes
 from ..core.gc_pause import without_gc
 from ..schedules import Schedule
-from ..trace.implicit import implicit_placement, is_backprop, microbatch_of
+from ..trace.implicit import implicit_placement, is_backprop, microbatch_of, pass_of
 from ..trace.knobs import current_knobs
 from ..trace.microbatch import Pipeline
 from ..trace.task import Placement, task_call_p
@@ -295,21 +295,21 @@ def _units(eqns: Sequence, colour: Sequence[Placement | None]) -> list[Unit | No
     """The pipeline unit of each coloured equation inside a microbatch (None elsewhere, and on a task whose
     submesh changes with the microbatch: not a stage, its work runs as the microbatch's glue)."""
     units: list[Unit | None] = [None] * len(eqns)
-    last: dict[tuple[int, bool], tuple[Placement, int]] = {}
+    last: dict[tuple[int, bool], tuple[Placement, Unit]] = {}  # (microbatch, backward): its latest unit, where
     moving = floating(eqns, colour)
     for i, e in enumerate(eqns):
         here = colour[i]
         if here is None or here in moving:
             continue
-        m = microbatch_of(e.source_info.name_stack)
+        m, backward = pass_of(e.source_info.name_stack)
         if m is None:
             continue
-        backward = e.params["kind"] == "bwd" if e.primitive is task_call_p else is_backprop(e.source_info.name_stack)
-        where, run = last.get((m, backward), (None, -1))
-        if where != here:
-            run += 1
-            last[(m, backward)] = (here, run)
-        units[i] = Unit(m, backward, run)
+        if e.primitive is task_call_p:
+            backward = e.params["kind"] == "bwd"
+        seen = last.get((m, backward))
+        if seen is None or (seen[0] is not here and seen[0] != here):
+            seen = last[(m, backward)] = (here, Unit(m, backward, 0 if seen is None else seen[1].run + 1))
+        units[i] = seen[1]
     return units
 
 

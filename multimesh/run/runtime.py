@@ -44,7 +44,7 @@ from ..plan.partition import Plan
 from ..plan.programs import Program, group_programs, run_program
 from ..plan.segment import Segment, nbytes
 from ..trace.constraints import resolve_deferred
-from ..trace.implicit import is_backprop, microbatch_of
+from ..trace.implicit import is_backprop, microbatch_of, pass_of
 from .grouping import Source, default_group_size, group_order, grouped_program
 
 __all__ = ["ReshardError", "RunStats", "Runtime"]
@@ -420,7 +420,8 @@ def _stashed_activations(segments: Sequence[Segment]) -> dict[Key, tuple[int, in
     chunk_of: dict[Key, int] = {}
     for s in segments:
         for e in s.eqns:
-            if is_backprop(e.source_info.name_stack) and microbatch_of(e.source_info.name_stack) is not None:
+            m, backward = pass_of(e.source_info.name_stack)
+            if backward and m is not None:
                 for v in e.invars:
                     if not isinstance(v, Literal):
                         chunk_of.setdefault((v, s.placement.devices), s.action.chunk if s.action is not None else 0)
@@ -430,8 +431,8 @@ def _stashed_activations(segments: Sequence[Segment]) -> dict[Key, tuple[int, in
     stash = {}
     for seg in segments:
         for e in seg.eqns:
-            m = microbatch_of(e.source_info.name_stack)
-            if m is not None and not is_backprop(e.source_info.name_stack):
+            m, backward = pass_of(e.source_info.name_stack)
+            if m is not None and not backward:
                 for v in e.outvars:
                     for devices in read_where.get(v, ()):
                         stash[(v, devices)] = (m, chunk_of[(v, devices)])

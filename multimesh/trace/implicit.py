@@ -62,6 +62,7 @@ __all__ = [
     "match_path",
     "microbatch_of",
     "names_in",
+    "pass_of",
     "placed_by",
     "placement_in_scope",
     "register_scope",
@@ -586,6 +587,12 @@ def is_backprop(name_stack: Any) -> bool:
 
 def microbatch_of(name_stack: Any) -> int | None:
     return _facts(name_stack)[1]
+
+
+def pass_of(name_stack: Any) -> tuple[int | None, bool]:
+    """``(microbatch_of, is_backprop)`` of a scope stack, read at once."""
+    facts = _facts(name_stack)
+    return facts[1], facts[2]
 
 
 def placement_in_scope() -> Placement | None:
