@@ -50,3 +50,23 @@ def test_planning_leaves_the_collector_on(collector_on):
     plan = make_plan(closed, Placement(mesh))
     assert len(plan.segments) == 1
     assert gc.isenabled()
+
+
+def test_parallelize_holds_it_off_from_the_first_trace_to_the_runtime_and_leaves_it_on(collector_on):
+    from multimesh.jax import parallelize
+
+    seen = []
+
+    def init():
+        seen.append(("init", gc.isenabled()))
+        return {"w": jnp.ones((4,))}
+
+    def step(params, batch):
+        seen.append(("step", gc.isenabled()))
+        return jnp.sum(params["w"] * batch)
+
+    fn, init_fn = parallelize(step, init_params=init, initial_batch=jnp.ones((4,)),
+                                 devices=jax.devices()[:1], rules=[])
+    assert seen and all(not on for _, on in seen), seen
+    assert gc.isenabled()
+    assert float(fn(init_fn(), jnp.ones((4,)))) == 4.0

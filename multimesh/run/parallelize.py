@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from ..core.gc_pause import without_gc
 from ..core.given_shardings import abstract_outputs
 from ..core.layout import Layout, constrained_inputs, derive_layout
 from ..core.meshes import MeshLike, build_mesh, explicit_axes
@@ -74,6 +75,7 @@ def _check_zero_arg(fn: Any, name: str) -> None:
         )
 
 
+@without_gc  # its phases (trace, plan, runtime) make one large structure: walked by the collector once, after
 def parallelize_on_mesh(
     fun: Callable,
     *,
