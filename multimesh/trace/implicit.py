@@ -604,9 +604,9 @@ def implicit_placement(name_stack: Any) -> Placement | None:
     """The placement of an equation with this scope stack, or None when no registration matches."""
     if not _REGISTRY and not _SCOPES:
         return None
-    _, _, backprop, text = _facts(name_stack)
+    names, iteration, backprop, text = _facts(name_stack)
     # the global mesh is part of the key: a Task's mesh_slice slices the one in force (JAX's mesh in context too)
-    found = _lookup(text, backprop, current_global_mesh())
+    found = _lookup(text, backprop, current_global_mesh(), names, iteration)
     return found[0] if found is not None else None
 
 
@@ -615,8 +615,8 @@ def placed_by(name_stack: Any) -> tuple[str, Registration | None] | None:
     matched it (None for a `flax.task` class); None when no registration places it."""
     if not _REGISTRY and not _SCOPES:
         return None
-    _, _, backprop, text = _facts(name_stack)
-    found = _lookup(text, backprop, current_global_mesh())
+    names, iteration, backprop, text = _facts(name_stack)
+    found = _lookup(text, backprop, current_global_mesh(), names, iteration)
     return found[1:] if found is not None else None
 
 
@@ -659,14 +659,13 @@ def _matches(name: str) -> list[tuple[str, Registration, re.Match, bool]]:
 
 
 @functools.lru_cache(maxsize=1 << 16)  # one entry per scope stack: 64 microbatches make some 8,400
-def _lookup(text: str, backprop: bool,
-            global_mesh: Mesh | None) -> tuple[Placement, str, Registration | None] | None:
+def _lookup(text: str, backprop: bool, global_mesh: Mesh | None, names: tuple[str, ...],
+            iteration: int | None) -> tuple[Placement, str, Registration | None] | None:
     """The outermost match wins: the first name of the stack (outermost first) that a registration places;
     (placement, that name, the registration), or None.
 
-    ``global_mesh`` (the one in force) is only part of the cache key: a Task's mesh_slice slices it."""
-    iteration = microbatch_of(text)
-    names = scope_names(text)
+    ``global_mesh`` (the one in force) is only part of the cache key: a Task's mesh_slice slices it.
+    ``names`` and ``iteration`` are the stack's (`_read_stack`), given as read: not parsed from ``text`` again."""
     for i, n in enumerate(names):
         if n in _SCOPES:  # a flax.task class; with a loop_dependent_mesh_slice, the microbatch's slice
             family = loop_slices(_SCOPES[n]) if iteration is not None else None
