@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ..core.gc_pause import without_gc
+from ..core.gc_pause import gc_paused
 from ..core.given_shardings import abstract_outputs
 from ..core.layout import Layout, constrained_inputs, derive_layout
 from ..core.meshes import MeshLike, build_mesh, explicit_axes
@@ -75,7 +75,6 @@ def _check_zero_arg(fn: Any, name: str) -> None:
         )
 
 
-@without_gc  # its phases (trace, plan, runtime) make one large structure: walked by the collector once, after
 def parallelize_on_mesh(
     fun: Callable,
     *,
@@ -119,54 +118,57 @@ def parallelize_on_mesh(
     if get_input_batch is not None:
         _check_zero_arg(get_input_batch, "get_input_batch")
 
-    if mesh is None and devices is None and current_global_mesh() is not None:
-        mesh = current_global_mesh()  # inside `with MultiMesh(...)`: its mesh
-    the_mesh = build_mesh(mesh, devices)
-    if rules is None:  # inside Flax's `nn.logical_axis_rules(...)`: the model's own rules
-        rules = flax_context_rules(the_mesh)
-    placement = Placement(the_mesh, Rules(rules if rules is not None else (), strict=strict))
-    path_rules = PathRules(param_rules) if param_rules is not None else PathRules()
+    # The trace, the plan and the runtime make one large structure: the collector walks it once, after, not after
+    # each phase (a `with`, not a decorator: the warnings here name the caller's line by their stack level)
+    with gc_paused():
+        if mesh is None and devices is None and current_global_mesh() is not None:
+            mesh = current_global_mesh()  # inside `with MultiMesh(...)`: its mesh
+        the_mesh = build_mesh(mesh, devices)
+        if rules is None:  # inside Flax's `nn.logical_axis_rules(...)`: the model's own rules
+            rules = flax_context_rules(the_mesh)
+        placement = Placement(the_mesh, Rules(rules if rules is not None else (), strict=strict))
+        path_rules = PathRules(param_rules) if param_rules is not None else PathRules()
 
-    with explained_mesh_errors(the_mesh, mesh):
-        with use_placement(placement):
-            # with the shardings their code gives their outputs (a jit's out_shardings): eval_shape omits those
-            abstract_params = abstract_outputs(checked(init_params, "init_params"))
-            if get_input_batch is not None:
-                abstract_batch = abstract_outputs(checked(get_input_batch, "get_input_batch"))
-            else:
-                check_arrays(initial_batch, "initial_batch", "batch")
-                abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)),
-                                              initial_batch)
-        # Traced once, logical constraints deferred: only the plan knows where glue runs.
-        fun, traced, pipelines = _trace_in_context(
-            fun, placement, *_typed(placement, abstract_params, abstract_batch, path_rules, batch_spec))
-        closed, out_shape = traced if traced is not None else (None, None)
-        plan = make_plan(closed, placement, pipelines) if closed is not None else None
-        if plan is not None and plan.placements != [placement] and _needs_retrace_on_stages(closed, plan, the_mesh):
-            closed, out_shape, plan = _retrace_on_stages(fun, plan, placement, abstract_params, abstract_batch,
-                                                         path_rules, batch_spec)
-    if plan is not None and plan.placements == [placement] and registered_tasks():
-        _unmatched_registrations(plan, strict)
-    elif plan is not None and registered_tasks():
-        _unmatched_alternatives(plan)
-    if plan is not None and plan.placements != [placement]:
-        # The state's scalars (an optimizer's count, a metric's total, an nnx.Rngs' key) live together on the
-        # last stage, not each on the stage that reads it first: the caller combines them after the step
-        # (nnx.MultiMetric.compute divides a total by a count), and JAX refuses arrays on different devices.
-        # One stage, not the whole mesh: a scalar moves between stages shard for shard, which is asynchronous,
-        # and onto more devices by way of the host, which waits for its value.
-        plan.keep_inputs_on(state_scalars(abstract_params), plan.placements[-1])
-    params, batch = _input_layouts(plan, placement, abstract_params, abstract_batch, path_rules, batch_spec)
+        with explained_mesh_errors(the_mesh, mesh):
+            with use_placement(placement):
+                # with the shardings their code gives their outputs (a jit's out_shardings): eval_shape omits those
+                abstract_params = abstract_outputs(checked(init_params, "init_params"))
+                if get_input_batch is not None:
+                    abstract_batch = abstract_outputs(checked(get_input_batch, "get_input_batch"))
+                else:
+                    check_arrays(initial_batch, "initial_batch", "batch")
+                    abstract_batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)),
+                                                  initial_batch)
+            # Traced once, logical constraints deferred: only the plan knows where glue runs.
+            fun, traced, pipelines = _trace_in_context(
+                fun, placement, *_typed(placement, abstract_params, abstract_batch, path_rules, batch_spec))
+            closed, out_shape = traced if traced is not None else (None, None)
+            plan = make_plan(closed, placement, pipelines) if closed is not None else None
+            if plan is not None and plan.placements != [placement] and _needs_retrace_on_stages(closed, plan, the_mesh):
+                closed, out_shape, plan = _retrace_on_stages(fun, plan, placement, abstract_params, abstract_batch,
+                                                             path_rules, batch_spec)
+        if plan is not None and plan.placements == [placement] and registered_tasks():
+            _unmatched_registrations(plan, strict)
+        elif plan is not None and registered_tasks():
+            _unmatched_alternatives(plan)
+        if plan is not None and plan.placements != [placement]:
+            # The state's scalars (an optimizer's count, a metric's total, an nnx.Rngs' key) live together on the
+            # last stage, not each on the stage that reads it first: the caller combines them after the step
+            # (nnx.MultiMetric.compute divides a total by a count), and JAX refuses arrays on different devices.
+            # One stage, not the whole mesh: a scalar moves between stages shard for shard, which is asynchronous,
+            # and onto more devices by way of the host, which waits for its value.
+            plan.keep_inputs_on(state_scalars(abstract_params), plan.placements[-1])
+        params, batch = _input_layouts(plan, placement, abstract_params, abstract_batch, path_rules, batch_spec)
 
-    if plan is not None and plan.placements != [placement]:  # tasks: the runtime runs the plan's segments
-        pipelined = MPMDFunction(fun, plan, params, batch, abstract_params, abstract_batch,
-                                 jax.tree.structure(out_shape), out_shape, donate)
-        return with_initializers(pipelined, init_params, get_input_batch, None)
-    if rules is None:
-        warn_everything_replicated(params, batch, the_mesh, stacklevel=2)
+        if plan is not None and plan.placements != [placement]:  # tasks: the runtime runs the plan's segments
+            pipelined = MPMDFunction(fun, plan, params, batch, abstract_params, abstract_batch,
+                                     jax.tree.structure(out_shape), out_shape, donate)
+            return with_initializers(pipelined, init_params, get_input_batch, None)
+        if rules is None:
+            warn_everything_replicated(params, batch, the_mesh, stacklevel=2)
 
-    sharded = ShardedFunction(fun, placement, params, batch, abstract_params, abstract_batch, donate, plan)
-    return with_initializers(sharded, init_params, get_input_batch, placement)
+        sharded = ShardedFunction(fun, placement, params, batch, abstract_params, abstract_batch, donate, plan)
+        return with_initializers(sharded, init_params, get_input_batch, placement)
 
 
 def _typed(placement: Placement, abstract_params: Any, abstract_batch: Any, path_rules: PathRules,
