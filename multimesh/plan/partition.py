@@ -30,7 +30,7 @@ from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal, Var
 from ..core.fmt import format_bytes
 from ..core.gc_pause import without_gc
 from ..schedules import Schedule
-from ..trace.implicit import implicit_placement, is_backprop, microbatch_of, pass_of
+from ..trace.implicit import implicit_placement, pass_of
 from ..trace.knobs import current_knobs
 from ..trace.microbatch import Pipeline
 from ..trace.task import Placement, task_call_p
@@ -341,8 +341,8 @@ def _propagate(eqns: Sequence, colour: list[Placement | None]) -> list[Placement
 
 def _glue_key(eqn) -> tuple | None:
     """Glue inside a microbatch stays with that microbatch's pass, so it never links two microbatches."""
-    m = microbatch_of(eqn.source_info.name_stack)
-    return None if m is None else (m, is_backprop(eqn.source_info.name_stack))
+    m, backward = pass_of(eqn.source_info.name_stack)
+    return None if m is None else (m, backward)
 
 
 def _group(eqns: Sequence, colour: Sequence[Placement], units: Sequence[Unit | None]) -> list[Segment]:

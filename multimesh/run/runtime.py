@@ -44,7 +44,7 @@ from ..plan.partition import Plan
 from ..plan.programs import Program, group_programs, run_program
 from ..plan.segment import Segment, nbytes
 from ..trace.constraints import resolve_deferred
-from ..trace.implicit import is_backprop, microbatch_of, pass_of
+from ..trace.implicit import pass_of
 from .grouping import Source, default_group_size, group_order, grouped_program
 
 __all__ = ["ReshardError", "RunStats", "Runtime"]
