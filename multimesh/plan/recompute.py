@@ -110,10 +110,11 @@ def recompute_constants(eqns: Sequence[Any], colour: Sequence[Any], units: Seque
 
     for i, e in enumerate(eqns):
         c = colour[i]
-        reads = [v for v in e.invars if not isinstance(v, Literal) and v in made_from_literals]
-        if any(colour[made_from_literals[v]] != c for v in reads):  # most equations read none of them
-            e = e.replace(invars=[here(v, c, e, units[i]) if not isinstance(v, Literal) and v in made_from_literals
-                                  and colour[made_from_literals[v]] != c else v for v in e.invars])
+        elsewhere = {v for v in e.invars if not isinstance(v, Literal) and v in made_from_literals
+                     and colour[made_from_literals[v]] != c}
+        if elsewhere:  # most equations read none
+            e = e.replace(invars=[here(v, c, e, units[i]) if not isinstance(v, Literal) and v in elsewhere else v
+                                  for v in e.invars])
         new_eqns.append(e)
         new_colour.append(c)
         new_units.append(units[i])
