@@ -627,7 +627,7 @@ def test_a_failed_saves_directory_is_removed_though_a_straggling_writer_still_ad
     """Orbax reports the first item's write error while other items may still
     write into ``<step>.orbax-checkpoint-tmp`` (seen on CI after a full disk: the
     directory survived one ``rmtree``). The failed save waits for its writer
-    threads (``release.join``), and ``remove_partial`` tries again while files appear."""
+    threads (``release.join``), and ``remove_partial`` removes again what appears."""
     from multimesh.checkpoint import ondisk, release
 
     tmp = tmp_path / f"3{ocp.step.TMP_DIR_SUFFIX}"
@@ -658,6 +658,39 @@ def test_a_failed_saves_directory_is_removed_though_a_straggling_writer_still_ad
     assert release.join({waits}, timeout=0.05) == [waits]  # still alive: returned, bounded
     done.set()
     assert release.join({waits}, timeout=5) == []
+
+
+def test_a_failed_saves_directory_that_a_late_write_recreates_is_removed_again(tmp_path):
+    """A write still in flight after the save's threads ended (TensorStore finishing what Orbax gave up on)
+    recreates the removed directory a moment later: ``remove_partial`` watches the step until it has stayed
+    away for ``quiet_s``, so that it is gone when the call returns."""
+    from multimesh.checkpoint import ondisk
+
+    tmp = tmp_path / f"3{ocp.step.TMP_DIR_SUFFIX}"
+    (tmp / "state").mkdir(parents=True)
+    removed = threading.Event()
+
+    def late_write():  # waits for the first removal, then writes once more into a directory it recreates
+        give_up = time.monotonic() + 30
+        while tmp.exists() and time.monotonic() < give_up:
+            time.sleep(0.001)
+        removed.set()
+        time.sleep(0.2)
+        try:
+            os.makedirs(tmp / "state" / "d", exist_ok=True)
+            (tmp / "state" / "d" / "chunk").write_bytes(b"x")
+        except OSError:  # removed between the two calls
+            pass
+
+    writer = threading.Thread(target=late_write, daemon=True)
+    writer.start()
+    assert ondisk.remove_partial(str(tmp_path), 3, quiet_s=0.5)
+    assert removed.is_set()
+    writer.join()
+    assert not tmp.exists()
+    t = time.monotonic()
+    assert ondisk.remove_partial(str(tmp_path), 3, quiet_s=60)  # nothing there: no watch
+    assert time.monotonic() - t < 30
 
 
 def test_a_dropped_read_reported_from_tensorstores_thread_is_filtered_and_others_are_not():

@@ -65,21 +65,33 @@ def scan(directory: str) -> list[StepEntry]:
     return sorted(out, key=lambda e: (e.step, not e.complete))
 
 
-def remove_partial(directory: str, step: int, attempts: int = 5) -> bool:
+def remove_partial(directory: str, step: int, quiet_s: float = 0.5, timeout_s: float = 30.0) -> bool:
     """Removes what an unfinished save of ``step`` left (its temporary
-    directory); a committed step is never touched. Tries again while a
-    straggling writer adds files (``rmtree`` then meets a non-empty directory);
-    returns whether nothing of the save is left."""
-    for attempt in range(attempts + 1):
+    directory); a committed step is never touched. Returns whether nothing of
+    the save is left.
+
+    Once its Python threads have ended, a failed save may still have writes in
+    flight: TensorStore finishes the writes whose caller gave up at the first
+    error, creating the directories they need, so a removed directory can come
+    back. Having removed something, this watches the step until nothing of it
+    has appeared for ``quiet_s`` seconds, removing what comes back, for at most
+    ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    removed_at = None  # when something of the step was last removed
+    while True:
         left = [e.path for e in scan(directory)
                 if e.step == step and not e.complete and _TMP_RE.fullmatch(os.path.basename(e.path))]
-        if not left or attempt == attempts:
+        now = time.monotonic()
+        if not left and (removed_at is None or now - removed_at >= quiet_s):
+            return True
+        if now >= deadline:
             return not left
-        if attempt:
-            time.sleep(0.05 * 2**attempt)
         for path in left:
             shutil.rmtree(path, ignore_errors=True)
-    return False  # pragma: no cover - the loop returns
+        if left:
+            removed_at = time.monotonic()
+        time.sleep(0.02)
 
 
 def is_committed(step_path: str) -> bool:
