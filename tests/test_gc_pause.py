@@ -70,3 +70,21 @@ def test_parallelize_holds_it_off_from_the_first_trace_to_the_runtime_and_leaves
     assert seen and all(not on for _, on in seen), seen
     assert gc.isenabled()
     assert float(fn(init_fn(), jnp.ones((4,)))) == 4.0
+
+
+def test_mjit_holds_it_off_from_the_trace_to_the_plan_and_leaves_it_on(collector_on, monkeypatch):
+    import multimesh.run.mjit as mjit_module
+    from multimesh.jax import mjit
+
+    seen = []
+    plan = mjit_module.make_plan
+
+    def recorded(*args, **kwargs):  # called between the trace and the runtime's set-up
+        seen.append(gc.isenabled())
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(mjit_module, "make_plan", recorded)
+    fn = mjit(lambda x: jnp.sum(x * 2), devices=jax.devices()[:1])
+    assert float(fn(jnp.ones((4,)))) == 8.0
+    assert seen == [False]
+    assert gc.isenabled()

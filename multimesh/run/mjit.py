@@ -21,6 +21,7 @@ import numpy as np
 from jax.extend.core import Var
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ..core.gc_pause import gc_paused
 from ..core.keyword_hints import keyword_hints
 from ..core.meshes import build_mesh
 from ..core.placement import Placement, use_placement
@@ -171,7 +172,8 @@ class MJitFunction:
         key = (tree, tuple((np.shape(x), jax.numpy.result_type(x), _sharding_key(x)) for x in flat),
                placement.mesh, placement.rules)
         if key not in self._cache:
-            self._cache[key] = self._compile(args, flat, tree, placement)
+            with gc_paused():  # the whole build, as parallelize's: no collection walks its objects between phases
+                self._cache[key] = self._compile(args, flat, tree, placement)
         return self._cache[key], args
 
     def __call__(self, *args: Any) -> Any:
