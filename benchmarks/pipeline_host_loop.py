@@ -30,7 +30,9 @@ unmeasured run of the same row filled, as a rerun has), 8 simulated CPU devices.
   forward, or with groups its first backward) called synchronously with its
   own arguments, as a hand-written ``jax.jit`` would be; and the runtime's
   own Python per action (its time outside the programs' and copies' calls, in a step it runs without
-  waiting for results).
+  waiting for results, while XLA runs the dispatched programs on the same cores); *bookkeeping*: that
+  Python alone (`Runtime.__call__` with every program call and copy answered at once by its recorded
+  result, nothing else running).
 """
 
 from __future__ import annotations
@@ -143,11 +145,14 @@ def _host_costs(program: Any, state: Any, batch: Any, runtime_module: Any, round
     inside = [0.0]
     move = runtime_module.move
 
+    answers: list = []  # each program call's and copy's result, in the order the runtime asked for them
+
     def recording_move(xs: Any, targets: Any) -> Any:
         t = time.perf_counter()
         out = move(xs, targets)
         inside[0] += time.perf_counter() - t
         calls.append((move, (list(xs), list(targets))))
+        answers.append(out)
         return out
 
     kept: dict[int, tuple] = {}  # each program's first arguments, copied: the step donates some of them
@@ -160,6 +165,7 @@ def _host_costs(program: Any, state: Any, batch: Any, runtime_module: Any, round
             out = fn(*args)
             inside[0] += time.perf_counter() - t
             calls.append((fn, args))
+            answers.append(out)
             return out
         return call
 
@@ -179,9 +185,10 @@ def _host_costs(program: Any, state: Any, batch: Any, runtime_module: Any, round
         runtime_module.move = move
         for c, fn in zip(host_calls, originals):
             c.fn = fn
-    state = out[1]
     n = sum(len(c.steps) for c in host_calls)
     own_python_us = max(recorded_s - inside[0], 0.0) / n * 1e6
+    bookkeeping_us = _bookkeeping_us(runtime, runtime_module, answers, lambda: program.step(state, batch), n, rounds)
+    state = out[1]
 
     def replay() -> float:
         t = time.perf_counter()
@@ -223,7 +230,37 @@ def _host_costs(program: Any, state: Any, batch: Any, runtime_module: Any, round
     med = {k: statistics.median(v) * 1e6 if v else float("nan") for k, v in results.items()}
     return {"action_us": med["runtime"], "replay_us": med["replay"], "bare_jit_us": med["bare"],
             "bare_label": None if stage_program is None else host_calls[stage_program].steps[0].label,
-            "own_python_us": own_python_us}
+            "own_python_us": own_python_us, "bookkeeping_us": bookkeeping_us}
+
+
+def _bookkeeping_us(runtime: Any, runtime_module: Any, answers: list, step: Any, n: int, rounds: int) -> float:
+    """The runtime's own Python per action with nothing else running: its step (`Runtime.__call__`, the
+    step's wrapper aside) with every program call and copy answered at once by its recorded result."""
+    replies = iter(())
+
+    def answer(*_: Any) -> Any:
+        return next(replies)
+
+    calls, move = list(runtime.calls), runtime_module.move
+    fns = [c.fn for c in calls]
+    spent: dict[str, float] = {}
+    inner = type(runtime).__call__
+    _timed(type(runtime), "__call__", spent, "step")
+    runtime_module.move = answer
+    for c in calls:
+        c.fn = answer
+    try:
+        per_step = []
+        for _ in range(max(rounds, 3)):
+            replies, spent["step"] = iter(answers), 0.0
+            step()
+            per_step.append(spent["step"])
+    finally:
+        type(runtime).__call__ = inner
+        runtime_module.move = move
+        for c, fn in zip(calls, fns):
+            c.fn = fn
+    return statistics.median(per_step) / n * 1e6
 
 
 COLUMNS = [("schedule", "schedule", "{:s}"), ("group", "group", "{:d}"), ("mb", "microbatches", "{:d}"),
@@ -234,7 +271,8 @@ COLUMNS = [("schedule", "schedule", "{:s}"), ("group", "group", "{:d}"), ("mb", 
            ("compile s", "compile_s", "{:.1f}"), ("step ms", "step_ms", "{:.0f}"),
            ("alone ms", "alone_step_ms", "{:.0f}"),
            ("us/action", "action_us", "{:.0f}"), ("replay us", "replay_us", "{:.0f}"),
-           ("bare jit us", "bare_jit_us", "{:.0f}"), ("python us", "own_python_us", "{:.0f}")]
+           ("bare jit us", "bare_jit_us", "{:.0f}"), ("python us", "own_python_us", "{:.0f}"),
+           ("bookkeeping us", "bookkeeping_us", "{:.0f}")]
 
 
 def main() -> None:
