@@ -228,3 +228,20 @@ def test_move_copies_shard_for_shard_like_device_put():
     assert not transfer._shard_for_shard(xs[0], targets[0])
     with pytest.raises(RuntimeError, match="deleted"):
         transfer.move([xs[0]], [targets[0]])
+
+
+def test_a_step_hands_back_its_state_in_one_move_each_leaf_in_its_own_sharding(monkeypatch):
+    """The stage programs return parameters with an equivalent spec (``P('model')`` for ``P('model', None)``):
+    relabelling them all is one batched move, not one per leaf, and each comes back as it went in."""
+    import multimesh.run.mpmd as mpmd_module
+
+    _, init, batch, step = build(2)
+    fn, init_p, get_b = parallelize(step, init_params=init, get_input_batch=batch)
+    state, b = init_p(), get_b()
+    given = jax.tree.map(lambda x: x.sharding, state)
+    _, _, state = fn(state, b)
+    moves, move = [], mpmd_module.move
+    monkeypatch.setattr(mpmd_module, "move", lambda xs, targets: moves.append(len(xs)) or move(xs, targets))
+    _, _, state = fn(state, b)
+    assert len(moves) == 1 and moves[0] > 1, moves
+    assert jax.tree.map(lambda x: x.sharding, state) == given
