@@ -99,6 +99,20 @@ def test_a_fresh_run_in_an_old_directory_drops_the_old_points(tmp_path):
     assert scalars(tmp_path)["train/loss"] == [(1, 1.0)]
 
 
+def test_a_run_resumed_within_the_same_second_keeps_the_earlier_points(tmp_path, monkeypatch):
+    """tensorboardX names an event file by its second and host, and opens it afresh: the resumed run's
+    file must neither take the earlier one's name (emptying it) nor sort before it."""
+    monkeypatch.setattr(time, "time", lambda: 1_800_000_000.25)  # every writer opens in this second
+    with Scalars(tmp_path) as first:
+        for step in (1, 2, 3):
+            first.write({"step": step, "loss": 9.0})
+    with Scalars(tmp_path, resume_at=2) as resumed:
+        resumed.write({"step": 3, "loss": 1.0})
+    monkeypatch.undo()
+    assert len(list(tmp_path.glob("events.out.tfevents.1800000000.*"))) == 2
+    assert scalars(tmp_path)["train/loss"] == [(1, 9.0), (2, 9.0), (3, 1.0)]
+
+
 def test_scalars_not_written_write_nothing(tmp_path):
     """``train.tensorboard: false``, or a process other than the first."""
     with Scalars(tmp_path / "tb", write=False) as off:
@@ -113,9 +127,6 @@ def test_a_resumed_run_drops_the_points_after_its_checkpoint(tmp_path):
                                f"train.out_dir={tmp_path}"])
     train(cfg, quiet=True, stop_after=6)
     assert [s for s, _ in scalars(tmp_path / "tensorboard")["train/loss"]] == [1, 2, 3, 4, 5]
-    # event files are named by the second they were opened in and read in name order: a restarted process
-    # always comes a second later, which a resume in the same process within that second may not
-    time.sleep(1.1)
     resumed = train(cfg, quiet=True)
     series = scalars(tmp_path / "tensorboard")["train/loss"]
     assert [s for s, _ in series] == [r["step"] for r in records(tmp_path)] == list(range(1, 9))

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,8 @@ class Scalars:
                 raise ModuleNotFoundError(f"train.tensorboard is on, but {e.name} is not installed: pip install "
                                           f"tensorboardX (a dependency of multimesh: pip install -e . installs it), "
                                           f"or set train.tensorboard=false") from e
-            self._writer = SummaryWriter(str(self.directory), purge_step=(resume_at or 0) + 1, flush_secs=10)
+            self._writer = SummaryWriter(str(self.directory), purge_step=(resume_at or 0) + 1, flush_secs=10,
+                                         filename_suffix=_suffix_after_this_seconds_files(self.directory))
 
     def write(self, record: dict[str, Any]) -> None:
         """The record's numbers (``null``, NaN and infinities left out) under their `TAGS`, at its ``step``."""
@@ -72,6 +74,18 @@ class Scalars:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _suffix_after_this_seconds_files(directory: Path) -> str:
+    """A suffix for a new event file that keeps it from another's name and sorts it after them.
+
+    tensorboardX names an event file by the second it is opened in and the host
+    (``events.out.tfevents.<second>.<host>``) and opens it for writing afresh: a run resumed within
+    the same second (in the same process) would empty the earlier run's file. TensorBoard reads a
+    directory's event files in name order, and the newer file's purge step must come last.
+    """
+    taken = list(directory.glob(f"events.out.tfevents.{str(time.time())[:10]}.*"))
+    return f".{len(taken):03d}" if taken else ""
 
 
 def model_flops_utilisation(model_flops: float, step_time_s: float, peak_flops: float, devices: int) -> float | None:
