@@ -114,7 +114,6 @@ class MPMDFunction(Parallelized):
                 f"on [{stages}], {len(self.param_layout.leaves)} params{step_context_note(self.fun)})")
 
 
-
 def _deliver(outs: list, targets: list[NamedSharding | None]) -> list:
     """The step's outputs where the caller expects them: a parameter in its own sharding; with several
     processes, a small other output (up to `READABLE_BYTES`) on every process. The moves are one call: most
