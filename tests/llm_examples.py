@@ -1,11 +1,13 @@
 """Training a jax-llm-examples model (Llama 3, Qwen3-MoE, DeepSeek-R1/V3: one API, ``Weights.init`` and
 ``forward(tokens, segment_ids, weights, cfg)``) as a user would, shared by their vendored-model tests: the
-state, the next-token loss, the step (optionally microbatched under 1F1B), the batch and a training loop."""
+state, the next-token loss, the step (optionally microbatched under 1F1B), the batch, the step `parallelize`d
+on the model's mesh or as a pipeline of tasks, and a training loop."""
 
 from __future__ import annotations
 
+import contextlib
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from multimesh.jax import microbatch
+from multimesh.jax import microbatch, parallelize, register_task
 
-__all__ = ["Training", "model_rules", "train"]
+__all__ = ["Training", "model_rules", "train", "two_stage_meshes"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,32 @@ class Training:
 
     def get_batch(self) -> dict[str, jax.Array]:
         return {"inputs": jax.random.randint(jax.random.key(1), (self.batch, self.length), self.low, self.vocab)}
+
+    def spmd(self, cfg: Any) -> tuple:
+        """``parallelize``'s ``(step, init, get_batch)`` on the model's mesh, with the model's rule for the batch."""
+        init, loss = self.program(cfg)
+        return parallelize(self.make_step(loss), init_params=init, get_input_batch=self.get_batch, mesh=cfg.mesh,
+                           rules=model_rules(cfg))
+
+    def pipeline(self, cfg: Any, stages: Sequence[tuple[str, jax.sharding.Mesh]], microbatches: int, *,
+                 by_params: bool = True) -> tuple:
+        """``parallelize``'s ``(step, init, get_batch)`` for the loss microbatched under 1F1B over one task per
+        ``(pattern, mesh)`` of ``stages`` (named ``stage0``, ``stage1``...): ``pattern`` matches the parameters'
+        paths (`register_task(params=...)`), or with ``by_params=False`` the scopes the model's code opens."""
+        init, loss = self.program(cfg)
+        with contextlib.ExitStack() as registrations:
+            for i, (pattern, mesh) in enumerate(stages):
+                where = {"params": pattern} if by_params else {"regex": pattern}
+                registrations.enter_context(register_task(**where, mesh=mesh, name=f"stage{i}",
+                                                          logical_axes=model_rules(cfg)))
+            return parallelize(self.make_step(loss, microbatches), init_params=init, get_input_batch=self.get_batch,
+                               mesh=cfg.mesh, rules=model_rules(cfg))
+
+
+def two_stage_meshes(model_mesh: Callable[..., jax.sharding.Mesh]) -> list[jax.sharding.Mesh]:
+    """Devices 0-3 and 4-7, each as the model's mesh of shape (1, 2, 2)."""
+    devices = jax.devices()
+    return [model_mesh(devices[:4], (1, 2, 2)), model_mesh(devices[4:], (1, 2, 2))]
 
 
 def model_rules(cfg: Any) -> list[tuple[str, Any]]:

@@ -29,7 +29,6 @@ device (its RMS norm rounds activations to bfloat16).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import sys
@@ -45,13 +44,12 @@ import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from llm_examples import Training, model_rules, train
+from llm_examples import Training, train, two_stage_meshes
 from vendored import import_or_skip, stand_ins
 
 from multimesh.checkpoint import CheckpointManager
 from multimesh.core.given_shardings import given_shardings, moved_onto
 from multimesh.core.placement import Placement
-from multimesh.jax import parallelize, register_task
 
 pytestmark = [pytest.mark.devices(8),   # the model imports a Pallas GPU kernel JAX has deprecated
               pytest.mark.filterwarnings("ignore:jax.experimental.pallas.ops.gpu.paged_attention is deprecated")]
@@ -155,26 +153,16 @@ def test_the_tolerances_are_small():
 # ----------------------------------------------------------------- the two layouts, built once
 @functools.cache
 def spmd(layers: int = 1):
-    cfg = config(model_mesh(), layers)
-    init, loss = program(cfg)
-    return parallelize(make_step(loss), init_params=init, get_input_batch=get_batch, mesh=cfg.mesh,
-                       rules=model_rules(cfg))
+    return TRAINING.spmd(config(model_mesh(), layers))
 
 
 def stage_meshes() -> list[jax.sharding.Mesh]:
-    devices = jax.devices()
-    return [model_mesh(devices[:4], (1, 2, 2)), model_mesh(devices[4:], (1, 2, 2))]
+    return two_stage_meshes(model_mesh)
 
 
 @functools.cache
 def pipeline():
-    cfg = config(model_mesh())
-    init, loss = program(cfg)
-    with contextlib.ExitStack() as registrations:
-        for pattern, mesh in zip(STAGES, stage_meshes()):
-            registrations.enter_context(register_task(pattern, mesh=mesh, logical_axes=model_rules(cfg)))
-        return parallelize(make_step(loss, MICROBATCHES), init_params=init, get_input_batch=get_batch,
-                           mesh=cfg.mesh, rules=model_rules(cfg))
+    return TRAINING.pipeline(config(model_mesh()), list(zip(STAGES, stage_meshes())), MICROBATCHES, by_params=False)
 
 
 def own_specs() -> list[P]:
@@ -305,13 +293,7 @@ LAYER_STAGES = (r"embedding|layers\.[01]", r"layers\.[23]|gamma_final|lm_head")
 
 @functools.cache
 def layer_pipeline():
-    cfg = config(model_mesh(), LAYERS)
-    init, loss = program(cfg)
-    with contextlib.ExitStack() as registrations:
-        for pattern, mesh in zip(LAYER_STAGES, stage_meshes()):
-            registrations.enter_context(register_task(params=pattern, mesh=mesh, logical_axes=model_rules(cfg)))
-        return parallelize(make_step(loss, MICROBATCHES), init_params=init, get_input_batch=get_batch,
-                           mesh=cfg.mesh, rules=model_rules(cfg))
+    return TRAINING.pipeline(config(model_mesh(), LAYERS), list(zip(LAYER_STAGES, stage_meshes())), MICROBATCHES)
 
 
 @pytest.mark.slow  # one of the longest checks: the default suite's time

@@ -27,7 +27,6 @@ activations to bfloat16).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import sys
@@ -43,10 +42,9 @@ import optax
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
-from llm_examples import Training, model_rules, train
+from llm_examples import Training, train, two_stage_meshes
 
 from multimesh.checkpoint import CheckpointManager
-from multimesh.jax import parallelize, register_task
 
 pytestmark = [pytest.mark.devices(8),   # the model imports Pallas kernels JAX has deprecated
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -144,27 +142,16 @@ def test_the_tolerances_are_small():
 # ----------------------------------------------------------------- the layouts, built once
 @functools.cache
 def spmd():
-    cfg = config(model_mesh())
-    init, loss = program(cfg)
-    return parallelize(make_step(loss), init_params=init, get_input_batch=get_batch, mesh=cfg.mesh,
-                       rules=model_rules(cfg))
+    return TRAINING.spmd(config(model_mesh()))
 
 
 def stage_meshes() -> list[jax.sharding.Mesh]:
-    devices = jax.devices()
-    return [model_mesh(devices[:4], (1, 2, 2)), model_mesh(devices[4:], (1, 2, 2))]
+    return two_stage_meshes(model_mesh)
 
 
 @functools.cache
 def pipeline():
-    cfg = config(model_mesh())
-    init, loss = program(cfg)
-    with contextlib.ExitStack() as registrations:
-        for i, (pattern, mesh) in enumerate(zip(STAGES, stage_meshes())):
-            registrations.enter_context(register_task(params=pattern, mesh=mesh, name=f"stage{i}",
-                                                      logical_axes=model_rules(cfg)))
-        return parallelize(make_step(loss, MICROBATCHES), init_params=init, get_input_batch=get_batch,
-                           mesh=cfg.mesh, rules=model_rules(cfg))
+    return TRAINING.pipeline(config(model_mesh()), list(zip(STAGES, stage_meshes())), MICROBATCHES)
 
 
 def check_experts(tree: Any, devices_of: Callable[[int], set]) -> None:
