@@ -53,7 +53,7 @@ class Scalars:
                                           f"tensorboardX (a dependency of multimesh: pip install -e . installs it), "
                                           f"or set train.tensorboard=false") from e
             self._writer = SummaryWriter(str(self.directory), purge_step=(resume_at or 0) + 1, flush_secs=10,
-                                         filename_suffix=_suffix_after_this_seconds_files(self.directory))
+                                         filename_suffix=_event_file_suffix(self.directory))
 
     def write(self, record: dict[str, Any]) -> None:
         """The record's numbers (``null``, NaN and infinities left out) under their `TAGS`, at its ``step``."""
@@ -76,7 +76,7 @@ class Scalars:
         self.close()
 
 
-def _suffix_after_this_seconds_files(directory: Path) -> str:
+def _event_file_suffix(directory: Path) -> str:
     """A suffix for a new event file that keeps it from another's name and sorts it after them.
 
     tensorboardX names an event file by the second it is opened in and the host
