@@ -38,7 +38,7 @@ from trainers.continuation import saved_decay_steps
 from trainers.layout import build_layout, sharding_rows, sharding_table
 from trainers.optim import cut_warmup_note
 from trainers.step import build_program, program_for
-from trainers.train import train
+from trainers.train import built_line, train
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -274,6 +274,23 @@ def test_pipeline_layout_runs_on_the_devices_it_is_given(tmp_path):
     rows = {path: dev for path, _, _, _, dev in sharding_rows(program.step)}
     assert rows["params/params/embed/embedding"] == "6-7" and rows["params/params/head/final_norm/scale"] == "4-5"
     assert {rows[f"params/params/layers_{i}/mlp/wo/kernel"] for i in range(4)} == {"6-7", "4-5"}
+
+
+def test_the_build_line_gives_the_time_and_a_pipelines_program_calls(tmp_path):
+    """What a user waits for before the first step: building (tracing, planning) and, for a pipeline, its
+    program calls a step: at least each of the 2 stages' forward and backward of each of 4 microbatches."""
+    batch = {"tokens": np.zeros((8, 33), np.int32)}
+    for name, over, shape in [("pipeline", ["layout.pipeline.microbatches=4"], r" \((\d+) program calls a step\)"),
+                              ("tiny", [], "")]:
+        cfg = small(name, tmp_path, *over)
+        layout = build_layout(cfg.layout)
+        with layout.tasks(cfg.model.num_layers):
+            program = build_program(cfg, layout, batch, batch)
+        line = built_line(program, 2.34)
+        found = re.fullmatch(r"step built in 2\.3 s" + shape + "; its programs compile in the first step", line)
+        assert found, line
+        if shape:
+            assert int(found.group(1)) >= 2 * 2 * 4, line
 
 
 # interleaved (20 s) and zb-h1 (15 s) with -m slow; they meet one device across processes in test_multiprocess

@@ -72,7 +72,7 @@ from trainers.preemption import Preempted, StopSignals
 from trainers.run_lock import hold_out_dir
 from trainers.step import Program, build_program
 
-__all__ = ["SYNC_EVERY", "TrainResult", "sharding_text", "train"]
+__all__ = ["SYNC_EVERY", "TrainResult", "built_line", "sharding_text", "train"]
 
 #: Block on the step's results at least this often: bounds the executions in flight
 #: (XLA:CPU aborts when ~50 collectives are queued) and keeps the progress bar honest.
@@ -192,6 +192,15 @@ def _layouts_so_far(ckpt: CheckpointManager, latest: int | None, current: str) -
     return before if before[-1:] == [current] else [*before, current]
 
 
+def built_line(program: Program, seconds: float) -> str:
+    """How long tracing and planning the step took (its programs compile in its first call), with a
+    pipeline's program calls a step (they grow with its microbatches): what a user waits for before the
+    first step is not left unexplained."""
+    plan = getattr(program.step, "plan", None)
+    calls = "" if getattr(plan, "schedule", None) is None else f" ({len(plan.segments)} program calls a step)"
+    return f"step built in {seconds:.1f} s{calls}; its programs compile in the first step"
+
+
 def _log(quiet: bool, message: str) -> None:
     if not quiet:
         from tqdm import tqdm
@@ -293,7 +302,9 @@ def _train(cfg: Config, *, devices: Any, quiet: bool, stop_after: int | None, re
         corrupt: list[CheckpointCorruptError] = []  # steps that cannot be restored, newest first
         latest, saved = _resume_point(ckpt, cfg, corrupt)
         cfg = continue_schedule(cfg, saved)  # a resumed run continues the schedule it started
+        t_build = time.perf_counter()
         program = build_program(cfg, layout, train_ds.batch_at(0), val_ds.batch_at(0))
+        built_s = time.perf_counter() - t_build
         train_feed, val_feed = Feed(train_ds, program.step), Feed(val_ds, program.evaluate)
         if main:
             sharding = sharding_text(program)
@@ -307,6 +318,7 @@ def _train(cfg: Config, *, devices: Any, quiet: bool, stop_after: int | None, re
         _log(quiet, processes_line())
         _log(quiet, f"data: {len(train_ds.tokens):,} train / {len(val_ds.tokens):,} validation bytes, "
                     f"batch {cfg.data.batch_size} x {cfg.data.seq_len}; unigram baseline {baseline:.3f} nats/byte")
+        _log(quiet, built_line(program, built_s))
         layouts = _layouts_so_far(ckpt, latest, layout.describe())
         if latest is None:
             state, start = program.init(), 0
