@@ -240,8 +240,10 @@ def test_a_first_save_failing_while_its_arrays_are_written_stops_the_run_at_the_
             pytest.raises(CheckpointSaveError, match=r"could not save checkpoint step 4 .*No space left on device"):
         train(cfg, quiet=True)
     assert raised == [False], raised  # raised by a step's check, while the arrays were still written
-    first_after = next(i for i, t in enumerate(polls) if t > double.failed_at[0])
-    assert len(polls) - 1 <= first_after, (len(polls), first_after)  # the first check after the part failed
+    # the first check after the part failed; a watcher thread takes the failure's time, which a loaded machine
+    # may run only after the raising check began: then no check began after it, and the raising one is the last
+    first_after = next((i for i, t in enumerate(polls) if t > double.failed_at[0]), len(polls) - 1)
+    assert len(polls) - 1 <= first_after, (len(polls), first_after)
     assert len(polls) < 8  # before the next save (step 8)
     assert not any(p.name.startswith("4") for p in (run / "checkpoints").iterdir())  # removed once written
 
