@@ -196,8 +196,9 @@ def built_line(program: Program, seconds: float) -> str:
     """How long tracing and planning the step took (its programs compile in its first call), with a
     pipeline's program calls a step (they grow with its microbatches): what a user waits for before the
     first step is not left unexplained."""
-    plan = getattr(program.step, "plan", None)
-    calls = "" if getattr(plan, "schedule", None) is None else f" ({len(plan.segments)} program calls a step)"
+    plan, runtime = getattr(program.step, "plan", None), getattr(program.step, "runtime", None)
+    pipelined = runtime is not None and getattr(plan, "schedule", None) is not None
+    calls = f" ({len(runtime.calls)} program calls a step)" if pipelined else ""  # fewer than actions if grouped
     return f"step built in {seconds:.1f} s{calls}; its programs compile in the first step"
 
 

@@ -120,11 +120,11 @@ def _deliver(outs: list, targets: list[NamedSharding | None]) -> list:
     are a parameter relabelled (the program gives ``P('tensor')`` where the parameter has
     ``P('tensor', None)``), and one batched `jax.device_put` of them all costs about half of one per leaf."""
     moving, dests = [], []
+    several = jax.process_count() > 1
     for i, (x, target) in enumerate(zip(outs, targets)):
         if not isinstance(x, jax.Array):
             continue
-        if target is None and jax.process_count() > 1 and x.nbytes <= READABLE_BYTES \
-                and not _readable_here_and_everywhere(x):
+        if target is None and several and x.nbytes <= READABLE_BYTES and not _readable_here_and_everywhere(x):
             target = everywhere(x)
         if target is not None and x.sharding != target:
             moving.append(i)
