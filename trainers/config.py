@@ -35,7 +35,7 @@ from models.transformer import TransformerConfig
 from multimesh.core.rules import RULE_SETS, Rules, named_rules
 from trainers.data import DataConfig
 from trainers.errors import ConfigError, ConfigWarning
-from trainers.fit import batch_shards, check_batch, check_data, logical_shards
+from trainers.fit import batch_shards, check_batch, check_data, check_microbatch_rows, logical_shards
 from trainers.mesh_axes import warn_unused_axes
 
 __all__ = [
@@ -757,6 +757,8 @@ def _check_consistency(cfg: Config) -> None:
     _check_experts(m, lay.mesh)
     _check_expert_hidden(m, lay.mesh, lay.rule_pairs())
     check_batch(lay.mesh, lay.rule_pairs(), d.batch_size)
+    if p is not None:
+        check_microbatch_rows(lay.mesh, lay.rule_pairs(), d.batch_size, p.microbatches)
     check_data(d, batch_shards(lay.mesh, lay.rule_pairs())[1])
     if isinstance(lay.rules, str):  # a named set: the user's own rules name their axes themselves
         warn_unused_axes(lay.mesh, lay.rule_pairs())
