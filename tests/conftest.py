@@ -11,7 +11,7 @@ _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     _flags += " --xla_force_host_platform_device_count=8"
 # The suite compiles thousands of small programs and runs each a few times: LLVM's optimisation of the CPU
-# code is most of each compilation (a third of a fresh clone's suite) and buys nothing at these sizes. XLA's
+# code is much of each compilation (a quarter of a fresh clone's suite) and buys nothing at these sizes. XLA's
 # own passes (sharding propagation, SPMD partitioning, fusion) run as they do for users.
 if "xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"

@@ -758,7 +758,7 @@ def _check_consistency(cfg: Config) -> None:
     _check_expert_hidden(m, lay.mesh, lay.rule_pairs())
     check_batch(lay.mesh, lay.rule_pairs(), d.batch_size)
     if p is not None:
-        check_microbatch_rows(lay.mesh, lay.rule_pairs(), d.batch_size, p.microbatches)
+        check_microbatch_rows(lay.mesh, lay.rule_pairs(), d.batch_size, p.microbatches, p.stages)
     check_data(d, batch_shards(lay.mesh, lay.rule_pairs())[1])
     if isinstance(lay.rules, str):  # a named set: the user's own rules name their axes themselves
         warn_unused_axes(lay.mesh, lay.rule_pairs())

@@ -23,8 +23,8 @@ from multimesh.core.rules import Rules
 from trainers.data import count_windows
 from trainers.errors import ConfigError, ConfigWarning
 
-__all__ = ["batch_shards", "check_batch", "check_data", "check_microbatch_rows", "check_devices", "check_memory", "check_out_dir",
-           "make_out_dir", "mesh_text"]
+__all__ = ["batch_shards", "check_batch", "check_data", "check_devices", "check_memory", "check_microbatch_rows",
+           "check_out_dir", "make_out_dir", "mesh_text"]
 
 
 def mesh_text(mesh: Mapping[str, int]) -> str:
@@ -60,7 +60,7 @@ def check_batch(mesh: Mapping[str, int], rule_pairs: Sequence[tuple[str, Any]], 
 
 
 def check_microbatch_rows(mesh: Mapping[str, int], rule_pairs: Sequence[tuple[str, Any]], batch_size: int,
-                          microbatches: int) -> None:
+                          microbatches: int, stages: int = 1) -> None:
     """A `ConfigWarning` where a microbatch's rows do not split over the batch axes of the stage mesh: the
     rules then leave its batch dimension whole, so every device of those axes computes the same rows. It runs
     (the result is the same), but those axes' share of the stage's work is repeated, not split."""
@@ -68,15 +68,16 @@ def check_microbatch_rows(mesh: Mapping[str, int], rule_pairs: Sequence[tuple[st
     rows = batch_size // microbatches
     if ways == 1 or rows % ways == 0:
         return
-    fewer = max((m for m in range(1, microbatches) if batch_size % m == 0 and (batch_size // m) % ways == 0),
-                default=None)
+    fewer = max((m for m in range(stages, microbatches, stages)
+                 if batch_size % m == 0 and (batch_size // m) % ways == 0), default=None)
     bigger = microbatches * ways * -(-rows // ways)
     instead = f"at most {fewer} microbatches, or " if fewer is not None else ""
     warnings.warn(ConfigWarning(
-        f"layout.pipeline.microbatches={microbatches} makes microbatches of {rows} row{'s' if rows > 1 else ''} (data.batch_size={batch_size} "
-        f"/ {microbatches}), which the batch axes {' x '.join(axes)} of layout.mesh={mesh_text(mesh)} ({ways} ways) "
-        f"do not split: each microbatch's batch dimension stays whole, and the {ways} devices along those axes "
-        f"compute the same rows. Use {instead}data.batch_size={bigger}"), stacklevel=2)
+        f"layout.pipeline.microbatches={microbatches} makes microbatches of {rows} row{'s' * (rows > 1)} "
+        f"(data.batch_size={batch_size} / {microbatches}), which the batch axes {' x '.join(axes)} of "
+        f"layout.mesh={mesh_text(mesh)} ({ways} ways) do not split: each microbatch's batch dimension stays whole, "
+        f"and the {ways} devices along those axes compute the same rows. Use {instead}"
+        f"data.batch_size={bigger}"), stacklevel=2)
 
 
 def check_data(data: Any, ways: int, n_tokens: int | None = None) -> None:
