@@ -1,6 +1,6 @@
-"""Test set-up: 8 simulated CPU devices, the CPU code left unoptimised, and the persistent compilation cache.
+"""Test set-up: 8 simulated CPU devices and the persistent compilation cache.
 
-All must be configured before JAX initialises its backends, so this runs first.
+Both must be configured before JAX initialises its backends, so this runs first.
 """
 
 import os
@@ -9,13 +9,7 @@ import pathlib
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-    _flags += " --xla_force_host_platform_device_count=8"
-# The suite compiles thousands of small programs and runs each a few times: LLVM's optimisation of the CPU
-# code is much of each compilation (a quarter of a fresh clone's suite) and buys nothing at these sizes. XLA's
-# own passes (sharding propagation, SPMD partitioning, fusion) run as they do for users.
-if "xla_backend_optimization_level" not in _flags:
-    _flags += " --xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = _flags.strip()
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR",
     str(pathlib.Path(__file__).resolve().parent.parent / ".jax_cache"),
