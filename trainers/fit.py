@@ -2,7 +2,9 @@
 this machine's devices, the output directory.
 
 Each misfit is a :class:`~trainers.errors.ConfigError` naming the keys, their
-values and the fix, raised before anything is traced or compiled. What the
+values and the fix, raised before anything is traced or compiled; a layout
+that runs but repeats work (microbatches too small for the batch axes) is a
+:class:`~trainers.errors.ConfigWarning` saying the same. What the
 config alone decides (the batch over the mesh's batch axes; ``data.max_bytes``
 against one batch) is checked when the config is loaded, so ``--print-config``
 reports it too; what depends on the machine (its devices, the corpus actually
