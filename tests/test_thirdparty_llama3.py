@@ -23,8 +23,8 @@ d. the layout a user asks for, on a model of 4 layers: layers 0-1 and the
 
 Each is compared with the same step on one device (plain `jax.jit` on a
 1-device mesh): losses, parameters and optimizer state after several steps,
-to the larger of 1e-4 and twice the model's own jit's difference from one
-device (its RMS norm rounds activations to bfloat16).
+to the larger of 1e-4 and twice the model's own jit's largest difference from
+one device on two meshes (its RMS norm rounds activations to bfloat16).
 """
 
 from __future__ import annotations
@@ -113,20 +113,28 @@ def reference(layers: int = 1) -> tuple[list[float], list[Any]]:
         return train(jax.jit(make_step(loss)), jax.jit(init)(), get_batch(), STEPS)
 
 
+#: the meshes on which the model's own jit samples float rounding (`tolerances`): its tests' (2, 2, 2), and
+#: (2, 1, 4), whose other split of the tensor axes sums in another order
+ROUNDING_MESHES = ((2, 2, 2), (2, 1, 4))
+
+
 @functools.cache
 def tolerances(layers: int = 1) -> tuple[float, float]:
     """(losses' relative, state's absolute) tolerances: the larger of 1e-5 (1e-4) and twice the model's own
-    jit's difference from one device (its 8-device mesh under jax.set_mesh, as its code runs), over the losses
-    (every state leaf after all steps)."""
-    mesh = model_mesh()
-    init, loss = program(config(mesh, layers))
-    with jax.set_mesh(mesh):
-        losses, states = train(jax.jit(make_step(loss)), init(), get_batch(), STEPS)
+    jit's largest difference from one device (on each of `ROUNDING_MESHES` of 8 devices under jax.set_mesh,
+    as its code runs), over the losses (every state leaf after all steps). One mesh alone is one sample of
+    the rounding, which another sum order (a pipeline's, unoptimised code's) can exceed by chance."""
     ref_losses, ref_states = reference(layers)
-    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-    state_diff = max(np.max(np.abs(np.asarray(a, np.float64) - b))
-                     for a, b in zip(jax.tree.leaves(states[-1]), jax.tree.leaves(ref_states[-1])))
-    return max(1e-5, 2 * loss_diff), max(1e-4, 2 * float(state_diff))
+    loss_diff = state_diff = 0.0
+    for shape in ROUNDING_MESHES:
+        mesh = model_mesh(shape=shape)
+        init, loss = program(config(mesh, layers))
+        with jax.set_mesh(mesh):
+            losses, states = train(jax.jit(make_step(loss)), init(), get_batch(), STEPS)
+        loss_diff = max(loss_diff, *(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)))
+        state_diff = max(state_diff, *(float(np.max(np.abs(np.asarray(a, np.float64) - b)))
+                                       for a, b in zip(jax.tree.leaves(states[-1]), jax.tree.leaves(ref_states[-1]))))
+    return max(1e-5, 2 * loss_diff), max(1e-4, 2 * state_diff)
 
 
 def assert_matches_reference(losses: list[float], states: list[Any], first: int = 0, layers: int = 1) -> None:
@@ -160,9 +168,11 @@ def stage_meshes() -> list[jax.sharding.Mesh]:
     return two_stage_meshes(model_mesh)
 
 
-@functools.cache
-def pipeline():
+def build_pipeline():
     return TRAINING.pipeline(config(model_mesh()), list(zip(STAGES, stage_meshes())), MICROBATCHES, by_params=False)
+
+
+pipeline = functools.cache(build_pipeline)
 
 
 def own_specs() -> list[P]:
@@ -210,10 +220,13 @@ def test_spmd_equals_one_device():
 
 
 # ----------------------------------------------------------------- the pipeline
+@pytest.mark.xla_optimized
 def test_each_stage_runs_the_initializer_with_its_shardings_moved_there():
     """The pipeline's initializer is one program per stage, each running the model's jit with its
-    out_shardings on that stage's submesh; the values equal the one-device initializer's."""
-    _, init_fn, _ = pipeline()
+    out_shardings on that stage's submesh; the values equal the one-device initializer's, bit for bit. (As
+    users' programs compile: without XLA's optimisations, XLA:CPU generates the random normals' arithmetic
+    differently for shards of other shapes, a few ulps apart.)"""
+    _, init_fn, _ = build_pipeline()   # its own, compiled here (`xla_optimized`)
     lowered = init_fn.lower()
     assert isinstance(lowered, list) and len(lowered) == 2
     state = init_fn()

@@ -21,8 +21,8 @@ c. an SPMD checkpoint restored onto that pipeline, trained on.
 Each is compared with the same step on one device (plain `jax.jit` on a
 1-device mesh): losses, parameters and optimizer state after each of four
 steps (two after the restore), each to the larger of 1e-4 and twice the model's
-own jit's difference from one device after that step (its RMS norm rounds
-activations to bfloat16).
+own jit's largest difference from one device after that step or an earlier
+one (its RMS norm rounds activations to bfloat16).
 """
 
 from __future__ import annotations
@@ -101,18 +101,20 @@ def reference() -> tuple[list[float], list[Any]]:
 @functools.cache
 def tolerances() -> list[tuple[float, float]]:
     """Per step, (loss's relative, state's absolute) tolerance: the larger of 1e-5 (1e-4) and twice the model's
-    own jit's difference from one device after that step (its 8-device mesh under jax.set_mesh, as its code
-    runs). Its RMS norm rounds to bfloat16, and the rounding grows with the steps."""
+    own jit's largest difference from one device after that step or an earlier one (its 8-device mesh under
+    jax.set_mesh, as its code runs). Its RMS norm rounds to bfloat16, and the rounding grows with the steps: a
+    step where the jit lands closer than before is chance, which another sum order need not share."""
     mesh = model_mesh()
     init, loss = program(config(mesh))
     with jax.set_mesh(mesh):
         losses, states = train(jax.jit(make_step(loss)), init(), get_batch(), STEPS)
     ref_losses, ref_states = reference()
-    out = []
+    out, loss_diff, state_diff = [], 0.0, 0.0
     for got, want, state, ref_state in zip(losses, ref_losses, states, ref_states):
-        state_diff = max(float(np.max(np.abs(np.asarray(a, np.float64) - b)))
-                         for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)))
-        out.append((max(1e-5, 2 * abs(got - want) / abs(want)), max(1e-4, 2 * state_diff)))
+        loss_diff = max(loss_diff, abs(got - want) / abs(want))
+        state_diff = max(state_diff, *(float(np.max(np.abs(np.asarray(a, np.float64) - b)))
+                                       for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state))))
+        out.append((max(1e-5, 2 * loss_diff), max(1e-4, 2 * state_diff)))
     return out
 
 
