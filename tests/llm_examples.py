@@ -13,11 +13,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from multimesh.jax import microbatch, parallelize, register_task
 
-__all__ = ["Training", "model_rules", "train", "two_stage_meshes"]
+__all__ = ["Training", "leaf_differences", "model_rules", "train", "two_stage_meshes"]
 
 
 @dataclass(frozen=True)
@@ -102,3 +103,9 @@ def train(step: Callable, state: Any, batch: Any, steps: int) -> tuple[list[floa
         losses.append(float(loss))
         states.append(jax.device_get(state))
     return losses, states
+
+
+def leaf_differences(state: Any, ref_state: Any) -> list[float]:
+    """Each leaf's largest absolute difference from the reference's, in leaf order."""
+    return [float(np.max(np.abs(np.asarray(a, np.float64) - b), initial=0.0))
+            for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state))]

@@ -43,7 +43,7 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from jax.tree_util import keystr
-from llm_examples import Training, train, two_stage_meshes
+from llm_examples import Training, leaf_differences, train, two_stage_meshes
 from vendored import import_or_skip
 
 from multimesh.checkpoint import CheckpointManager
@@ -107,12 +107,6 @@ def reference() -> tuple[list[float], list[Any]]:
     """The one-device run: losses and host states after each step (plain jax.jit on a 1-device mesh)."""
     init, loss = program(config(model_mesh(jax.devices()[:1], (1, 1, 1))))
     return train(jax.jit(make_step(loss)), jax.jit(init)(), get_batch(), STEPS)
-
-
-def leaf_differences(state: Any, ref_state: Any) -> list[float]:
-    """Each leaf's largest absolute difference from the reference's, in leaf order."""
-    return [float(np.max(np.abs(np.asarray(a, np.float64) - b), initial=0.0))
-            for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state))]
 
 
 @functools.cache

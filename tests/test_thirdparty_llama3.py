@@ -44,7 +44,7 @@ import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from llm_examples import Training, train, two_stage_meshes
+from llm_examples import Training, leaf_differences, train, two_stage_meshes
 from vendored import import_or_skip, stand_ins
 
 from multimesh.checkpoint import CheckpointManager
@@ -132,8 +132,7 @@ def tolerances(layers: int = 1) -> tuple[float, float]:
         with jax.set_mesh(mesh):
             losses, states = train(jax.jit(make_step(loss)), init(), get_batch(), STEPS)
         loss_diff = max(loss_diff, *(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)))
-        state_diff = max(state_diff, *(float(np.max(np.abs(np.asarray(a, np.float64) - b)))
-                                       for a, b in zip(jax.tree.leaves(states[-1]), jax.tree.leaves(ref_states[-1]))))
+        state_diff = max(state_diff, *leaf_differences(states[-1], ref_states[-1]))
     return max(1e-5, 2 * loss_diff), max(1e-4, 2 * state_diff)
 
 

@@ -42,7 +42,7 @@ import optax
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
-from llm_examples import Training, train, two_stage_meshes
+from llm_examples import Training, leaf_differences, train, two_stage_meshes
 
 from multimesh.checkpoint import CheckpointManager
 
@@ -112,8 +112,7 @@ def tolerances() -> list[tuple[float, float]]:
     out, loss_diff, state_diff = [], 0.0, 0.0
     for got, want, state, ref_state in zip(losses, ref_losses, states, ref_states):
         loss_diff = max(loss_diff, abs(got - want) / abs(want))
-        state_diff = max(state_diff, *(float(np.max(np.abs(np.asarray(a, np.float64) - b)))
-                                       for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state))))
+        state_diff = max(state_diff, *leaf_differences(state, ref_state))
         out.append((max(1e-5, 2 * loss_diff), max(1e-4, 2 * state_diff)))
     return out
 
